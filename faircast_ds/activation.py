@@ -1,0 +1,102 @@
+"""Turning Fair Cast on for a DeepSpeed engine: config -> caster -> adapter.
+
+``install()`` wraps ``DeepSpeedEngine.__init__`` so that every engine whose config has a
+``fair_cast`` section is attached as it is built (the interpreter-start hook calls it for you).
+``attach(engine)`` does the same for one engine explicitly.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from faircast_ds.adapters import Adapter, adapter_for
+from faircast_ds.adapters.support import raw_config
+from faircast_ds.config import FairCastConfig, find_section
+from faircast_ds.shard_caster import ShardCaster
+
+logger = logging.getLogger("faircast_ds")
+_ENGINE_ATTR = "_fair_cast"
+
+
+@dataclass
+class FairCast:
+    """Fair Cast attached to one engine."""
+
+    config: FairCastConfig
+    caster: ShardCaster
+    adapter: Adapter
+
+    def stats(self) -> dict[str, float]:
+        """The last cast's counts, summed over all ranks (a collective: call it on every rank)."""
+        import deepspeed.comm as dist
+
+        last = self.caster.last
+        t = torch.tensor([last.changed, last.numel], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        changed, numel = t.tolist()
+        return {"step": last.step, "changed": changed, "numel": numel,
+                "changed_fraction": changed / numel if numel else 0.0}
+
+
+def get_fair_cast(engine: Any) -> FairCast | None:
+    """The Fair Cast attached to ``engine``, or None."""
+    return getattr(engine, _ENGINE_ATTR, None)
+
+
+def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None) -> FairCast | None:
+    """Attach Fair Cast to a built DeepSpeed engine.
+
+    ``config`` defaults to the engine's own ``fair_cast`` section. Returns None when there is no
+    section or it says ``enabled: false``. Raises FairCastConfigError for a malformed section and
+    UnsupportedSetupError for a setup we cannot route through the cast.
+    """
+    existing = get_fair_cast(engine)
+    if existing is not None:
+        return existing
+    if config is None:
+        config = find_section(raw_config(engine))
+    elif not isinstance(config, FairCastConfig):
+        config = FairCastConfig.from_section(config)
+    if config is None:
+        return None
+    if not config.enabled:
+        _log_rank0("[fair_cast] disabled by config (fair_cast.enabled=false): serving round-to-nearest")
+        return None
+    caster = ShardCaster(config)
+    adapter = adapter_for(engine, caster)
+    fair_cast = FairCast(config, caster, adapter)
+    setattr(engine, _ENGINE_ATTR, fair_cast)
+    _log_rank0(f"[fair_cast] active: mode={config.mode} zero_stage={adapter.zero_stage} seed={config.seed} "
+               f"local_shard_elements={adapter.local_numel()} on_nonfinite={config.on_nonfinite}")
+    return fair_cast
+
+
+def install() -> None:
+    """Wrap ``DeepSpeedEngine.__init__`` so engines with a ``fair_cast`` section attach themselves.
+    Idempotent."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine.__init__
+    if getattr(original, "_faircast_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        attach(self)
+
+    __init__._faircast_wrapped = True  # type: ignore[attr-defined]
+    DeepSpeedEngine.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _log_rank0(message: str) -> None:
+    import deepspeed.comm as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(message)
+        print(message, flush=True)  # visible in every launcher's output, whatever logging is set up

@@ -1,0 +1,86 @@
+"""ZeRO-3 (``deepspeed/runtime/zero/stage3.py``, DeepSpeedZeroOptimizer_Stage3).
+
+Each parameter is partitioned on its own: rank r holds elements [r*n, (r+1)*n) of it (n =
+``partition_numel()``), padding only on the last rank. A sub-group's flat shard is those slices
+back to back. Refresh sites routed through the caster (GUIDE.md §1):
+- ``_reassign_or_swap_out_partitioned_parameters`` after every sub-group's optimizer step (persistent
+  parameters are then all-gathered by ``_post_step`` from these same cast shards);
+- ``_rigid_load_state_dict`` (regular checkpoint load);
+- ``load_hp_checkpoint_state_from_checkpoint_dir_stage3`` (universal checkpoint);
+- ``load_module_checkpoint_state_from_checkpoint_dir_stage3`` (universal, module only).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+from deepspeed import comm as dist
+
+from faircast_ds.adapters.base import Adapter, UnsupportedSetupError
+from faircast_ds.shard_caster import ShardSlice
+
+LOAD_SITES = (
+    "_rigid_load_state_dict",
+    "load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+    "load_module_checkpoint_state_from_checkpoint_dir_stage3",
+)
+
+
+class Zero3Adapter(Adapter):
+    zero_stage = 3
+
+    def __init__(self, optimizer: Any, caster: Any) -> None:
+        super().__init__(optimizer, caster)
+        self._slices = [self._group_slices(i) for i in range(len(optimizer.fp16_groups))]
+
+    def _group_slices(self, i: int) -> list[ShardSlice]:
+        opt = self.optimizer
+        rank = dist.get_rank(group=opt.sub_group_process_groups[i])
+        slices, offset = [], 0
+        for param in opt.fp16_groups[i]:
+            if param not in opt.param_names:
+                raise UnsupportedSetupError(
+                    f"fair_cast: a ZeRO-3 parameter (ds_id {param.ds_id}) has no name in the model; "
+                    "noise ids are derived from parameter names")
+            n = param.partition_numel()
+            start = rank * n
+            numel = max(0, min(n, param.ds_numel - start))
+            slices.append(ShardSlice(opt.param_names[param], start, numel, offset, padding=n - numel))
+            offset += n
+        return slices
+
+    def flat_groups(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, list[ShardSlice]]]:
+        opt = self.optimizer
+        for i, slices in enumerate(self._slices):
+            yield i, opt.fp32_partitioned_groups_flat[i], opt.fp16_partitioned_groups_flat[i], slices
+
+    def install(self) -> None:
+        opt = self.optimizer
+        if any(flat is None for flat in opt.fp16_partitioned_groups_flat):
+            raise UnsupportedSetupError("fair_cast: ZeRO-3 parameters swapped to NVMe are not supported")
+        opt._reassign_or_swap_out_partitioned_parameters = self._refresh_sub_group
+        for site in LOAD_SITES:
+            setattr(opt, site, self._recast_after(getattr(opt, site)))
+
+    def _refresh_sub_group(self, sub_group_id: int) -> None:
+        """Replaces DeepSpeed's ``fp16_flat.copy_(fp32_flat)`` after each sub-group's optimizer step."""
+        opt = self.optimizer
+        if sub_group_id == 0:
+            self.caster.begin_step()
+        self.caster.cast_flat(sub_group_id, opt.fp32_partitioned_groups_flat[sub_group_id],
+                              opt.fp16_partitioned_groups_flat[sub_group_id], self._slices[sub_group_id])
+        opt._unflatten_partitioned_parameters(sub_group_id)
+
+    def _recast_after(self, load: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(load)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = load(*args, **kwargs)  # restores fp32 and refreshes bf16 by round-to-nearest ...
+            self.recast_all()  # ... which we then replace with the configured cast
+            return result
+
+        return wrapped
+
+    def after_recast(self) -> None:
+        for i in range(len(self._slices)):
+            self.optimizer._unflatten_partitioned_parameters(i)

@@ -1,0 +1,100 @@
+"""ShardCaster: applies the configured cast to one rank's flat fp32 shard, slice by slice.
+
+An adapter describes a flat shard as a list of ``ShardSlice`` (which parameter, which elements of
+it, where in the flat buffer). The caster knows nothing about DeepSpeed: it reads the fp32 flat
+shard, writes the bf16 flat shard, keeps the error-feedback residual and the step counter, and
+counts what changed. Nothing larger than the rank's own shard is ever created here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import torch
+
+from faircast_ds.casts import bf16_bits, cast
+from faircast_ds.config import FairCastConfig
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """Elements ``[start, start + numel)`` of parameter ``name`` sit at ``[offset, offset + numel)`` of
+    the flat shard; ``padding`` more elements follow them in the flat buffer (DeepSpeed's alignment)."""
+
+    name: str
+    start: int
+    numel: int
+    offset: int
+    padding: int = 0
+
+
+class NonFiniteWeightError(FloatingPointError):
+    """A served weight would be NaN or Inf (raised when ``on_nonfinite`` is ``error``)."""
+
+
+@dataclass
+class CastStats:
+    """Counts of the last cast on this rank's shard (sum over the step's flat groups)."""
+
+    step: int = 0
+    numel: int = 0
+    changed: int = 0
+
+
+@dataclass
+class ShardCaster:
+    """Casts flat fp32 shards into flat bf16 shards according to a :class:`FairCastConfig`."""
+
+    config: FairCastConfig
+    step: int = 0
+    residuals: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+    last: CastStats = field(default_factory=CastStats)
+
+    def begin_step(self) -> int:
+        """Advance the noise step; call once per optimizer step, before its first flat group."""
+        self.step += 1
+        self.last = CastStats(step=self.step)
+        return self.step
+
+    def residual_for(self, key: Hashable, master: torch.Tensor) -> torch.Tensor | None:
+        """The error-feedback residual of one flat shard (created as zeros on first use)."""
+        if self.config.mode != "error_feedback":
+            return None
+        res = self.residuals.get(key)
+        if res is None:
+            res = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
+            self.residuals[key] = res
+        return res
+
+    def cast_flat(self, key: Hashable, master: torch.Tensor, served: torch.Tensor,
+                  slices: Sequence[ShardSlice]) -> None:
+        """Write cast(master) into ``served`` (both flat, same length), one parameter slice at a time."""
+        if master.numel() != served.numel():
+            raise ValueError(f"flat shard {key!r}: master has {master.numel()} elements, served {served.numel()}")
+        master = master.detach().view(-1)
+        residual = self.residual_for(key, master)
+        cfg = self.config
+        for s in slices:
+            src = master.narrow(0, s.offset, s.numel)
+            res = residual.narrow(0, s.offset, s.numel) if residual is not None else None
+            out = cast(src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name, start=s.start, residual=res)
+            if cfg.on_nonfinite == "error":
+                _raise_if_nonfinite(out, src, s)
+            dst = served.narrow(0, s.offset, s.numel)
+            self.last.changed += int((bf16_bits(dst.detach()) != bf16_bits(out.to(dst.device))).sum())
+            self.last.numel += s.numel
+            dst.data.copy_(out)
+            if s.padding:
+                # alignment padding belongs to no parameter; keep DeepSpeed's own copy of it
+                served.narrow(0, s.offset + s.numel, s.padding).data.copy_(master.narrow(0, s.offset + s.numel, s.padding))
+
+
+def _raise_if_nonfinite(out: torch.Tensor, src: torch.Tensor, s: ShardSlice) -> None:
+    bad = ~torch.isfinite(out)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise NonFiniteWeightError(
+            f"fair_cast: parameter {s.name!r} element {s.start + i} would be served as {float(out[i])} "
+            f"(fp32 master {float(src[i])}); {int(bad.sum())} non-finite element(s) in this slice. "
+            "The fp32 master has diverged or overflowed bf16; set fair_cast.on_nonfinite to 'propagate' "
+            "to serve it anyway.")

@@ -1,0 +1,71 @@
+"""faircast-ds: unbiased fp32 -> bf16 casts for DeepSpeed ZeRO served weights."""
+from __future__ import annotations
+
+import os
+import shutil
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PTH = "faircast-ds.pth"  # activates Fair Cast in unmodified scripts (see faircast_ds/_autoload.py)
+
+
+class BuildPyWithPth(build_py):
+    """Ship the .pth at the wheel's root, so pip installs it into site-packages."""
+
+    def run(self) -> None:
+        super().run()
+        shutil.copy(os.path.join(HERE, PTH), os.path.join(self.build_lib, PTH))
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
+
+class EditableWheelWithPth(editable_wheel):
+    """Editable installs (pip install -e .) get the same .pth in their wheel."""
+
+    def _select_strategy(self, name, tag, build_lib):  # type: ignore[no-untyped-def]
+        return _AddPth(super()._select_strategy(name, tag, build_lib))
+
+
+class _AddPth:
+    """Wraps setuptools' editable strategy: writes our .pth next to the one it writes."""
+
+    def __init__(self, inner):  # type: ignore[no-untyped-def]
+        self.inner = inner
+
+    def __call__(self, wheel, files, mapping):  # type: ignore[no-untyped-def]
+        with open(os.path.join(HERE, PTH), encoding="utf-8") as f:
+            wheel.writestr(PTH, f.read())
+        return self.inner(wheel, files, mapping)
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+        return self.inner.__exit__(*exc)
+
+
+setup(
+    name="faircast-ds",
+    version="0.1.0",
+    description="Unbiased fp32->bf16 casts (stochastic rounding, dither, error feedback) for DeepSpeed ZeRO",
+    packages=find_packages(include=["faircast_ds", "faircast_ds.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4,<3",
+        "deepspeed==0.19.8",
+        "pydantic>=2.6,<3",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "hf": ["transformers>=5.0,<6", "accelerate>=1.0", "safetensors>=0.4"],
+        "test": ["pytest>=8", "transformers>=5.0,<6", "accelerate>=1.0", "safetensors>=0.4", "mpi4py>=4.0"],
+        "job": ["transformers>=5.0,<6", "matplotlib>=3.7", "tqdm>=4.60"],
+    },
+    entry_points={"console_scripts": ["faircast-ds=faircast_ds.cli:main"]},
+    cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},
+)
