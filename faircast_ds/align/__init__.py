@@ -1,0 +1,40 @@
+"""Rounding-location alignment: the trainer rounds to bf16 where the inference engine rounds.
+
+Public API (loaded lazily, so ``faircast_ds.align.config`` stays torch-free)::
+
+    handle = align_model(model, engine="sglang")          # or apply_from_config(model, cfg)
+    report = measure_mismatch(model, input_ids, engine="sglang")
+    handle.remove()                                        # back to HF eager, bit for bit
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "ENGINES": "faircast_ds.align.profiles",
+    "REGIONS": "faircast_ds.align.profiles",
+    "PROFILES": "faircast_ds.align.profiles",
+    "EngineProfile": "faircast_ds.align.profiles",
+    "get_profile": "faircast_ds.align.profiles",
+    "AlignRoundingConfig": "faircast_ds.align.config",
+    "align_model": "faircast_ds.align.patch",
+    "AlignmentHandle": "faircast_ds.align.patch",
+    "UnsupportedModelError": "faircast_ds.align.patch",
+    "apply_from_config": "faircast_ds.align.apply",
+    "reference_logits": "faircast_ds.align.reference",
+    "measure_mismatch": "faircast_ds.align.meter",
+    "MismatchReport": "faircast_ds.align.meter",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'faircast_ds.align' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,187 @@
+"""Engine numerics profiles: where each inference engine rounds to bf16, region by region.
+
+A profile is data, not code. Each of the three regions (RoPE, SwiGLU, residual-add + RMSNorm)
+is described by a :class:`Rounding`: two switches that the implementations in ``regions.py``
+read, plus the human-readable story and the kernel source it was read from.
+
+This module imports neither torch nor transformers, so configuration code can use the names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal, get_args
+
+EngineName = Literal["hf", "vllm-cuda", "vllm-inductor", "sglang"]
+RegionName = Literal["rope", "swiglu", "rmsnorm"]
+
+ENGINES: tuple[str, ...] = get_args(EngineName)
+REGIONS: tuple[str, ...] = get_args(RegionName)
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """How one region rounds.
+
+    Attributes:
+        fused: intermediates stay fp32 and the region rounds once, at its bf16 output. When
+            False the region runs as a chain of bf16 ops, each rounding its result (HF eager).
+        where: where the bf16 roundings happen, in words.
+        source: the kernel or module the ``where`` was read from.
+        fp32_table: RoPE only: cos/sin stay fp32 instead of being cast to the model dtype.
+    """
+
+    fused: bool
+    where: str
+    source: str
+    fp32_table: bool = False
+
+    def same_numerics(self, other: Rounding) -> bool:
+        """True when both round in the same places (the prose may differ)."""
+        return (self.fused, self.fp32_table) == (other.fused, other.fp32_table)
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """Where one inference engine rounds to bf16 in each alignable region."""
+
+    name: str
+    rope: Rounding
+    swiglu: Rounding
+    rmsnorm: Rounding
+
+    def region(self, name: str) -> Rounding:
+        """The rounding of region ``name`` (one of :data:`REGIONS`)."""
+        return getattr(self, check_regions([name])[0])
+
+    def differs_from_hf(self, region: str) -> bool:
+        """True when aligning ``region`` to this engine changes HF eager numerics."""
+        return not self.region(region).same_numerics(HF.region(region))
+
+    def restricted_to(self, regions: list[str] | tuple[str, ...]) -> EngineProfile:
+        """This profile for ``regions``; HF eager rounding everywhere else.
+
+        This is what a trainer aligned on ``regions`` only computes.
+        """
+        keep = set(check_regions(regions))
+        hf_rest = {r: HF.region(r) for r in REGIONS if r not in keep}
+        name = self.name if keep == set(REGIONS) else f"{self.name}[{','.join(r for r in REGIONS if r in keep)}]"
+        return replace(self, name=name, **hf_rest)
+
+    def rounding_table(self) -> str:
+        """A markdown table: region, where bf16 rounding happens, source."""
+        rows = [f"| region | `{self.name}`: where bf16 rounding happens | source |", "|---|---|---|"]
+        for r in REGIONS:
+            rounding = self.region(r)
+            rows.append(f"| {_REGION_TITLES[r]} | {rounding.where} | {rounding.source} |")
+        return "\n".join(rows)
+
+
+_REGION_TITLES = {"rope": "RoPE", "swiglu": "SwiGLU", "rmsnorm": "residual add + RMSNorm"}
+
+# --- the four profiles -------------------------------------------------------------------------
+# Read from the sources named in each `source`; file paths are in the upstream repositories.
+
+_HF_FILE = "transformers `models/qwen3/modeling_qwen3.py` (qwen2, llama identical)"
+
+HF = EngineProfile(
+    name="hf",
+    rope=Rounding(
+        fused=False,
+        where="cos/sin cast to bf16; `q·cos`, `rotate(q)·sin` and their sum each rounded (3 roundings)",
+        source=f"{_HF_FILE}: `RotaryEmbedding.forward` (`cos.to(x.dtype)`), `apply_rotary_pos_emb`",
+    ),
+    swiglu=Rounding(
+        fused=False,
+        where="`silu(gate)` rounded, `·up` rounded (2 roundings)",
+        source=f"{_HF_FILE}: `MLP.forward` (`act_fn(gate_proj(x)) * up_proj(x)`)",
+    ),
+    rmsnorm=Rounding(
+        fused=False,
+        where="residual add rounded; fp32 norm of the rounded sum, `.to(bf16)`, then `weight·` rounded again",
+        source=f"{_HF_FILE}: `DecoderLayer.forward` (`residual + hidden_states`), `RMSNorm.forward`",
+    ),
+)
+
+VLLM_CUDA = EngineProfile(
+    name="vllm-cuda",
+    rope=Rounding(
+        fused=True,
+        where="cos/sin cache cast to bf16 (query dtype); fp32 `x·cos − y·sin`, one rounding",
+        source="vLLM `csrc/pos_encoding_kernels.cu` (`apply_token_rotary_embedding`), "
+        "`model_executor/layers/rotary_embedding/base.py` (`forward_cuda` casts the cache)",
+    ),
+    swiglu=Rounding(
+        fused=False,
+        where="same places as HF: `silu_kernel` returns bf16, the product is a bf16 multiply",
+        source="vLLM `csrc/activation_kernels.cu` (`silu_kernel`, `act_and_mul_kernel`)",
+    ),
+    rmsnorm=Rounding(
+        fused=False,
+        where="same places as HF: bf16 add, fp32 norm of the rounded sum, `(bf16)(x·rms)`, `·weight` rounded",
+        source="vLLM `csrc/layernorm_kernels.cu` (`fused_add_rms_norm_kernel`, `rms_norm_kernel`)",
+    ),
+)
+
+VLLM_INDUCTOR = EngineProfile(
+    name="vllm-inductor",
+    rope=Rounding(
+        fused=True,
+        where="cos/sin cache stored in bf16; `x1·cos − x2·sin` fused by Inductor in fp32, one rounding",
+        source="vLLM `model_executor/layers/rotary_embedding/common.py` (`apply_rotary_emb_torch`), "
+        "`base.py` (`cache.to(dtype)` at init)",
+    ),
+    swiglu=Rounding(
+        fused=True,
+        where="`F.silu(x[:d]) * x[d:]` fused by Inductor: fp32 `silu(g)·u`, one rounding",
+        source="vLLM `model_executor/layers/activation.py` (`SiluAndMul.forward_native`)",
+    ),
+    rmsnorm=Rounding(
+        fused=True,
+        where="fp32 sum feeds the norm, residual stored bf16; `.to(bf16)·weight` fused: fp32 `x·rms·w`, one rounding",
+        source="vLLM `model_executor/layers/layernorm.py` (`RMSNorm.forward_static`)",
+    ),
+)
+
+SGLANG = EngineProfile(
+    name="sglang",
+    rope=Rounding(
+        fused=True,
+        fp32_table=True,
+        where="cos/sin cache kept fp32 on CUDA; fp32 `x·cos − y·sin`, one rounding",
+        source="SGLang `srt/layers/rotary_embedding.py` (fp32 cache), FlashInfer `include/flashinfer/pos_enc.cuh` "
+        "(`BatchQKApplyRotaryPosIdsCosSinCacheKernel`)",
+    ),
+    swiglu=Rounding(
+        fused=True,
+        where="fp32 `silu(g)·u`, one rounding",
+        source="FlashInfer `include/flashinfer/activation.cuh` (`act_and_mul_kernel`)",
+    ),
+    rmsnorm=Rounding(
+        fused=True,
+        where="fp32 sum kept for the norm, residual stored bf16; fp32 `x·rms·w`, one rounding",
+        source="FlashInfer `include/flashinfer/norm.cuh` (`FusedAddRMSNormKernel`, `RMSNormKernel`)",
+    ),
+)
+
+PROFILES: dict[str, EngineProfile] = {p.name: p for p in (HF, VLLM_CUDA, VLLM_INDUCTOR, SGLANG)}
+
+
+def get_profile(engine: str) -> EngineProfile:
+    """The profile of ``engine``; ``ValueError`` naming the known engines otherwise."""
+    try:
+        return PROFILES[engine]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown engine {engine!r}; known engines: {', '.join(ENGINES)}") from None
+
+
+def check_regions(regions: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``regions`` as a tuple, in canonical order; ``ValueError`` on an unknown or repeated name."""
+    if isinstance(regions, str):
+        raise ValueError(f"regions must be a list of region names, not the string {regions!r}")
+    regions = tuple(regions)
+    unknown = [r for r in regions if r not in REGIONS]
+    if unknown:
+        raise ValueError(f"unknown region(s) {unknown}; known regions: {', '.join(REGIONS)}")
+    if len(set(regions)) != len(regions):
+        raise ValueError(f"repeated region in {list(regions)}")
+    return tuple(r for r in REGIONS if r in regions)

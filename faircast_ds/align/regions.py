@@ -1,0 +1,96 @@
+"""Reference implementations of the three regions, parameterised by a :class:`Rounding`.
+
+Pure functions on tensors, differentiable by plain autograd. ``fused=False`` reproduces HF eager
+op by op (each bf16 op rounds); ``fused=True`` keeps intermediates in fp32 and rounds once, the
+way the engines' fused kernels do. They model *where* an engine rounds; reductions (the order of
+the RMS sum), ``exp``/``rsqrt`` and FMA contraction are torch-CPU's, not the GPU kernel's.
+
+The fused forwards here are also the forwards of the fast path (``fused.py``), which only adds a
+hand-written backward, so the aligned trainer and the reference forward agree bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from faircast_ds.align.profiles import Rounding
+
+
+def wide(x: Tensor) -> Tensor:
+    """``x`` in at least fp32: bf16/fp16 go to fp32, fp32/fp64 are left alone."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) on the last dim: the NeoX-style pairing HF and the engines use."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, rounding: Rounding) -> Tensor:
+    """Rotate ``x`` by the angle table ``cos``/``sin`` (fp32, broadcastable to ``x``).
+
+    The table is cast to ``x.dtype`` first unless ``rounding.fp32_table``; an engine with a bf16
+    cache multiplies by the rounded cos/sin even when its arithmetic is fp32.
+    """
+    if not rounding.fp32_table:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if not rounding.fused:
+        return x * cos + rotate_half(x) * sin  # three bf16 ops, three roundings (HF eager)
+    xw = wide(x)
+    return (xw * wide(cos) + rotate_half(xw) * wide(sin)).to(x.dtype)
+
+
+def swiglu(gate: Tensor, up: Tensor, rounding: Rounding) -> Tensor:
+    """``silu(gate) * up``: rounded after each op, or computed in fp32 and rounded once."""
+    if not rounding.fused:
+        return F.silu(gate) * up
+    return swiglu_one_rounding(gate, up)
+
+
+def swiglu_one_rounding(gate: Tensor, up: Tensor) -> Tensor:
+    """fp32 ``silu(gate) * up``, rounded once to ``gate.dtype``."""
+    return (F.silu(wide(gate)) * wide(up)).to(gate.dtype)
+
+
+def rms_rstd(xw: Tensor, eps: float) -> Tensor:
+    """``1 / sqrt(mean(x²) + eps)`` over the last dim of an already-widened ``xw``."""
+    return torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rmsnorm_one_rounding(xw: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """``(x·rstd)·w`` in fp32, rounded once to the weight dtype (the engines' multiply order)."""
+    return (xw * rstd * wide(weight)).to(weight.dtype)
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, rounding: Rounding) -> Tensor:
+    """RMSNorm of ``x`` over its last dim.
+
+    Unfused (HF eager): fp32 norm, ``.to(x.dtype)``, then ``weight *`` rounds again.
+    Fused: fp32 norm and weight product, one rounding; ``x`` may be a bf16 tensor or the fp32
+    residual sum that a fused add+norm kernel keeps in registers.
+    """
+    if not rounding.fused:
+        xw = x.to(torch.float32)
+        return weight * (xw * rms_rstd(xw, eps)).to(x.dtype)
+    xw = wide(x)
+    return rmsnorm_one_rounding(xw, rms_rstd(xw, eps), weight)
+
+
+def add_rmsnorm(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, rounding: Rounding
+) -> tuple[Tensor, Tensor]:
+    """``residual += x; return norm(residual), residual``, the engines' fused add+norm interface.
+
+    With ``residual=None`` (the first layer) ``x`` itself is normed and becomes the residual.
+    Unfused, the sum is a bf16 add and the norm sees the rounded sum. Fused, the norm sees the
+    fp32 sum and only the stored residual is rounded.
+    """
+    if residual is None:
+        return rmsnorm(x, weight, eps, rounding), x
+    if not rounding.fused:
+        total = residual + x
+        return rmsnorm(total, weight, eps, rounding), total
+    total = wide(x) + wide(residual)
+    return rmsnorm(total, weight, eps, rounding), total.to(x.dtype)

@@ -1,0 +1,69 @@
+"""Shared fixtures: launching real DeepSpeed jobs on CPU ranks over gloo."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DIST = ROOT / "tests" / "dist"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_runner() -> str:
+    """The `deepspeed` command of this interpreter's environment (what users launch with)."""
+    beside = Path(sys.executable).parent / "deepspeed"
+    found = str(beside) if beside.exists() else shutil.which("deepspeed")
+    if not found:
+        raise RuntimeError("the `deepspeed` launcher is not installed; run `bash launch/setup.sh`")
+    return found
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])})
+    env.update(extra)
+    return env
+
+
+def run_logged(cmd: list[str], log: Path, *, env: dict[str, str], timeout: float, cwd: Path = ROOT,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command with its output in ``log``; on failure raise with the log's tail."""
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, timeout=timeout)
+    if check and proc.returncode != 0:
+        tail = log.read_text()[-6000:]
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}; log {log}:\n{tail}")
+    return proc
+
+
+def deepspeed_launch(script: Path, ranks: int, out_dir: Path, *, args: list[str] = (), timeout: float = 600,
+                     check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus N script`` on CPU ranks; the job's output goes to out_dir/launch.log."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [deepspeed_runner(), "--num_gpus", str(ranks),
+           "--master_port", str(free_port()), str(script), *args]
+    return run_logged(cmd, out_dir / "launch.log", env=cpu_env(OUT_DIR=str(out_dir), **env), timeout=timeout,
+                      check=check)
+
+
+@pytest.fixture(scope="session")
+def zero3_runs(tmp_path_factory) -> dict[int, Path]:
+    """One ZeRO-3 worker launch per world size (1, 2, 3), shared by every test that reads them."""
+    runs = {}
+    for world in (1, 2, 3):
+        out = tmp_path_factory.mktemp(f"zero3_ws{world}")
+        deepspeed_launch(DIST / "zero3_worker.py", world, out)
+        runs[world] = out
+    return runs
