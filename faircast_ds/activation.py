@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from faircast_ds.adapters import Adapter, adapter_for
-from faircast_ds.adapters.support import raw_config
+from faircast_ds.adapters.support import check_supported, engine_config, raw_config
 from faircast_ds.config import FairCastConfig, find_section
 from faircast_ds.shard_caster import ShardCaster
 
@@ -59,7 +59,7 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None
     if existing is not None:
         return existing
     if config is None:
-        config = find_section(raw_config(engine))
+        config = find_section(raw_config(engine_config(engine)))
     elif not isinstance(config, FairCastConfig):
         config = FairCastConfig.from_section(config)
     if config is None:
@@ -87,8 +87,14 @@ def install() -> None:
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        config = None
+        parsed = kwargs.get("config_class")  # deepspeed.initialize parses the config before the engine
+        if parsed is not None:
+            config = find_section(raw_config(parsed))  # a malformed section fails here, in seconds
+            if config is not None and config.enabled:
+                check_supported(parsed)
         original(self, *args, **kwargs)
-        attach(self)
+        attach(self, config)
 
     __init__._faircast_wrapped = True  # type: ignore[attr-defined]
     DeepSpeedEngine.__init__ = __init__  # type: ignore[method-assign]

@@ -46,7 +46,7 @@ def test_changed_fraction_is_what_each_mode_predicts(zero3_runs, world):
     assert mean["dither"] < mean["stochastic"], mean
 
 
-def test_sharding_invariance_world_sizes_1_2_3(zero3_runs):
+def test_sharding_invariance_world_sizes_1_2_3_with_and_without_offload(zero3_runs):
     bits = {w: torch.load(zero3_runs[w] / f"invariance_ws{w}.pt") for w in (1, 2, 3)}
     for mode in MODES:
         for step in (0, 1):
@@ -56,6 +56,12 @@ def test_sharding_invariance_world_sizes_1_2_3(zero3_runs):
                 assert ref.keys() == other.keys()
                 for name in ref:
                     assert torch.equal(ref[name], other[name]), f"{mode} step {step + 1}: {name} differs at ws {world}"
+    for mode in ("stochastic", "error_feedback"):  # CPU optimizer + param offload serve the same bits
+        for world in (1, 2, 3):
+            for step in (0, 1):
+                off = bits[world][f"{mode}+offload"][step]
+                for name, ref in bits[1][mode][step].items():
+                    assert torch.equal(ref, off[name]), f"{mode}+offload ws {world} step {step + 1}: {name}"
     # the comparison is not vacuous: modes really serve different bits from the same masters
     assert not torch.equal(bits[1]["stochastic"][0]["lm_head.weight"], bits[1]["nearest"][0]["lm_head.weight"])
     assert not torch.equal(bits[1]["stochastic"][0]["lm_head.weight"], bits[1]["stochastic"][1]["lm_head.weight"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from faircast_ds.adapters.base import Adapter, UnsupportedSetupError
-from faircast_ds.adapters.support import check_engine_supported
+from faircast_ds.adapters.support import check_supported, engine_config
 from faircast_ds.shard_caster import ShardCaster
 
 
@@ -19,7 +19,10 @@ def _adapters() -> dict[type, type[Adapter]]:
 def adapter_for(engine: Any, caster: ShardCaster) -> Adapter:
     """Check the engine's setup, then install the adapter for its optimizer (exact class match:
     a subclass such as MiCS or SuperOffload may cast elsewhere)."""
-    check_engine_supported(engine)
+    check_supported(engine_config(engine))
+    if engine.optimizer is None:
+        raise UnsupportedSetupError("fair_cast: the engine has no optimizer; Fair Cast replaces the cast that "
+                                    "follows the optimizer step, so it needs a training engine")
     table = _adapters()
     cls = table.get(type(engine.optimizer))
     if cls is None:

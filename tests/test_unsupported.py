@@ -1,0 +1,52 @@
+"""Bad config values and unsupported DeepSpeed setups fail at initialize, naming the problem."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import DIST, deepspeed_launch
+
+pytestmark = pytest.mark.slow
+
+EXPECTED = {
+    "zero_stage_0": ("UnsupportedSetupError", "zero_optimization.stage 0"),
+    "zero_stage_1": ("UnsupportedSetupError", "zero_optimization.stage 1"),
+    "zero_stage_2": ("UnsupportedSetupError", "zero_optimization.stage 2"),
+    "fp16": ("UnsupportedSetupError", "fp16.enabled"),
+    "no_bf16": ("UnsupportedSetupError", "bf16 is not enabled"),
+    "nvme_param_offload": ("UnsupportedSetupError", "offload_param.device nvme"),
+    "quantized_weights": ("UnsupportedSetupError", "zero_quantized_weights"),
+    "hpz": ("UnsupportedSetupError", "zero_hpz_partition_size"),
+    "super_offload": ("UnsupportedSetupError", "super_offload"),
+    "zenflow": ("UnsupportedSetupError", "zenflow"),
+    "unverified_deepspeed": ("UnsupportedSetupError", "DeepSpeed 0.99.0 is not verified (verified: 0.19.8)"),
+    "misspelled_key": ("FairCastConfigError", "fair_cast.moed: unknown key (did you mean 'mode'?)"),
+    "wrong_type": ("FairCastConfigError", "fair_cast.seed: str '1234' is not accepted"),
+    "unknown_mode": ("FairCastConfigError", "expected one of nearest, stochastic, dither, error_feedback"),
+    "not_an_object": ("FairCastConfigError", "fair_cast: expected an object"),
+    "nonfinite": ("NonFiniteWeightError", "'model.layers.0.self_attn.q_proj.weight' element 5"),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("unsupported")
+    deepspeed_launch(DIST / "unsupported_worker.py", 1, out)
+    return json.loads((out / "unsupported.json").read_text()), (out / "launch.log").read_text()
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_fails_at_initialize_with_a_message_naming_it(outcomes, case):
+    kind, words = EXPECTED[case]
+    got = outcomes[0][case]
+    assert not got["ok"], f"{case} was accepted"
+    assert got["type"] == kind, got
+    assert words in got["message"], got["message"]
+
+
+def test_absent_or_disabled_section_leaves_deepspeed_alone_and_says_so(outcomes):
+    results, log = outcomes
+    assert results["absent"] == {"ok": True, "attached": False}
+    assert results["disabled"] == {"ok": True, "attached": False}
+    assert "[fair_cast] disabled by config (fair_cast.enabled=false): serving round-to-nearest" in log
