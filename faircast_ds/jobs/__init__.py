@@ -1,0 +1,1 @@
+"""Runnable jobs (launched with the `deepspeed` runner)."""

@@ -1,0 +1,45 @@
+"""Fair Cast arrives without code changes: the interpreter-start hook, HF Trainer/Accelerate."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DIST, ROOT, cpu_env, deepspeed_launch
+
+
+def test_hook_is_installed_with_the_package_and_imports_nothing_heavy():
+    code = ("import sys; from faircast_ds import _autoload; "
+            "print(any(isinstance(f, _autoload._EngineWatcher) for f in sys.meta_path), "
+            "'torch' in sys.modules, 'deepspeed' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cpu_env(), cwd="/")
+    assert out.stdout.split() == ["True", "False", "False"], out
+    # the .pth ran at interpreter start: the watcher is there before any faircast_ds import
+    pre = subprocess.run([sys.executable, "-c", "import sys; print([type(f).__name__ for f in sys.meta_path])"],
+                         capture_output=True, text=True, env=cpu_env(), cwd="/")
+    assert "_EngineWatcher" in pre.stdout, "faircast-ds.pth is not installed: run `pip install -e .`"
+    off = subprocess.run([sys.executable, "-c", "import sys; print([type(f).__name__ for f in sys.meta_path])"],
+                         capture_output=True, text=True, env=cpu_env(FAIRCAST_DS_AUTOLOAD="0"), cwd="/")
+    assert "_EngineWatcher" not in off.stdout
+
+
+def test_console_command_reports_the_hook():
+    out = subprocess.run(["faircast-ds", "check"], capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
+    assert out.returncode == 0 and "active" in out.stdout
+
+
+@pytest.mark.slow
+def test_hf_trainer_script_gets_fair_cast_from_its_deepspeed_config(tmp_path):
+    changed = {}
+    for mode in ("stochastic", "nearest"):
+        out = tmp_path / mode
+        deepspeed_launch(DIST / "hf_trainer_script.py", 1, out, FAIR_CAST_MODE=mode)
+        log = (out / "launch.log").read_text()
+        assert f"[fair_cast] active: mode={mode} zero_stage=3 seed=7 local_shard_elements=25088" in log
+        result = json.loads((out / "hf_trainer.json").read_text())
+        assert result["engine"] == "DeepSpeedEngine"
+        changed[mode] = result["changed"] / result["numel"]
+    # the same script, step and data: stochastic rounding changes far more served weights than RN
+    assert changed["stochastic"] > 1.3 * changed["nearest"], changed
