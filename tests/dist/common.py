@@ -1,0 +1,67 @@
+"""Helpers shared by the distributed test workers (run under the `deepspeed` runner, not pytest)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import torch
+
+TINY_QWEN3 = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+def tiny_qwen3(seed: int = 0, std: float = 0.02) -> torch.nn.Module:
+    """A tiny transformers Qwen3, identical on every rank, in bf16 (sizes chosen not to divide by 2 or 3)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3, initializer_range=std, tie_word_embeddings=False))
+    return model.to(torch.bfloat16)
+
+
+def ds_config(mode: str | None, *, seed: int = 1234, persistence: int = 40, **zero: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence, **zero},
+        "steps_per_print": 10**9,
+    }
+    if mode is not None:
+        cfg["fair_cast"] = {"enabled": True, "mode": mode, "seed": seed}
+    return cfg
+
+
+def batch(step: int, rank: int, vocab: int = 101) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, vocab, (2, 16), generator=g)
+
+
+def train_step(engine: Any, step: int, rank: int) -> float:
+    x = batch(step, rank)
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
+
+
+def deterministic_master(name_hash: int, start: int, numel: int) -> torch.Tensor:
+    """fp32 master values that depend only on (parameter, index): the same for any sharding."""
+    idx = torch.arange(start, start + numel, dtype=torch.float64)
+    return (0.05 * torch.sin(0.37 * idx + (name_hash % 1000)) + 1e-6 * math.pi).to(torch.float32)
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def finish() -> None:
+    import deepspeed.comm as dist
+
+    dist.barrier()
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,213 @@
+"""ZeRO-3 checks under the real `deepspeed` runner, one launch per world size (see tests/test_zero3.py).
+
+The script never calls faircast_ds.install() or attach(): Fair Cast must arrive through the
+interpreter-start hook, as it would for an unmodified training script. It writes one JSON file per
+rank (and, on rank 0, the served bits for the sharding-invariance comparison) into $OUT_DIR.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import batch, deterministic_master, ds_config, finish, tiny_qwen3, train_step, write_json  # noqa: E402
+
+from faircast_ds.casts import MODES, bf16_bits, cast, fp32_bits  # noqa: E402
+from faircast_ds.noise import name_id  # noqa: E402
+
+OUT = os.environ["OUT_DIR"]
+STEPS = 4
+
+
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+
+
+def build(mode: str, lr: float = 1e-5, **zero):
+    model = tiny_qwen3(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    cfg = ds_config(mode, **zero)
+    cfg["zero_force_ds_cpu_optimizer"] = False  # CPU offload with a torch optimizer
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    from faircast_ds import get_fair_cast
+
+    return engine, get_fair_cast(engine)
+
+
+def gathered_bits(engine) -> dict[str, torch.Tensor]:
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {n: bf16_bits(p.detach().reshape(-1)).clone() for n, p in params.items()}
+
+
+def training_checks(mode: str) -> dict:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    hooked_before_attach = bool(getattr(DeepSpeedEngine.__init__, "_faircast_wrapped", False))
+    engine, fc = build(mode)
+    res = {"hooked": hooked_before_attach, "attached": fc is not None, "steps": []}
+    if fc is None:
+        return res
+    adapter, cfg = fc.adapter, fc.config
+    groups = list(adapter.flat_groups())
+    replay_res = {k: torch.zeros(m.numel()) for k, m, _, _ in groups}
+    prev = {k: bf16_bits(s.detach()).clone() for k, _, s, _ in groups}
+    for step in range(1, STEPS + 1):
+        train_step(engine, step, engine.global_rank)
+        exact, neighbour, observed, exp_changed, var_changed, numel = True, True, 0, 0.0, 0.0, 0
+        for key, master, served, slices in adapter.flat_groups():
+            now = bf16_bits(served.detach())
+            for s in slices:
+                m = master.detach()[s.offset:s.offset + s.numel]
+                got = now[s.offset:s.offset + s.numel]
+                before = prev[key][s.offset:s.offset + s.numel]
+                r = replay_res[key][s.offset:s.offset + s.numel] if mode == "error_feedback" else None
+                want = bf16_bits(cast(m, mode, seed=cfg.seed, step=fc.caster.step, name=s.name, start=s.start,
+                                      residual=r))
+                exact &= bool(torch.equal(want, got))
+                lo = fp32_bits(m) >> 16
+                neighbour &= bool(((got == lo) | (got == lo + 1)).all())
+                observed += int((got != before).sum())
+                numel += s.numel
+                if mode == "stochastic":  # P(change) given the previous served value and the new master
+                    p_up = (fp32_bits(m) & 0xFFFF).double() / 65536.0
+                    p = torch.where(before == lo, p_up, torch.where(before == lo + 1, 1 - p_up, torch.ones_like(p_up)))
+                    exp_changed += float(p.sum())
+                    var_changed += float((p * (1 - p)).sum())
+            prev[key] = now.clone()
+        stats = fc.stats()
+        totals = torch.tensor([observed, exp_changed, var_changed, numel], dtype=torch.float64)
+        dist.all_reduce(totals)
+        bits = gathered_bits(engine)
+        shard_matches_full = True
+        for key, _, served, slices in adapter.flat_groups():
+            now = bf16_bits(served.detach())
+            for s in slices:
+                shard_matches_full &= bool(torch.equal(bits[s.name][s.start:s.start + s.numel],
+                                                       now[s.offset:s.offset + s.numel]))
+        checksum = torch.tensor([float(sum(int((b * torch.arange(1, b.numel() + 1)).sum()) for b in bits.values()))],
+                                dtype=torch.float64)
+        all_sums = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
+        dist.all_gather(all_sums, checksum)
+        res["steps"].append({
+            "step": fc.caster.step, "exact_replay": exact, "neighbour": neighbour,
+            "observed_changed": totals[0].item(), "stats_changed": stats["changed"],
+            "expected_changed": totals[1].item(), "var_changed": totals[2].item(), "numel": totals[3].item(),
+            "shard_matches_gathered": shard_matches_full,
+            "ranks_agree": all(float(s) == float(all_sums[0]) for s in all_sums),
+        })
+    return res
+
+
+def set_deterministic_masters(fc) -> None:
+    for _, master, _, slices in fc.adapter.flat_groups():
+        for s in slices:
+            master.data[s.offset:s.offset + s.numel] = deterministic_master(name_id(s.name), s.start, s.numel)
+
+
+def invariance_bits(mode: str, **zero) -> list[dict[str, torch.Tensor]]:
+    """Served bits after two casts of the same deterministic masters (lr = 0 keeps them fixed)."""
+    engine, fc = build(mode, lr=0.0, **zero)
+    set_deterministic_masters(fc)
+    out = []
+    for step in (1, 2):
+        train_step(engine, step, engine.global_rank)
+        out.append(gathered_bits(engine))
+    return out
+
+
+class Tracer(TorchDispatchMode):
+    """Records every tensor created inside the cast window and every collective's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_cast = False
+        self.cast_allocs: list[tuple[int, int]] = []  # (numel, storage pointer) of new tensors
+        self.cast_collectives: list[str] = []
+        self.gathers: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        is_collective = name.startswith("c10d.") or "allgather" in name or "all_gather" in name
+        if is_collective:
+            dtypes = sorted({str(t.dtype) for t in _tensors((args, kwargs))})
+            if "gather" in name:
+                self.gathers.append(f"{name}:{','.join(dtypes)}")
+            if self.in_cast:
+                self.cast_collectives.append(name)
+        elif self.in_cast:
+            # views and in-place results share an input's storage: only new storage is an allocation
+            inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+            for t in _tensors(out):
+                if t.untyped_storage().data_ptr() not in inputs:
+                    self.cast_allocs.append((t.numel(), t.untyped_storage().data_ptr()))
+        return out
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def allocation_checks(mode: str) -> dict:
+    engine, fc = build(mode)
+    opt = engine.optimizer
+    installed = opt._reassign_or_swap_out_partitioned_parameters
+    tracer = Tracer()
+
+    def traced(i: int) -> None:
+        tracer.in_cast = True
+        try:
+            installed(i)
+        finally:
+            tracer.in_cast = False
+
+    opt._reassign_or_swap_out_partitioned_parameters = traced
+    with tracer:
+        train_step(engine, 1, engine.global_rank)
+        engine(input_ids=batch(2, engine.global_rank))  # the forward that gathers the new bf16 shards
+    largest_slice = max(s.numel + s.padding for _, _, _, sl in fc.adapter.flat_groups() for s in sl)
+    largest_param = max(p.ds_numel for p in engine.module.parameters())
+    # the error-feedback residual is state, one fp32 per local shard element, made once
+    residual_ptrs = {r.untyped_storage().data_ptr() for r in fc.caster.residuals.values()}
+    temporaries = [n for n, ptr in tracer.cast_allocs if ptr not in residual_ptrs]
+    return {"cast_max_numel": max(temporaries), "largest_local_slice": largest_slice,
+            "residual_numel": sum(r.numel() for r in fc.caster.residuals.values()),
+            "largest_param": largest_param, "local_shard": fc.adapter.local_numel(),
+            "local_shard_padded": sum(m.numel() for _, m, _, _ in fc.adapter.flat_groups()),
+            "cast_collectives": tracer.cast_collectives, "gathers": sorted(set(tracer.gathers)),
+            "n_gathers": len(tracer.gathers)}
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {"world_size": world, "training": {}, "allocation": {}}
+    invariance = {}
+    for mode in MODES:
+        report["training"][mode] = training_checks(mode)
+        invariance[mode] = invariance_bits(mode)
+    for mode in ("stochastic", "error_feedback"):  # CPU offload of optimizer and params: same bits
+        invariance[f"{mode}+offload"] = invariance_bits(mode, **OFFLOAD)
+    if world > 1:
+        for mode in ("stochastic", "error_feedback"):
+            report["allocation"][mode] = allocation_checks(mode)
+    write_json(os.path.join(OUT, f"zero3_ws{world}_rank{rank}.json"), report)
+    if rank == 0:
+        torch.save(invariance, os.path.join(OUT, f"invariance_ws{world}.pt"))
+    finish()
+
+
+if __name__ == "__main__":
+    main()
