@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -15,6 +16,7 @@ import torch
 
 from faircast_ds.adapters import Adapter, adapter_for
 from faircast_ds.adapters.support import check_supported, engine_config, raw_config
+from faircast_ds.checkpoint import FairCastStateError, reset_state, restore_state, save_state
 from faircast_ds.config import FairCastConfig, find_section
 from faircast_ds.shard_caster import ShardCaster
 
@@ -71,9 +73,56 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None
     adapter = adapter_for(engine, caster)
     fair_cast = FairCast(config, caster, adapter)
     setattr(engine, _ENGINE_ATTR, fair_cast)
+    _wrap_checkpointing(engine, fair_cast)
     _log_rank0(f"[fair_cast] active: mode={config.mode} zero_stage={adapter.zero_stage} seed={config.seed} "
                f"local_shard_elements={adapter.local_numel()} on_nonfinite={config.on_nonfinite}")
     return fair_cast
+
+
+def _wrap_checkpointing(engine: Any, fair_cast: FairCast) -> None:
+    """Save Fair Cast's state with every engine checkpoint, restore it with every load."""
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        import deepspeed.comm as dist
+
+        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
+        # ours first: DeepSpeed writes `latest` last, so it never names a checkpoint without our state
+        save_state(fair_cast.adapter, fair_cast.caster, os.path.join(save_dir, tag),
+                   rank=dist.get_rank(), world=dist.get_world_size())
+        return save(save_dir, tag, *args, **kwargs)
+
+    @functools.wraps(load)
+    def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        result = load(load_dir, tag, *args, **kwargs)
+        if result is None or result[0] is None:
+            return result  # nothing was loaded
+        if tag is None:
+            latest = "latest_universal" if engine.load_universal_checkpoint() else "latest"
+            with open(os.path.join(load_dir, latest)) as f:
+                tag = f.read().strip()
+        tag_dir = os.path.join(load_dir, str(tag))
+        optimizer_loaded = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
+        if not optimizer_loaded:
+            reset_state(fair_cast.adapter, fair_cast.caster, engine.global_steps)
+            _log_rank0(f"[fair_cast] {tag_dir}: module-only load, residual starts at zero, noise step "
+                       f"{engine.global_steps}")
+            return result
+        try:
+            step = restore_state(fair_cast.adapter, fair_cast.caster, tag_dir)
+            _log_rank0(f"[fair_cast] restored state from {tag_dir}: mode={fair_cast.config.mode} step={step}")
+        except FairCastStateError as exc:
+            if fair_cast.config.on_missing_state == "error":
+                raise FairCastStateError(f"{exc}. Set fair_cast.on_missing_state to 'reset' to start the residual "
+                                         "at zero instead.") from None
+            reset_state(fair_cast.adapter, fair_cast.caster, engine.global_steps)
+            _log_rank0(f"[fair_cast] WARNING {exc}; on_missing_state=reset: residual starts at zero, noise step "
+                       f"{engine.global_steps}")
+        return result
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
 
 
 def install() -> None:

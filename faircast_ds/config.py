@@ -15,6 +15,7 @@ SECTION = "fair_cast"
 
 Mode = Literal["nearest", "stochastic", "dither", "error_feedback"]
 NonFinitePolicy = Literal["error", "propagate"]
+MissingStatePolicy = Literal["error", "reset"]
 
 
 class FairCastConfigError(ValueError):
@@ -38,6 +39,7 @@ class FairCastConfig(BaseModel):
     mode: Mode = "stochastic"
     seed: int = Field(default=0, ge=0, lt=2**63)
     on_nonfinite: NonFinitePolicy = "error"
+    on_missing_state: MissingStatePolicy = "error"
 
     @classmethod
     def from_section(cls, section: Any) -> "FairCastConfig":

@@ -19,13 +19,34 @@ from faircast_ds.config import FairCastConfig
 @dataclass(frozen=True)
 class ShardSlice:
     """Elements ``[start, start + numel)`` of parameter ``name`` sit at ``[offset, offset + numel)`` of
-    the flat shard; ``padding`` more elements follow them in the flat buffer (DeepSpeed's alignment)."""
+    the flat shard. ``name`` None marks DeepSpeed's alignment padding, which belongs to no parameter."""
 
-    name: str
+    name: str | None
     start: int
     numel: int
     offset: int
-    padding: int = 0
+
+    @property
+    def is_padding(self) -> bool:
+        return self.name is None
+
+
+def with_padding(slices: Sequence[ShardSlice], total: int) -> list[ShardSlice]:
+    """Sort parameter slices by offset and fill every gap up to ``total`` with padding slices."""
+    out: list[ShardSlice] = []
+    cursor = 0
+    for s in sorted(slices, key=lambda s: s.offset):
+        if s.offset < cursor:
+            raise ValueError(f"overlapping shard slices at offset {s.offset} ({s.name})")
+        if s.offset > cursor:
+            out.append(ShardSlice(None, 0, s.offset - cursor, cursor))
+        out.append(s)
+        cursor = s.offset + s.numel
+    if cursor < total:
+        out.append(ShardSlice(None, 0, total - cursor, cursor))
+    elif cursor > total:
+        raise ValueError(f"shard slices end at {cursor}, past the flat shard's {total} elements")
+    return out
 
 
 class NonFiniteWeightError(FloatingPointError):
@@ -67,8 +88,12 @@ class ShardCaster:
         return res
 
     def cast_flat(self, key: Hashable, master: torch.Tensor, served: torch.Tensor,
-                  slices: Sequence[ShardSlice]) -> None:
-        """Write cast(master) into ``served`` (both flat, same length), one parameter slice at a time."""
+                  slices: Sequence[ShardSlice], previous: torch.Tensor | None = None) -> None:
+        """Write cast(master) into ``served`` (both flat, same length), one parameter slice at a time.
+
+        Changes are counted against ``served``'s old contents, or against ``previous`` (then updated)
+        for optimizers that overwrite the served shard by round-to-nearest before we get to it.
+        """
         if master.numel() != served.numel():
             raise ValueError(f"flat shard {key!r}: master has {master.numel()} elements, served {served.numel()}")
         master = master.detach().view(-1)
@@ -76,17 +101,20 @@ class ShardCaster:
         cfg = self.config
         for s in slices:
             src = master.narrow(0, s.offset, s.numel)
+            dst = served.narrow(0, s.offset, s.numel)
+            if s.is_padding:  # belongs to no parameter: keep DeepSpeed's own copy of it
+                dst.data.copy_(src)
+                continue
             res = residual.narrow(0, s.offset, s.numel) if residual is not None else None
             out = cast(src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name, start=s.start, residual=res)
             if cfg.on_nonfinite == "error":
                 _raise_if_nonfinite(out, src, s)
-            dst = served.narrow(0, s.offset, s.numel)
-            self.last.changed += int((bf16_bits(dst.detach()) != bf16_bits(out.to(dst.device))).sum())
+            before = dst if previous is None else previous.narrow(0, s.offset, s.numel)
+            self.last.changed += int((bf16_bits(before.detach()) != bf16_bits(out.to(before.device))).sum())
             self.last.numel += s.numel
             dst.data.copy_(out)
-            if s.padding:
-                # alignment padding belongs to no parameter; keep DeepSpeed's own copy of it
-                served.narrow(0, s.offset + s.numel, s.padding).data.copy_(master.narrow(0, s.offset + s.numel, s.padding))
+            if previous is not None:
+                before.copy_(out)
 
 
 def _raise_if_nonfinite(out: torch.Tensor, src: torch.Tensor, s: ShardSlice) -> None:

@@ -56,14 +56,3 @@ def deepspeed_launch(script: Path, ranks: int, out_dir: Path, *, args: list[str]
            "--master_port", str(free_port()), str(script), *args]
     return run_logged(cmd, out_dir / "launch.log", env=cpu_env(OUT_DIR=str(out_dir), **env), timeout=timeout,
                       check=check)
-
-
-@pytest.fixture(scope="session")
-def zero3_runs(tmp_path_factory) -> dict[int, Path]:
-    """One ZeRO-3 worker launch per world size (1, 2, 3), shared by every test that reads them."""
-    runs = {}
-    for world in (1, 2, 3):
-        out = tmp_path_factory.mktemp(f"zero3_ws{world}")
-        deepspeed_launch(DIST / "zero3_worker.py", world, out)
-        runs[world] = out
-    return runs

@@ -9,11 +9,24 @@ from faircast_ds.shard_caster import ShardCaster
 
 
 def _adapters() -> dict[type, type[Adapter]]:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    from faircast_ds.adapters.bf16 import BF16OptimizerAdapter
     from faircast_ds.adapters.zero3 import Zero3Adapter
+    from faircast_ds.adapters.zero12 import Zero12Adapter
 
-    return {DeepSpeedZeroOptimizer_Stage3: Zero3Adapter}
+    return {DeepSpeedZeroOptimizer_Stage3: Zero3Adapter, DeepSpeedZeroOptimizer: Zero12Adapter,
+            BF16_Optimizer: BF16OptimizerAdapter}
+
+
+_HINTS = {
+    "FP16_Optimizer": "ZeRO stage 0 (bf16 data parallel without ZeRO) keeps its fp32 master in FP16_Optimizer, "
+                      "which is not routed through the cast; use ZeRO stage 1, 2 or 3",
+    "FP16_UnfusedOptimizer": "ZeRO stage 0 is not routed through the cast; use ZeRO stage 1, 2 or 3",
+    "MiCS_Optimizer": "MiCS partitions differently and is not verified",
+}
 
 
 def adapter_for(engine: Any, caster: ShardCaster) -> Adapter:
@@ -27,8 +40,9 @@ def adapter_for(engine: Any, caster: ShardCaster) -> Adapter:
     cls = table.get(type(engine.optimizer))
     if cls is None:
         known = ", ".join(c.__name__ for c in table)
-        raise UnsupportedSetupError(f"fair_cast: optimizer class {type(engine.optimizer).__name__} is not supported "
-                                    f"(supported: {known})")
-    adapter = cls(engine.optimizer, caster)
+        name = type(engine.optimizer).__name__
+        hint = f": {_HINTS[name]}" if name in _HINTS else ""
+        raise UnsupportedSetupError(f"fair_cast: optimizer class {name} is not supported{hint} (supported: {known})")
+    adapter = cls(engine.optimizer, caster, engine.param_names)
     adapter.install()
     return adapter

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-import deepspeed
-
 from faircast_ds.adapters.base import UnsupportedSetupError
 
 VERIFIED_DEEPSPEED = ("0.19.8",)
@@ -40,6 +38,8 @@ def _device(offload_cfg: Any) -> str:
 
 
 def _problems(cfg: Any) -> Iterator[str]:
+    import deepspeed  # here, not at import: importing deepspeed runs our engine hook, which imports us
+
     if deepspeed.__version__ not in VERIFIED_DEEPSPEED:
         yield (f"DeepSpeed {deepspeed.__version__} is not verified (verified: {', '.join(VERIFIED_DEEPSPEED)}); "
                "its fp32->bf16 cast sites may have moved. Install a verified version.")
@@ -50,10 +50,6 @@ def _problems(cfg: Any) -> Iterator[str]:
         yield "bf16 is not enabled: set \"bf16\": {\"enabled\": true} (the served copy must be bf16)"
     if getattr(cfg, "torch_autocast_enabled", False):
         yield "torch_autocast: parameters stay fp32, there is no bf16 copy to cast"
-    stage = int(cfg.zero_optimization_stage)
-    if stage != 3:
-        yield (f"zero_optimization.stage {stage}: only ZeRO stage 3 is supported in this release "
-               "(stages 0-2 and BF16_Optimizer are not yet routed through the cast)")
     zero = cfg.zero_config
     for what in ("offload_param", "offload_optimizer"):
         if _device(getattr(zero, what, None)) == "nvme":

@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator
 import torch
 from deepspeed import comm as dist
 
-from faircast_ds.adapters.base import Adapter, UnsupportedSetupError
-from faircast_ds.shard_caster import ShardSlice
+from faircast_ds.adapters.base import Adapter, UnsupportedSetupError, param_name
+from faircast_ds.shard_caster import ShardSlice, with_padding
 
 LOAD_SITES = (
     "_rigid_load_state_dict",
@@ -30,8 +30,8 @@ LOAD_SITES = (
 class Zero3Adapter(Adapter):
     zero_stage = 3
 
-    def __init__(self, optimizer: Any, caster: Any) -> None:
-        super().__init__(optimizer, caster)
+    def __init__(self, optimizer: Any, caster: Any, names: dict) -> None:
+        super().__init__(optimizer, caster, names)
         self._slices = [self._group_slices(i) for i in range(len(optimizer.fp16_groups))]
 
     def _group_slices(self, i: int) -> list[ShardSlice]:
@@ -39,16 +39,13 @@ class Zero3Adapter(Adapter):
         rank = dist.get_rank(group=opt.sub_group_process_groups[i])
         slices, offset = [], 0
         for param in opt.fp16_groups[i]:
-            if param not in opt.param_names:
-                raise UnsupportedSetupError(
-                    f"fair_cast: a ZeRO-3 parameter (ds_id {param.ds_id}) has no name in the model; "
-                    "noise ids are derived from parameter names")
             n = param.partition_numel()
             start = rank * n
             numel = max(0, min(n, param.ds_numel - start))
-            slices.append(ShardSlice(opt.param_names[param], start, numel, offset, padding=n - numel))
+            if numel:
+                slices.append(ShardSlice(param_name(self.names, param), start, numel, offset))
             offset += n
-        return slices
+        return with_padding(slices, offset)
 
     def flat_groups(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, list[ShardSlice]]]:
         opt = self.optimizer
@@ -76,11 +73,16 @@ class Zero3Adapter(Adapter):
         @functools.wraps(load)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             result = load(*args, **kwargs)  # restores fp32 and refreshes bf16 by round-to-nearest ...
-            self.recast_all()  # ... which we then replace with the configured cast
+            self.cast_all()  # ... which we then replace with the configured cast;
+            for i in range(len(self._slices)):  # DeepSpeed re-gathers persistent parameters after the load
+                self.optimizer._unflatten_partitioned_parameters(i)
             return result
 
         return wrapped
 
-    def after_recast(self) -> None:
+    def publish(self) -> None:
+        opt = self.optimizer
         for i in range(len(self._slices)):
-            self.optimizer._unflatten_partitioned_parameters(i)
+            opt._unflatten_partitioned_parameters(i)
+        if opt.persistent_parameters:  # kept gathered: refresh them from the new shards, as _post_step does
+            opt.persistent_parameters[0].all_gather(opt.persistent_parameters)

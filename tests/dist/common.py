@@ -21,16 +21,34 @@ def tiny_qwen3(seed: int = 0, std: float = 0.02) -> torch.nn.Module:
     return model.to(torch.bfloat16)
 
 
-def ds_config(mode: str | None, *, seed: int = 1234, persistence: int = 40, **zero: Any) -> dict[str, Any]:
+# Every optimizer class Fair Cast handles, with and without CPU offload.
+STAGES: dict[str, dict[str, Any]] = {
+    "zero3": {"zero_optimization": {"stage": 3}},
+    "zero3+offload": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                            "offload_param": {"device": "cpu"}}},
+    "zero2": {"zero_optimization": {"stage": 2}},
+    "zero2+offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    "zero1": {"zero_optimization": {"stage": 1}},
+    "zero1+offload": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+    "bf16_optimizer": {"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
+}
+
+
+def ds_config(mode: str | None, *, seed: int = 1234, persistence: int = 40, stage: str = "zero3",
+              **fair_cast: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence, **zero},
         "steps_per_print": 10**9,
+        "zero_force_ds_cpu_optimizer": False,  # CPU offload with a torch optimizer
     }
+    for key, value in STAGES[stage].items():
+        cfg[key] = dict(value)
+    if cfg["zero_optimization"]["stage"] == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
     if mode is not None:
-        cfg["fair_cast"] = {"enabled": True, "mode": mode, "seed": seed}
+        cfg["fair_cast"] = {"enabled": True, "mode": mode, "seed": seed, **fair_cast}
     return cfg
 
 
@@ -51,6 +69,21 @@ def deterministic_master(name_hash: int, start: int, numel: int) -> torch.Tensor
     """fp32 master values that depend only on (parameter, index): the same for any sharding."""
     idx = torch.arange(start, start + numel, dtype=torch.float64)
     return (0.05 * torch.sin(0.37 * idx + (name_hash % 1000)) + 1e-6 * math.pi).to(torch.float32)
+
+
+def optimizer_class(engine: Any) -> str:
+    return type(engine.optimizer).__name__
+
+
+def full_served_bits(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's served bf16 bits (gathered under ZeRO-3), keyed by name."""
+    import deepspeed
+
+    from faircast_ds.casts import bf16_bits
+
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=engine.zero_optimization_stage() == 3):
+        return {n: bf16_bits(p.detach().reshape(-1)).clone() for n, p in params.items()}
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:

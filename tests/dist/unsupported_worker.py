@@ -40,8 +40,6 @@ def fair_cast(section):
 
 CASES = {
     "zero_stage_0": with_zero(stage=0),
-    "zero_stage_1": with_zero(stage=1),
-    "zero_stage_2": with_zero(stage=2),
     "fp16": fp16_instead_of_bf16(),
     "no_bf16": fp32_only(),
     "nvme_param_offload": with_zero(offload_param={"device": "nvme", "nvme_path": "/tmp/faircast_nvme_unused"}),

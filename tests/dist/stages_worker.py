@@ -1,4 +1,5 @@
-"""ZeRO-3 checks under the real `deepspeed` runner, one launch per world size (see tests/test_zero3.py).
+"""Checks of every supported optimizer class under the real `deepspeed` runner, one launch per world
+size (see tests/test_stages.py).
 
 The script never calls faircast_ds.install() or attach(): Fair Cast must arrive through the
 interpreter-start hook, as it would for an unmodified training script. It writes one JSON file per
@@ -15,7 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import batch, deterministic_master, ds_config, finish, tiny_qwen3, train_step, write_json  # noqa: E402
+from common import (batch, deterministic_master, ds_config, finish, full_served_bits, optimizer_class,  # noqa: E402
+                    tiny_qwen3, train_step, write_json)
 
 from faircast_ds.casts import MODES, bf16_bits, cast, fp32_bits  # noqa: E402
 from faircast_ds.noise import name_id  # noqa: E402
@@ -24,32 +26,29 @@ OUT = os.environ["OUT_DIR"]
 STEPS = 4
 
 
-OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+TRAINING = [("zero3", m) for m in MODES] + [(s, m) for s in ("zero2", "zero1", "bf16_optimizer")
+                                             for m in ("stochastic", "error_feedback")]
+INVARIANCE = [(s, m) for s in ("zero3", "zero3+offload", "zero2", "zero2+offload", "zero1", "zero1+offload",
+                               "bf16_optimizer") for m in ("stochastic", "error_feedback")]
+INVARIANCE += [("zero3", "nearest"), ("zero3", "dither")]
 
 
-def build(mode: str, lr: float = 1e-5, **zero):
+def build(mode: str, stage: str, lr: float = 1e-5):
     model = tiny_qwen3(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    cfg = ds_config(mode, **zero)
-    cfg["zero_force_ds_cpu_optimizer"] = False  # CPU offload with a torch optimizer
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(mode, stage=stage))
     from faircast_ds import get_fair_cast
 
     return engine, get_fair_cast(engine)
 
 
-def gathered_bits(engine) -> dict[str, torch.Tensor]:
-    params = dict(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values())):
-        return {n: bf16_bits(p.detach().reshape(-1)).clone() for n, p in params.items()}
-
-
-def training_checks(mode: str) -> dict:
+def training_checks(mode: str, stage: str) -> dict:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     hooked_before_attach = bool(getattr(DeepSpeedEngine.__init__, "_faircast_wrapped", False))
-    engine, fc = build(mode)
-    res = {"hooked": hooked_before_attach, "attached": fc is not None, "steps": []}
+    engine, fc = build(mode, stage)
+    res = {"hooked": hooked_before_attach, "attached": fc is not None, "steps": [],
+           "optimizer": optimizer_class(engine), "zero_stage": fc.adapter.zero_stage if fc else None}
     if fc is None:
         return res
     adapter, cfg = fc.adapter, fc.config
@@ -62,6 +61,8 @@ def training_checks(mode: str) -> dict:
         for key, master, served, slices in adapter.flat_groups():
             now = bf16_bits(served.detach())
             for s in slices:
+                if s.is_padding:
+                    continue
                 m = master.detach()[s.offset:s.offset + s.numel]
                 got = now[s.offset:s.offset + s.numel]
                 before = prev[key][s.offset:s.offset + s.numel]
@@ -82,11 +83,11 @@ def training_checks(mode: str) -> dict:
         stats = fc.stats()
         totals = torch.tensor([observed, exp_changed, var_changed, numel], dtype=torch.float64)
         dist.all_reduce(totals)
-        bits = gathered_bits(engine)
+        bits = full_served_bits(engine)
         shard_matches_full = True
         for key, _, served, slices in adapter.flat_groups():
             now = bf16_bits(served.detach())
-            for s in slices:
+            for s in (s for s in slices if not s.is_padding):
                 shard_matches_full &= bool(torch.equal(bits[s.name][s.start:s.start + s.numel],
                                                        now[s.offset:s.offset + s.numel]))
         checksum = torch.tensor([float(sum(int((b * torch.arange(1, b.numel() + 1)).sum()) for b in bits.values()))],
@@ -105,18 +106,18 @@ def training_checks(mode: str) -> dict:
 
 def set_deterministic_masters(fc) -> None:
     for _, master, _, slices in fc.adapter.flat_groups():
-        for s in slices:
+        for s in (s for s in slices if not s.is_padding):
             master.data[s.offset:s.offset + s.numel] = deterministic_master(name_id(s.name), s.start, s.numel)
 
 
-def invariance_bits(mode: str, **zero) -> list[dict[str, torch.Tensor]]:
+def invariance_bits(mode: str, stage: str) -> list[dict[str, torch.Tensor]]:
     """Served bits after two casts of the same deterministic masters (lr = 0 keeps them fixed)."""
-    engine, fc = build(mode, lr=0.0, **zero)
+    engine, fc = build(mode, stage, lr=0.0)
     set_deterministic_masters(fc)
     out = []
     for step in (1, 2):
         train_step(engine, step, engine.global_rank)
-        out.append(gathered_bits(engine))
+        out.append(full_served_bits(engine))
     return out
 
 
@@ -160,25 +161,24 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
-def allocation_checks(mode: str) -> dict:
-    engine, fc = build(mode)
-    opt = engine.optimizer
-    installed = opt._reassign_or_swap_out_partitioned_parameters
+def allocation_checks(mode: str, stage: str) -> dict:
+    engine, fc = build(mode, stage)
+    installed = fc.caster.cast_flat
     tracer = Tracer()
 
-    def traced(i: int) -> None:
+    def traced(*args, **kwargs) -> None:
         tracer.in_cast = True
         try:
-            installed(i)
+            installed(*args, **kwargs)
         finally:
             tracer.in_cast = False
 
-    opt._reassign_or_swap_out_partitioned_parameters = traced
+    fc.caster.cast_flat = traced
     with tracer:
         train_step(engine, 1, engine.global_rank)
         engine(input_ids=batch(2, engine.global_rank))  # the forward that gathers the new bf16 shards
-    largest_slice = max(s.numel + s.padding for _, _, _, sl in fc.adapter.flat_groups() for s in sl)
-    largest_param = max(p.ds_numel for p in engine.module.parameters())
+    largest_slice = max(s.numel for _, _, _, sl in fc.adapter.flat_groups() for s in sl)
+    largest_param = max(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     # the error-feedback residual is state, one fp32 per local shard element, made once
     residual_ptrs = {r.untyped_storage().data_ptr() for r in fc.caster.residuals.values()}
     temporaries = [n for n, ptr in tracer.cast_allocs if ptr not in residual_ptrs]
@@ -194,16 +194,14 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {"world_size": world, "training": {}, "allocation": {}}
-    invariance = {}
-    for mode in MODES:
-        report["training"][mode] = training_checks(mode)
-        invariance[mode] = invariance_bits(mode)
-    for mode in ("stochastic", "error_feedback"):  # CPU offload of optimizer and params: same bits
-        invariance[f"{mode}+offload"] = invariance_bits(mode, **OFFLOAD)
+    for stage, mode in TRAINING:
+        report["training"][f"{stage}/{mode}"] = training_checks(mode, stage)
+    invariance = {f"{stage}/{mode}": invariance_bits(mode, stage) for stage, mode in INVARIANCE}
     if world > 1:
-        for mode in ("stochastic", "error_feedback"):
-            report["allocation"][mode] = allocation_checks(mode)
-    write_json(os.path.join(OUT, f"zero3_ws{world}_rank{rank}.json"), report)
+        for stage in ("zero3", "zero2"):
+            for mode in ("stochastic", "error_feedback"):
+                report["allocation"][f"{stage}/{mode}"] = allocation_checks(mode, stage)
+    write_json(os.path.join(OUT, f"stages_ws{world}_rank{rank}.json"), report)
     if rank == 0:
         torch.save(invariance, os.path.join(OUT, f"invariance_ws{world}.pt"))
     finish()
