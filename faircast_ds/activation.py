@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 
 from faircast_ds.adapters import Adapter, adapter_for
 from faircast_ds.adapters.support import check_supported, engine_config, raw_config
-from faircast_ds.checkpoint import FairCastStateError, reset_state, restore_state, save_state
+from faircast_ds.checkpoint import FairCastStateError, publish_restored, reset_state, restore_state, save_state
 from faircast_ds.config import FairCastConfig, find_section
 from faircast_ds.shard_caster import ShardCaster
 
@@ -103,26 +104,50 @@ def _wrap_checkpointing(engine: Any, fair_cast: FairCast) -> None:
             with open(os.path.join(load_dir, latest)) as f:
                 tag = f.read().strip()
         tag_dir = os.path.join(load_dir, str(tag))
-        optimizer_loaded = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
+        given = inspect.signature(load).bind(load_dir, tag, *args, **kwargs)
+        given.apply_defaults()
+        optimizer_loaded = given.arguments["load_optimizer_states"] and not given.arguments["load_module_only"]
         if not optimizer_loaded:
             reset_state(fair_cast.adapter, fair_cast.caster, engine.global_steps)
             _log_rank0(f"[fair_cast] {tag_dir}: module-only load, residual starts at zero, noise step "
                        f"{engine.global_steps}")
             return result
-        try:
-            step = restore_state(fair_cast.adapter, fair_cast.caster, tag_dir)
-            _log_rank0(f"[fair_cast] restored state from {tag_dir}: mode={fair_cast.config.mode} step={step}")
-        except FairCastStateError as exc:
-            if fair_cast.config.on_missing_state == "error":
-                raise FairCastStateError(f"{exc}. Set fair_cast.on_missing_state to 'reset' to start the residual "
-                                         "at zero instead.") from None
+        error = _agree(lambda: restore_state(fair_cast.adapter, fair_cast.caster, tag_dir))
+        if error is None:
+            publish_restored(fair_cast.adapter, fair_cast.caster)
+            _log_rank0(f"[fair_cast] restored state from {tag_dir}: mode={fair_cast.config.mode} "
+                       f"step={fair_cast.caster.step}")
+        elif fair_cast.config.on_missing_state == "error":
+            raise FairCastStateError(f"{error}. Set fair_cast.on_missing_state to 'reset' to start the residual "
+                                     "at zero instead.")
+        else:
             reset_state(fair_cast.adapter, fair_cast.caster, engine.global_steps)
-            _log_rank0(f"[fair_cast] WARNING {exc}; on_missing_state=reset: residual starts at zero, noise step "
+            _log_rank0(f"[fair_cast] WARNING {error}; on_missing_state=reset: residual starts at zero, noise step "
                        f"{engine.global_steps}")
         return result
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+def _agree(restore: Any) -> str | None:
+    """Run a local restore on every rank; return the first failing rank's message (the same on all
+    ranks), or None. No rank goes on to a collective while another has failed."""
+    import deepspeed.comm as dist
+
+    try:
+        restore()
+        mine = None
+    except FairCastStateError as exc:
+        mine = str(exc)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, mine)
+    for rank, message in enumerate(messages):
+        if message is not None:
+            return f"rank {rank}: {message}"
+    return None
 
 
 def install() -> None:

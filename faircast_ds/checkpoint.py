@@ -116,9 +116,13 @@ def _index(records: list[tuple[str, dict[str, Any]]]) -> dict[str, list[_Piece]]
     return index
 
 
+@torch.no_grad()
 def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str) -> int:
     """Restore this rank's state from ``tag_dir`` (any saved world size or stage); returns the step.
-    The served shards are rewritten and published. Raises FairCastStateError on any mismatch."""
+
+    Local only (no collective), so that a failure on one rank can be agreed on before anyone
+    communicates; call :func:`publish_restored` on every rank afterwards. Raises FairCastStateError
+    on any mismatch."""
     cfg = caster.config
     records = _read_records(tag_dir)
     first_file, first = records[0]
@@ -162,13 +166,19 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str) -> int:
         if values and previous is not None:
             previous.copy_(served.detach())
     caster.step = step
-    if values:
-        adapter.publish()
-    else:
-        adapter.recast_all()  # deterministic in (seed, step, name, index): the bits served at save time
     return step
 
 
+@torch.no_grad()
+def publish_restored(adapter: Adapter, caster: ShardCaster) -> None:
+    """Collective second half of a restore: make the model serve exactly what it served at save time."""
+    if caster.config.mode == "error_feedback":
+        adapter.publish()  # the saved served bits are already in the shards
+    else:
+        adapter.recast_all()  # deterministic in (seed, step, name, index): the bits served at save time
+
+
+@torch.no_grad()
 def reset_state(adapter: Adapter, caster: ShardCaster, step: int) -> None:
     """Start over from the restored masters: zero residual, noise step ``step``."""
     caster.residuals.clear()

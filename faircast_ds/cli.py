@@ -2,20 +2,60 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import subprocess
 import sys
 
 
+def _check() -> int:
+    from faircast_ds import _autoload
+
+    active = any(isinstance(f, _autoload._EngineWatcher) for f in sys.meta_path)
+    print(f"faircast-ds autoload hook: {'active' if active else 'NOT active'}")
+    return 0 if active else 1
+
+
+def _to_universal(args: argparse.Namespace) -> int:
+    """DeepSpeed's universal-checkpoint conversion, carrying Fair Cast's state along. Our state is
+    already keyed by (parameter, index), so it is copied as is and re-sharded when loaded."""
+    from faircast_ds.checkpoint import STATE_DIR, state_dir
+
+    source = state_dir(args.input_folder)
+    if not os.path.isdir(source):
+        print(f"error: {source} does not exist: {args.input_folder} has no Fair Cast state", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", args.input_folder,
+           "--output_folder", args.output_folder, "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    proc = subprocess.run(cmd)
+    if proc.returncode != 0:
+        return proc.returncode
+    target = os.path.join(args.output_folder, STATE_DIR)
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+    print(f"copied Fair Cast state {source} -> {target}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="faircast-ds", description=__doc__)
+    parser = argparse.ArgumentParser(prog="faircast-ds", description="Fair Cast for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="show whether the interpreter-start hook is active")
+    uni = sub.add_parser("to-universal", help="convert a checkpoint tag folder to DeepSpeed's universal format, "
+                                              "Fair Cast state included (to resume at another world size)")
+    uni.add_argument("input_folder", help="a checkpoint tag folder, e.g. ckpt/global_step100")
+    uni.add_argument("output_folder", help="e.g. ckpt/global_step100_universal")
+    from faircast_ds.kernels import bench  # no torch import until the benchmark runs
+
+    bench.add_arguments(sub.add_parser("bench", help="time each cast against a plain bf16.copy_ of the same "
+                                                     "tensor, eager and fused paths side by side (one table)"))
     args = parser.parse_args(argv)
     if args.command == "check":
-        from faircast_ds import _autoload
-
-        active = any(isinstance(f, _autoload._EngineWatcher) for f in sys.meta_path)
-        print(f"faircast-ds autoload hook: {'active' if active else 'NOT active'}")
-        return 0 if active else 1
+        return _check()
+    if args.command == "to-universal":
+        return _to_universal(args)
+    if args.command == "bench":
+        return bench.run_cli(args)
     return 2
 
 

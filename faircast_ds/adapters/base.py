@@ -63,6 +63,7 @@ class Adapter(ABC):
         """Parameter elements held by this rank (padding excluded)."""
         return sum(s.numel for _, _, _, slices in self.flat_groups() for s in slices if not s.is_padding)
 
+    @torch.no_grad()
     def cast_all(self) -> None:
         """Recompute every served shard from its master at the caster's current step."""
         for key, master, served, slices in self.flat_groups():

@@ -84,6 +84,7 @@ class GatherSiteAdapter(Adapter):
             self.caster.begin_step()
         self.cast_all()
 
+    @torch.no_grad()
     def publish(self) -> None:
         """All-gather the served partitions as they are, then re-point the model's parameters."""
         opt = self.optimizer

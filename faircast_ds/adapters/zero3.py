@@ -80,9 +80,11 @@ class Zero3Adapter(Adapter):
 
         return wrapped
 
+    @torch.no_grad()
     def publish(self) -> None:
         opt = self.optimizer
         for i in range(len(self._slices)):
             opt._unflatten_partitioned_parameters(i)
-        if opt.persistent_parameters:  # kept gathered: refresh them from the new shards, as _post_step does
+        if opt.persistent_parameters:  # kept gathered: release (the shard stays), then gather the new shards
+            opt.persistent_parameters[0].partition(opt.persistent_parameters)
             opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
