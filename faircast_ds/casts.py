@@ -121,3 +121,37 @@ def cast(x: torch.Tensor,
     stream = STREAM_STOCHASTIC if mode == "stochastic" else STREAM_DITHER
     key = stream_key(seed=seed, step=step if mode == "stochastic" else 0, name=name, stream=stream)
     return round_with_noise(x, noise16(start, x.numel(), key, device=x.device))
+
+
+def cast_into(out: torch.Tensor,
+              x: torch.Tensor,
+              mode: str,
+              *,
+              seed: int,
+              step: int,
+              name: str,
+              start: int = 0,
+              residual: torch.Tensor | None = None) -> tuple[int, int]:
+    """Write :func:`cast` of ``x`` into the 1-D bf16 buffer ``out`` in place.
+
+    Returns ``(changed, nonfinite)``: how many elements' bits differ from what ``out`` held before,
+    and how many outputs are NaN or ±Inf. The fastest path for the tensors' device does it in one
+    pass (``faircast_ds.kernels``: fused C++ on CPU, Triton on CUDA; ``FAIRCAST_DS_KERNELS`` =
+    ``eager|cpp|triton`` forces one); every path writes exactly the bits :func:`cast` returns.
+    ``error_feedback`` updates ``residual`` in place, as in :func:`cast`.
+    """
+    _check_inputs(x, mode, residual)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != x.shape:
+        got = f"{out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(f"cast_into expects a bf16 output shaped like x {tuple(x.shape)}, got {got}")
+    from faircast_ds import kernels  # deferred: the kernels are optional and may build on first use
+
+    counts = kernels.fused_cast_into(out, x, mode, seed=seed, step=step, name=name, start=start,
+                                     residual=residual)
+    if counts is not None:
+        return counts
+    served = cast(x, mode, seed=seed, step=step, name=name, start=start, residual=residual).to(out.device)
+    changed = int((bf16_bits(out) != bf16_bits(served)).sum())
+    nonfinite = int((~torch.isfinite(served)).sum())
+    out.copy_(served)
+    return changed, nonfinite

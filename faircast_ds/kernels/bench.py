@@ -1,0 +1,251 @@
+"""Cost of each cast against the memory floor, side by side, in one table from one run.
+
+The floor is DeepSpeed's own cast: a round-to-nearest ``bf16.copy_(fp32)`` of the same shard
+(read 4 bytes, write 2 per element). For every size and mode the table gives, as multiples of that
+copy on the same tensors: the eager torch path (``cast_into`` with ``FAIRCAST_DS_KERNELS=eager``:
+``casts.cast``, the counts, a copy) and the fused path (``casts.cast_into`` with the fast kernel); for stochastic
+rounding also torchao's ``_fp32_to_bf16_sr`` where torchao is importable.
+
+Times are minima over repeats after a warm-up, with the copy timed between the runs of each
+mode so that both see the same machine. Only ratios are meant to be compared: absolute times
+move with the machine and with whatever else runs on it (the load average is printed).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import platform
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+
+# The command line is built without importing torch (``faircast-ds check`` stays fast); a test
+# keeps this equal to faircast_ds.casts.MODES.
+MODES = ("nearest", "stochastic", "dither", "error_feedback")
+DEFAULT_SIZES = (1 << 20, 16 << 20, 64 << 20)
+GOALS = {"stochastic": 1.3, "dither": 1.3, "error_feedback": 2.5}  # fused / RN copy_
+TORCHAO_GOAL = 10.0  # torchao SR / fused stochastic
+
+
+@dataclass
+class Row:
+    size: int
+    mode: str
+    rn_ms: float
+    fused_ms: float
+    eager_ms: float | None = None
+    torchao_ms: float | None = None
+
+    @property
+    def fused_ratio(self) -> float:
+        return self.fused_ms / self.rn_ms
+
+    @property
+    def eager_ratio(self) -> float | None:
+        return None if self.eager_ms is None else self.eager_ms / self.rn_ms
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+    backend: str = ""
+    threads: int = 0
+    machine: str = ""
+    load_before: str = ""
+    load_after: str = ""
+    build_s: float | None = None
+    torchao: str = ""
+
+
+def _time_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+@contextlib.contextmanager
+def _backend(name: str):  # type: ignore[no-untyped-def]
+    from faircast_ds.kernels import ENV_VAR
+
+    before = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ENV_VAR]
+        else:
+            os.environ[ENV_VAR] = before
+
+
+def _torchao_sr() -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
+    """torchao's SR cast, imported quietly (its import warns about CUDA-only extensions)."""
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), \
+                contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            import torchao
+            try:
+                from torchao.optim.quant_utils import _fp32_to_bf16_sr
+            except ImportError:  # older torchao
+                from torchao.prototype.low_bit_optim.quant_utils import _fp32_to_bf16_sr
+    except Exception as exc:
+        return None, f"not importable ({type(exc).__name__})"
+    return _fp32_to_bf16_sr, f"torchao {getattr(torchao, '__version__', '?')}"
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs"
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def run(sizes: tuple[int, ...] = DEFAULT_SIZES, *, modes: tuple[str, ...] = MODES, repeats: int = 7,
+        eager_repeats: int = 2, eager: bool = True, eager_max_size: int | None = None, torchao: bool = True,
+        log: Callable[[str], None] = lambda s: None) -> Report:
+    """Measure every (size, mode); see the module docstring."""
+    import torch
+
+    from faircast_ds import kernels
+    from faircast_ds.casts import cast_into
+
+    report = Report(threads=torch.get_num_threads(), machine=_machine(), load_before=_loadavg())
+    t0 = time.perf_counter()
+    report.backend = kernels.backend_for(torch.device("cpu"))  # builds the CPU kernel if needed
+    report.build_s = time.perf_counter() - t0
+    sr, report.torchao = _torchao_sr() if torchao else (None, "skipped")
+    gen = torch.Generator().manual_seed(0)
+    for n in sizes:
+        x = torch.randn(n, generator=gen) * 0.02
+        out = torch.empty(n, dtype=torch.bfloat16)
+        residual = torch.zeros(n)
+        rn_best = float("inf")
+        for mode in modes:
+            res = residual if mode == "error_feedback" else None
+            kw = dict(seed=1, step=2, name="bench.w", residual=res)
+            # Alternate copy and fused runs so both see the same machine state.
+            fused_best = float("inf")
+            out.copy_(x)
+            cast_into(out, x, mode, **kw)
+            for _ in range(repeats):
+                rn_best = min(rn_best, _time_ms(lambda: out.copy_(x), 1, warmup=0))
+                fused_best = min(fused_best, _time_ms(lambda: cast_into(out, x, mode, **kw), 1, warmup=0))
+            row = Row(size=n, mode=mode, rn_ms=rn_best, fused_ms=fused_best)
+            if eager and (eager_max_size is None or n <= eager_max_size):
+                big = n > (4 << 20)  # the eager path takes seconds here: no warm-up, fewer repeats
+                with _backend("eager"):
+                    row.eager_ms = _time_ms(lambda: cast_into(out, x, mode, **kw), 1 if big else eager_repeats,
+                                            warmup=0 if big else 1)
+            if sr is not None and mode == "stochastic":
+                row.torchao_ms = _time_ms(lambda: out.copy_(sr(x)), min(repeats, 3))
+            report.rows.append(row)
+            log(f"  measured {n:>10,} {mode}")
+        for row in report.rows:  # the copy's best over the whole size is every row's floor
+            if row.size == n:
+                row.rn_ms = rn_best
+    report.load_after = _loadavg()
+    return report
+
+
+def _fmt(v: float | None, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3g}{unit}" if v < 100 else f"{v:.0f}{unit}"
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n:,}"
+
+
+def format_report(report: Report) -> str:
+    import torch
+
+    head = ("size", "mode", "RN copy_ ms", "eager ms", "eager/RN", "fused ms", "fused/RN", "goal",
+            "torchao SR ms", "torchao/fused")
+    lines = [head]
+    for r in report.rows:
+        goal = GOALS.get(r.mode)
+        verdict = "-" if goal is None else f"<={goal} {'ok' if r.fused_ratio <= goal else 'MISSED'}"
+        tao = None if r.torchao_ms is None else r.torchao_ms / r.fused_ms
+        lines.append((_size(r.size), r.mode, _fmt(r.rn_ms), _fmt(r.eager_ms), _fmt(r.eager_ratio, "x"),
+                      _fmt(r.fused_ms), _fmt(r.fused_ratio, "x"), verdict, _fmt(r.torchao_ms),
+                      "-" if tao is None else f"{tao:.1f}x {'ok' if tao >= TORCHAO_GOAL else 'MISSED'}"))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines]
+    table.insert(1, "  ".join("-" * w for w in widths))
+    build = "" if report.build_s is None else f", kernel ready in {report.build_s:.1f} s"
+    header = [f"faircast-ds cast benchmark: {report.machine}; torch {torch.__version__}, {report.threads} threads",
+              f"fused backend: {report.backend}{build}; torchao: {report.torchao}; "
+              f"load average before/after: {report.load_before} / {report.load_after}",
+              "ratios are against a round-to-nearest bf16.copy_(fp32) of the same tensor (the memory floor); "
+              "min of repeats"]
+    return "\n".join(header + [""] + table)
+
+
+def to_json(report: Report) -> dict:
+    import torch
+
+    data = asdict(report)
+    data["torch"] = torch.__version__
+    for row, r in zip(data["rows"], report.rows):
+        row["fused_ratio"] = r.fused_ratio
+        row["eager_ratio"] = r.eager_ratio
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``faircast-ds bench`` (see ``faircast_ds.cli``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="faircast-ds bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
+    parser.add_argument("--quick", action="store_true", help="skip the 64M size (about 20 s instead of ~2 min)")
+    parser.add_argument("--sizes", type=int, nargs="+", help="element counts to measure (overrides the default)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats of the copy and the fused path")
+    parser.add_argument("--no-eager", action="store_true", help="skip the (slow) eager torch path")
+    parser.add_argument("--no-torchao", action="store_true", help="skip torchao's SR even if importable")
+    parser.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
+
+
+def run_cli(args) -> int:  # type: ignore[no-untyped-def]
+    import sys
+
+    sizes = tuple(args.sizes) if args.sizes else (DEFAULT_SIZES[:2] if args.quick else DEFAULT_SIZES)
+    report = run(sizes, modes=tuple(args.modes), repeats=args.repeats, eager=not args.no_eager,
+                 torchao=not args.no_torchao, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(format_report(report))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(to_json(report), f, indent=2)
+    return 0

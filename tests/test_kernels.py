@@ -1,0 +1,375 @@
+"""The fused kernels (faircast_ds.kernels) against the definition, faircast_ds.casts.cast, bit for bit.
+
+The CPU kernel is built once per session (module fixture, ~6 s with g++ on two cores). Where it
+cannot be built, or under FAIRCAST_DS_KERNELS=eager (how CI simulates a machine without a
+compiler), the kernel tests skip and the fallback tests still run. The Triton kernel is checked on
+CUDA where there is one, and in Triton's CPU interpreter where Triton is installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from faircast_ds import kernels
+from faircast_ds.casts import MODES, bf16_bits, cast, cast_into, fp32_bits
+from faircast_ds.kernels import cpu
+from faircast_ds.reference import cast_reference
+
+from test_casts import awkward_values, from_bits, specials
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS_SEEDS_STARTS = [  # (seed, step, start): small, and past 2^32 in every word
+    (7, 3, 0),
+    (0, 1, 11),
+    (2**40 + 3, 2**33 + 5, 2**32 - 700),  # the index crosses 2^32 inside the tensor
+    (123, 2**32, 2**32),
+    (2**63 - 1, 2**63 - 1, 2**45 + 17),
+]
+
+
+def awkward() -> torch.Tensor:
+    return torch.cat([awkward_values(1500), specials(), awkward_values(40, seed=3)])
+
+
+def run_cast(x, mode, *, seed, step, start, residual=None):
+    return cast(x, mode, seed=seed, step=step, name="blocks.0.w", start=start, residual=residual)
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    g, w = bf16_bits(got), bf16_bits(want)
+    if not torch.equal(g, w):
+        bad = (g != w).nonzero()[:5, 0].tolist()
+        raise AssertionError(f"{what}: {int((g != w).sum())} elements differ, first at {bad}: "
+                             f"got {[hex(v) for v in g[bad].tolist()]}, want {[hex(v) for v in w[bad].tolist()]}")
+
+
+def expected_counts(old: torch.Tensor, new: torch.Tensor) -> tuple[int, int]:
+    return int((bf16_bits(old) != bf16_bits(new)).sum()), int((~torch.isfinite(new.float())).sum())
+
+
+@pytest.fixture(scope="module")
+def fused(request) -> str:
+    """The CPU kernel, built once; skips when the session asks for the eager path or cannot build."""
+    if kernels.requested_backend() == "eager":
+        pytest.skip("FAIRCAST_DS_KERNELS=eager: the fused CPU kernel is not used in this session")
+    if not cpu.available():
+        pytest.skip(f"fused CPU kernel unavailable: {cpu.unavailable_reason()}")
+    return "native"
+
+
+@pytest.fixture(scope="module")
+def archs(fused) -> list[str]:
+    """native, plus an AVX2 build on x86 machines whose native build is wider (the generic vector
+    code path: 8 lanes and no mask registers)."""
+    found = [fused]
+    if platform.machine() in ("x86_64", "AMD64") and "avx512f" in open("/proc/cpuinfo").read():
+        try:
+            cpu.load("x86-64-v3")
+            found.append("x86-64-v3")
+        except cpu.KernelUnavailable:
+            pass
+    return found
+
+
+def fused_cast(out, x, mode, *, seed, step, start, residual=None, arch="native"):
+    """The kernel itself (not the dispatcher), for a given build."""
+    key = kernels.noise_key(mode, seed=seed, step=step, name="blocks.0.w")
+    return cpu.cast_into(out, x, mode, key=key, start=start, residual=residual, arch=arch)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_equals_cast_bitwise(archs, mode):
+    x = awkward()
+    for arch in archs:
+        for seed, step, start in STEPS_SEEDS_STARTS:
+            r_want = torch.randn_like(x) * 1e-4 if mode == "error_feedback" else None
+            r_got = r_want.clone() if r_want is not None else None
+            old = cast(x * 1.001, "nearest", seed=0, step=0, name="w")  # a previous step's bits
+            want = run_cast(x, mode, seed=seed, step=step, start=start, residual=r_want)
+            out = old.clone()
+            counts = fused_cast(out, x, mode, seed=seed, step=step, start=start, residual=r_got, arch=arch)
+            what = f"{arch} {mode} seed={seed} step={step} start={start}"
+            assert_bits_equal(out, want, what)
+            assert counts == expected_counts(old, want), what
+            if r_want is not None:
+                assert torch.equal(fp32_bits(r_got), fp32_bits(r_want)), what
+
+
+def test_error_feedback_residual_chain(archs):
+    """Several steps of error feedback, the residual carried by each path, masters moving, some
+    becoming non-finite and coming back, residuals large enough to push to the top of the range."""
+    g = torch.Generator().manual_seed(5)
+    base = awkward()
+    for arch in archs:
+        e_want = torch.zeros_like(base)
+        e_got = torch.zeros_like(base)
+        out = torch.zeros(base.shape, dtype=torch.bfloat16)
+        for t in range(6):
+            x = base * (1 + 1e-3 * t) + torch.randn(base.shape, generator=g) * 1e-6
+            if t == 3:
+                e_want[:50] = 1e30
+                e_got[:50] = 1e30
+                e_want[50:60] = torch.finfo(torch.float32).tiny / 3  # subnormal residuals
+                e_got[50:60] = torch.finfo(torch.float32).tiny / 3
+            old = out.clone()
+            want = run_cast(x, "error_feedback", seed=0, step=t, start=0, residual=e_want)
+            counts = fused_cast(out, x, "error_feedback", seed=0, step=t, start=0, residual=e_got, arch=arch)
+            assert_bits_equal(out, want, f"{arch} step {t}")
+            assert torch.equal(fp32_bits(e_got), fp32_bits(e_want)), f"{arch} residual after step {t}"
+            assert counts == expected_counts(old, want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_equals_slow_reference(fused, mode):
+    x = torch.cat([awkward_values(300, seed=9), specials()])
+    e_ref = torch.randn_like(x) * 1e-4 if mode == "error_feedback" else None
+    e_got = e_ref.clone() if e_ref is not None else None
+    ref = cast_reference(x, mode, seed=3, step=2**33 + 1, name="blocks.0.w", start=2**32 - 5, residual=e_ref)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    cast_into(out, x, mode, seed=3, step=2**33 + 1, name="blocks.0.w", start=2**32 - 5, residual=e_got)
+    nan = torch.isnan(x)
+    assert_bits_equal(out[~nan], ref[~nan], mode)
+    assert torch.isnan(out[nan].float()).all()
+    if mode != "nearest":  # nearest's NaN bits are torch's, which the reference leaves open
+        assert_bits_equal(out[nan], ref[nan], f"{mode} NaN bits")
+    if e_ref is not None:
+        assert torch.equal(fp32_bits(e_got), fp32_bits(e_ref))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_odd_lengths_and_misaligned_views(fused, mode):
+    """Lengths around the vector width, views starting at odd elements of their buffers, each
+    operand misaligned differently; what lies outside the views is never touched."""
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(4200, generator=g) * 0.05
+    outs = torch.full((4200,), 7.0, dtype=torch.bfloat16)
+    rs = torch.randn(4200, generator=g) * 1e-5
+    for n in (0, 1, 2, 3, 7, 15, 16, 17, 31, 33, 63, 65, 127, 1000, 4097):
+        for x_off, o_off, r_off in ((0, 0, 0), (1, 3, 5), (13, 2, 7)):
+            x = xs.narrow(0, x_off, n)
+            out_buf = outs.clone()
+            res_buf = rs.clone()
+            out = out_buf.narrow(0, o_off, n)
+            res = res_buf.narrow(0, r_off, n) if mode == "error_feedback" else None
+            r_want = rs.narrow(0, r_off, n).clone() if res is not None else None
+            want = run_cast(x, mode, seed=1, step=9, start=x_off + 5, residual=r_want)
+            counts = cast_into(out, x, mode, seed=1, step=9, name="blocks.0.w", start=x_off + 5, residual=res)
+            what = f"{mode} n={n} offsets={x_off, o_off, r_off}"
+            assert_bits_equal(out, want, what)
+            assert counts == expected_counts(outs.narrow(0, o_off, n), want), what
+            untouched = torch.ones(4200, dtype=torch.bool)
+            untouched[o_off:o_off + n] = False
+            assert torch.equal(bf16_bits(out_buf[untouched]), bf16_bits(outs[untouched])), what
+            if res is not None:
+                assert torch.equal(fp32_bits(res), fp32_bits(r_want)), what
+                untouched = torch.ones(4200, dtype=torch.bool)
+                untouched[r_off:r_off + n] = False
+                assert torch.equal(res_buf[untouched], rs[untouched]), what
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_contiguous_operands(fused, mode):
+    g = torch.Generator().manual_seed(2)
+    xs = torch.randn(3001, generator=g) * 0.05
+    x = xs[1::3]
+    out_buf = torch.zeros(2 * x.numel() + 1, dtype=torch.bfloat16)
+    out = out_buf[1::2]
+    res_buf = torch.randn(2 * x.numel(), generator=g) * 1e-5
+    res_before = res_buf.clone()
+    res = res_buf[::2] if mode == "error_feedback" else None
+    r_want = res.clone() if res is not None else None
+    want = run_cast(x.contiguous(), mode, seed=4, step=4, start=2, residual=r_want)
+    counts = cast_into(out, x, mode, seed=4, step=4, name="blocks.0.w", start=2, residual=res)
+    assert_bits_equal(out, want, mode)
+    assert counts == expected_counts(torch.zeros_like(out), want)
+    assert torch.equal(bf16_bits(out_buf[0::2]), torch.zeros(x.numel() + 1, dtype=torch.int64))
+    if res is not None:
+        assert torch.equal(fp32_bits(res), fp32_bits(r_want))
+        assert torch.equal(fp32_bits(res_buf[1::2]), fp32_bits(res_before[1::2]))
+
+
+@pytest.mark.parametrize("mode", ("stochastic", "dither", "error_feedback"))
+def test_large_shard_many_threads_and_index_word_crossing(fused, mode):
+    """A shard big enough for several parallel chunks, whose indices cross 2^32 inside a chunk."""
+    g = torch.Generator().manual_seed(3)
+    n = 300_001
+    x = torch.randn(n, generator=g) * 0.05
+    x[::9973] = float("nan")
+    x[5::10007] = float("inf")
+    r_want = torch.randn(n, generator=g) * 1e-5 if mode == "error_feedback" else None
+    r_got = r_want.clone() if r_want is not None else None
+    start = 2**32 - 123_456
+    want = run_cast(x, mode, seed=11, step=2**32 + 1, start=start, residual=r_want)
+    out = torch.zeros(n, dtype=torch.bfloat16)
+    counts = cast_into(out, x, mode, seed=11, step=2**32 + 1, name="blocks.0.w", start=start, residual=r_got)
+    assert_bits_equal(out, want, mode)
+    assert counts == expected_counts(torch.zeros(n, dtype=torch.bfloat16), want)
+    assert counts[1] > 0
+    if r_want is not None:
+        assert torch.equal(fp32_bits(r_got), fp32_bits(r_want))
+
+
+def test_counts_track_changes_between_steps(fused):
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(4)) * 0.05
+    out = torch.empty(10_000, dtype=torch.bfloat16)
+    cast_into(out, x, "dither", seed=1, step=1, name="w")
+    assert cast_into(out, x, "dither", seed=1, step=2, name="w") == (0, 0), "dither is fixed across steps"
+    before = out.clone()
+    changed, nonfinite = cast_into(out, x, "stochastic", seed=1, step=3, name="w")
+    assert changed == int((bf16_bits(before) != bf16_bits(out)).sum()) and changed > 0
+    assert nonfinite == 0
+    x[7] = float("nan")
+    x[8] = -float("inf")
+    x[9] = 3.0e38  # near the top: stays finite, as round-to-nearest does
+    assert cast_into(out, x, "stochastic", seed=1, step=3, name="w") == (3, 2)
+
+
+def test_signed_zero_ties_follow_torchs_vector_clamp(fused):
+    """Error feedback clamps RN(x + e) between x's neighbours. When RN(x + e) is a zero of the other
+    sign than a zero neighbour, torch's vectorized clamp returns the neighbour (its scalar tail
+    returns the other zero, which is not a neighbour of x). The kernel always takes the neighbour;
+    64 elements keep all of torch's result in its vectorized loop."""
+    x = from_bits([0x80000001, 0x00000001] * 32)  # -/+ 1.4e-45: neighbours (-0, -tiny), (+0, +tiny)
+    e = from_bits([0x00000001, 0x80000001] * 32)  # x + e = +0.0 exactly for both
+    e_want, e_got = e.clone(), e.clone()
+    want = cast(x, "error_feedback", seed=0, step=0, name="w", residual=e_want)
+    out = torch.empty(64, dtype=torch.bfloat16)
+    cast_into(out, x, "error_feedback", seed=0, step=0, name="w", residual=e_got)
+    assert bf16_bits(out).tolist() == [0x8000, 0x0000] * 32
+    assert_bits_equal(out, want, "signed-zero ties")
+    assert torch.equal(fp32_bits(e_got), fp32_bits(e_want))
+
+
+def test_dispatch_and_arguments(fused, monkeypatch):
+    x = torch.randn(100)
+    with pytest.raises(TypeError, match="bf16 output"):
+        cast_into(torch.empty(100), x, "stochastic", seed=0, step=0, name="w")
+    with pytest.raises(TypeError, match="bf16 output"):
+        cast_into(torch.empty(99, dtype=torch.bfloat16), x, "stochastic", seed=0, step=0, name="w")
+    with pytest.raises(ValueError, match="unknown fair cast mode"):
+        cast_into(torch.empty(100, dtype=torch.bfloat16), x, "round", seed=0, step=0, name="w")
+    with pytest.raises(ValueError, match="non-negative"):
+        cast_into(torch.empty(100, dtype=torch.bfloat16), x, "stochastic", seed=-1, step=0, name="w")
+    with pytest.raises(ValueError, match="non-negative"):
+        cast_into(torch.empty(100, dtype=torch.bfloat16), x, "stochastic", seed=0, step=0, name="w", start=-1)
+    buf = torch.zeros(200)
+    with pytest.raises(ValueError, match="share memory"):
+        cast_into(buf[:100].view(torch.bfloat16)[:100], buf[10:110], "nearest", seed=0, step=0, name="w")
+    assert kernels.backend_for(torch.device("cpu")) == "cpp"
+    monkeypatch.setenv(kernels.ENV_VAR, "cpp")
+    assert kernels.backend_for(torch.device("cpu")) == "cpp"
+    monkeypatch.setenv(kernels.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="FAIRCAST_DS_KERNELS='fast'"):
+        cast_into(torch.empty(100, dtype=torch.bfloat16), x, "nearest", seed=0, step=0, name="w")
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    with pytest.raises(ValueError, match="cannot cast cpu tensors"):
+        cast_into(torch.empty(100, dtype=torch.bfloat16), x, "nearest", seed=0, step=0, name="w")
+
+
+# ---- the eager fallback: runs everywhere, compiler or not ----------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eager_fallback_equals_cast(monkeypatch, mode):
+    monkeypatch.setenv(kernels.ENV_VAR, "eager")
+    assert kernels.backend_for(torch.device("cpu")) == "eager"
+    x = awkward()
+    r_want = torch.randn_like(x) * 1e-4 if mode == "error_feedback" else None
+    r_got = r_want.clone() if r_want is not None else None
+    old = cast(x * 1.01, "nearest", seed=0, step=0, name="w")
+    want = run_cast(x, mode, seed=2, step=5, start=3, residual=r_want)
+    out = old.clone()
+    counts = cast_into(out, x, mode, seed=2, step=5, name="blocks.0.w", start=3, residual=r_got)
+    assert_bits_equal(out, want, mode)
+    assert counts == expected_counts(old, want)
+    if r_want is not None:
+        assert torch.equal(fp32_bits(r_got), fp32_bits(r_want))
+
+
+def test_no_compiler_falls_back_with_one_warning(monkeypatch):
+    """A machine without a C++ compiler: ``auto`` warns once and uses the eager path; forcing
+    ``cpp`` is an error that says why."""
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(cpu, "_modules", {})
+    monkeypatch.setattr(cpu, "_errors", {})
+    monkeypatch.setattr(kernels, "_warned", set())
+    x = torch.randn(1000) * 0.05
+    out = torch.empty(1000, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        cast_into(out, x, "stochastic", seed=1, step=1, name="w")
+    assert_bits_equal(out, cast(x, "stochastic", seed=1, step=1, name="w"), "fallback")
+    cast_into(out, x, "dither", seed=1, step=1, name="w")  # no second warning (pytest would not fail on one,
+    assert kernels._warned == {"cpp"}                          # but the set says it was not issued again)
+    monkeypatch.setenv(kernels.ENV_VAR, "cpp")
+    with pytest.raises(RuntimeError, match="FAIRCAST_DS_KERNELS=cpp but that kernel cannot run here"):
+        cast_into(out, x, "stochastic", seed=1, step=1, name="w")
+
+
+def test_bench_modes_match_casts_and_a_tiny_run_formats():
+    from faircast_ds.kernels import bench
+
+    assert bench.MODES == MODES
+    report = bench.run((4096,), modes=("nearest", "stochastic"), repeats=1, eager_repeats=1, torchao=False)
+    text = bench.format_report(report)
+    assert "fused/RN" in text and "stochastic" in text and len(report.rows) == 2
+
+
+# ---- Triton ------------------------------------------------------------------------------------
+
+TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and TRITON), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_equals_cast_on_cuda(mode):
+    x = awkward().cuda()
+    for seed, step, start in STEPS_SEEDS_STARTS:
+        r_want = torch.randn_like(x) * 1e-4 if mode == "error_feedback" else None
+        r_got = r_want.clone() if r_want is not None else None
+        old = cast(x * 1.001, "nearest", seed=0, step=0, name="w")
+        want = run_cast(x, mode, seed=seed, step=step, start=start, residual=r_want)
+        out = old.clone()
+        counts = cast_into(out, x, mode, seed=seed, step=step, name="blocks.0.w", start=start, residual=r_got)
+        assert_bits_equal(out.cpu(), want.cpu(), f"{mode} {seed} {step} {start}")
+        assert counts == expected_counts(old.cpu(), want.cpu())
+        if r_want is not None:
+            assert torch.equal(fp32_bits(r_got), fp32_bits(r_want))
+
+
+@pytest.mark.skipif(not TRITON, reason="Triton is not installed")
+def test_triton_kernel_in_the_cpu_interpreter(tmp_path):
+    """The Triton kernel's arithmetic on CPU (TRITON_INTERPRET=1), in a subprocess since the
+    interpreter is chosen when Triton is imported."""
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        from faircast_ds import kernels
+        from faircast_ds.casts import MODES, bf16_bits, cast, fp32_bits
+        from faircast_ds.kernels import triton_cast
+        from test_casts import awkward_values, specials
+        x = torch.cat([awkward_values(200), specials()])
+        for mode in MODES:
+            for seed, step, start in ((7, 3, 0), (2**40 + 3, 2**33 + 5, 2**32 - 100)):
+                e1 = torch.randn_like(x) * 1e-4 if mode == "error_feedback" else None
+                e2 = e1.clone() if e1 is not None else None
+                want = cast(x, mode, seed=seed, step=step, name="w", start=start, residual=e1)
+                out = torch.zeros(x.shape, dtype=torch.bfloat16)
+                key = kernels.noise_key(mode, seed=seed, step=step, name="w")
+                counts = triton_cast.cast_into(out, x, mode, key=key, start=start, residual=e2)
+                assert torch.equal(bf16_bits(out), bf16_bits(want)), mode
+                assert counts == (int((bf16_bits(want) != 0).sum()), int((~torch.isfinite(want.float())).sum()))
+                assert e1 is None or torch.equal(fp32_bits(e1), fp32_bits(e2)), mode
+        print("ok")
+    """))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
