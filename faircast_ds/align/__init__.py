@@ -20,7 +20,7 @@ _LAZY = {
     "AlignRoundingConfig": "faircast_ds.align.config",
     "align_model": "faircast_ds.align.patch",
     "AlignmentHandle": "faircast_ds.align.patch",
-    "UnsupportedModelError": "faircast_ds.align.patch",
+    "UnsupportedModelError": "faircast_ds.align.families",
     "apply_from_config": "faircast_ds.align.apply",
     "reference_logits": "faircast_ds.align.reference",
     "measure_mismatch": "faircast_ds.align.meter",

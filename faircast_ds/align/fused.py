@@ -3,14 +3,15 @@
 The forward is the reference forward of ``regions.py`` (same ops, same bits). The backward is the
 exact derivative of the fp32 math, computed in fp32 and rounded once per input; the rounding
 itself is treated as identity (straight-through), as autograd does for ``.to(bf16)``. What we
-gain over autograd of the reference is memory: only the bf16 inputs (and one fp32 scalar per row
-for the norm) are saved, instead of every fp32 intermediate.
+gain over autograd of the reference is memory: only the inputs (and one fp32 scalar per row for
+the norm) are saved, not every fp32 intermediate.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from faircast_ds.align.regions import rms_rstd, rmsnorm_one_rounding, swiglu_one_rounding, wide
@@ -25,14 +26,12 @@ class _FusedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         gate, up = ctx.saved_tensors
-        g, gw, uw = wide(grad), wide(gate), wide(up)
-        sig = torch.sigmoid(gw)
+        g, gw = wide(grad), wide(gate)
         d_gate = d_up = None
-        if ctx.needs_input_grad[0]:
-            # d silu(x)/dx = sigmoid(x) * (1 + x * (1 - sigmoid(x)))
-            d_gate = (g * uw * sig * (1 + gw * (1 - sig))).to(gate.dtype)
+        if ctx.needs_input_grad[0]:  # ``g * up`` promotes up to fp32 inside the kernel, exactly
+            d_gate = torch.ops.aten.silu_backward(g * up, gw).to(gate.dtype)
         if ctx.needs_input_grad[1]:
-            d_up = (g * gw * sig).to(up.dtype)
+            d_up = (g * F.silu(gw)).to(up.dtype)
         return d_gate, d_up
 
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from faircast_ds.align.patch import align_model, is_aligned
 from faircast_ds.align.profiles import REGIONS, check_regions, get_profile
 from faircast_ds.align.reference import reference_logits
+from faircast_ds.align.regions import wide
 
 
 @dataclass
@@ -61,8 +62,8 @@ class MismatchReport:
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
-    """fp32 log-prob of each next token: ``[B, T-1]`` from logits ``[B, T, V]``."""
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    """Log-prob (at least fp32) of each next token: ``[B, T-1]`` from logits ``[B, T, V]``."""
+    logp = F.log_softmax(wide(logits[:, :-1]), dim=-1)
     return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
@@ -92,7 +93,8 @@ def measure_mismatch(
         input_ids: ``[B, T]`` token ids, no padding.
         engine: the engine profile the reference forward follows.
         trainer_regions: regions to align on the trainer side for this measurement.
-        attribute: also fill ``region_share`` (one extra trainer forward per region).
+        attribute: also fill ``region_share`` and ``region_rms`` (per region that differs from
+            HF: one aligned trainer forward and one reference forward).
     """
     get_profile(engine)  # fail on an unknown engine before any work
     trainer_regions = check_regions(trainer_regions)
@@ -111,7 +113,9 @@ def measure_mismatch(
             shares, region_rms = _attribute(model, input_ids, engine, engine_lp) if attribute else ({}, {})
     finally:
         model.train(was_training)
-    return MismatchReport(engine, trainer_regions, engine_lp.numel(), **stats, region_share=shares, region_rms=region_rms)
+    return MismatchReport(
+        engine, trainer_regions, engine_lp.numel(), **stats, region_share=shares, region_rms=region_rms
+    )
 
 
 def _attribute(

@@ -122,6 +122,10 @@ VLLM_CUDA = EngineProfile(
     ),
 )
 
+# Inductor keeps bf16 pointwise intermediates in fp32 inside a fused kernel. Uncompiled, or with
+# TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1, forward_native rounds like HF in RoPE and SwiGLU and
+# norms the fp32 sum with two roundings; with an fp32 cos/sin cache the compiled RoPE would round
+# like SGLang's. tests/test_align_inductor.py checks these against the compiler.
 VLLM_INDUCTOR = EngineProfile(
     name="vllm-inductor",
     rope=Rounding(

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from faircast_ds.align.patch import SILU_NAMES, UnsupportedModelError, decoder_layers
+from faircast_ds.align.families import SILU_NAMES, UnsupportedModelError, decoder_layers
 from faircast_ds.align.profiles import REGIONS, EngineProfile, get_profile
 from faircast_ds.align.regions import add_rmsnorm, rmsnorm, rope, swiglu
 
@@ -36,7 +36,7 @@ def reference_logits(
     profile = get_profile(engine).restricted_to(regions)
     base = _base_model(model)
     _check_scope(base)
-    batch, length = input_ids.shape
+    length = input_ids.shape[1]
     positions = torch.arange(length, device=input_ids.device)[None]
     cos, sin = _rope_table(base.rotary_emb, positions)
     mask = _causal_mask(length, base.embed_tokens.weight.dtype, input_ids.device)

@@ -51,7 +51,7 @@ def swiglu(gate: Tensor, up: Tensor, rounding: Rounding) -> Tensor:
 
 def swiglu_one_rounding(gate: Tensor, up: Tensor) -> Tensor:
     """fp32 ``silu(gate) * up``, rounded once to ``gate.dtype``."""
-    return (F.silu(wide(gate)) * wide(up)).to(gate.dtype)
+    return (F.silu(wide(gate)) * up).to(gate.dtype)  # the product promotes ``up`` exactly
 
 
 def rms_rstd(xw: Tensor, eps: float) -> Tensor:
@@ -72,7 +72,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, rounding: Rounding) -> Tensor
     residual sum that a fused add+norm kernel keeps in registers.
     """
     if not rounding.fused:
-        xw = x.to(torch.float32)
+        xw = x.to(torch.float32)  # HF casts to fp32 exactly (even from fp64)
         return weight * (xw * rms_rstd(xw, eps)).to(x.dtype)
     xw = wide(x)
     return rmsnorm_one_rounding(xw, rms_rstd(xw, eps), weight)
