@@ -67,15 +67,18 @@ def fused(request) -> str:
 
 @pytest.fixture(scope="module")
 def archs(fused) -> list[str]:
-    """native, plus an AVX2 build on x86 machines whose native build is wider (the generic vector
-    code path: 8 lanes and no mask registers)."""
+    """native, plus on x86 the narrower builds: AVX2 (8 lanes, no mask registers) and SSE4.2 (4
+    lanes, the portable code), whichever native is not already."""
     found = [fused]
-    if platform.machine() in ("x86_64", "AMD64") and "avx512f" in open("/proc/cpuinfo").read():
-        try:
-            cpu.load("x86-64-v3")
-            found.append("x86-64-v3")
-        except cpu.KernelUnavailable:
-            pass
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags = open("/proc/cpuinfo").read()
+        for arch, flag in (("x86-64-v3", "avx512f"), ("x86-64-v2", "avx2")):
+            if flag in flags:
+                try:
+                    cpu.load(arch)
+                    found.append(arch)
+                except cpu.KernelUnavailable:
+                    pass
     return found
 
 

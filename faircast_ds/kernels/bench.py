@@ -204,6 +204,14 @@ def format_report(report: Report) -> str:
               f"load average before/after: {report.load_before} / {report.load_after}",
               "ratios are against a round-to-nearest bf16.copy_(fp32) of the same tensor (the memory floor); "
               "min of repeats"]
+    try:
+        busy = os.getloadavg()[0] > 0.5 and report.threads > 1
+    except OSError:
+        busy = False
+    if busy:
+        header.append(f"note: other processes were running (load {report.load_before}); with {report.threads} "
+                      "threads every parallel region waits for a time slice, so small sizes are noisy "
+                      "(--threads 1 measures one core alone)")
     return "\n".join(header + [""] + table)
 
 
@@ -234,6 +242,7 @@ def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats of the copy and the fused path")
     parser.add_argument("--no-eager", action="store_true", help="skip the (slow) eager torch path")
     parser.add_argument("--no-torchao", action="store_true", help="skip torchao's SR even if importable")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads for every path (default: torch's)")
     parser.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
 
 
@@ -241,6 +250,10 @@ def run_cli(args) -> int:  # type: ignore[no-untyped-def]
     import sys
 
     sizes = tuple(args.sizes) if args.sizes else (DEFAULT_SIZES[:2] if args.quick else DEFAULT_SIZES)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     report = run(sizes, modes=tuple(args.modes), repeats=args.repeats, eager=not args.no_eager,
                  torchao=not args.no_torchao, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_report(report))

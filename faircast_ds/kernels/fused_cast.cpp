@@ -13,11 +13,11 @@
 // padding lanes count neither as changed nor as non-finite.
 //
 // Why it is shaped this way (measured on a 2-core AMD EPYC with AVX-512, see benchmarks/): the
-// hash is 4 vector multiplies and ~10 shifts per vector, and with the rounding it keeps the
-// vector ports busy for about as long as DRAM needs to stream the bytes. The two counts must not
-// add to that: "changed" is a mask popcount on the scalar ports where AVX-512BW has the masks,
-// and "non-finite" is one running max per vector, recounted exactly only for a block whose max
-// says it holds a NaN or Inf (rare).
+// hash alone is 4 vector multiplies and ~10 shifts per vector, which keeps the vector ports about
+// as busy as DRAM is streaming the bytes, so everything else must be nearly free. The selects for
+// near-overflow values, Inf and NaN run only for vectors that hold such a lane (one compare and a
+// predictable branch decide); "changed" is a mask popcount on the scalar ports where AVX-512BW
+// has masks; "non-finite" is counted only in vectors that took the exact path.
 
 #include <ATen/Parallel.h>
 #include <pybind11/pybind11.h>
@@ -29,7 +29,7 @@
 #include <stdexcept>
 #include <type_traits>
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -56,7 +56,8 @@ constexpr uint32_t kRnOverflow = 0x7F7F8000u;  // smallest |x| bits that round-t
 constexpr uint32_t kInf16 = 0x7F80u;
 constexpr uint32_t kQuiet16 = 0x0040u;
 
-// Elements per inner call: keeps the high word of the index constant and the counters in 32 bits.
+// Blocks end at multiples of kBlock in the element index: the high word of the index and the high
+// half of its low word stay constant over a block (see Noise), and the lane counters fit 16 bits.
 constexpr int64_t kBlock = int64_t{1} << 16;
 constexpr int64_t kGrain = int64_t{1} << 15;  // what ATen's own elementwise kernels use
 
@@ -91,43 +92,71 @@ template <class To, class From>
   return x;
 }
 
+// mix32 without its first step (x ^= x >> 16), for an x whose high half is known to the caller.
+[[gnu::always_inline]] inline u32v mix32_after_first_step(u32v x) {
+  x *= kM1;
+  x ^= x >> 15;
+  x *= kM2;
+  x ^= x >> 15;
+  return x;
+}
+
 [[gnu::always_inline]] inline u32v splat(uint32_t v) { return u32v{} + v; }
+
+// Whether any lane of v is >= t (unsigned). One compare and a mask test where the ISA has them.
+[[gnu::always_inline]] inline bool any_at_least(const u32v& v, uint32_t t) {
+#if defined(__AVX512F__)
+  __m512i a;
+  std::memcpy(&a, &v, sizeof a);
+  return _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(t))) != 0;
+#elif defined(__AVX2__)
+  __m256i a;
+  std::memcpy(&a, &v, sizeof a);
+  const __m256i bias = _mm256_set1_epi32(static_cast<int>(0x80000000u));  // unsigned compare via signed
+  const __m256i ge = _mm256_cmpgt_epi32(_mm256_xor_si256(a, bias),
+                                        _mm256_set1_epi32(static_cast<int>((t - 1u) ^ 0x80000000u)));
+  return !_mm256_testz_si256(ge, ge);
+#else
+  bool any = false;
+  for (int i = 0; i < kLanes; ++i) any |= v[i] >= t;
+  return any;
+#endif
+}
+
+// Lanes whose magnitude bits reach this may round to Inf, be Inf or NaN: vectors holding one take
+// the exact path of the specification; all other vectors skip its selects (and cannot produce a
+// non-finite output, so they need no non-finite count). 0x7F7F0000 is below every such value.
+constexpr uint32_t kRare = 0x7F7F0000u;
 
 // Gathers the two counts of one block.
 class Counts {
  public:
-  [[gnu::always_inline]] void add(const u16v& old16, const u16v& new16) {
+  [[gnu::always_inline]] void add(const u16v& old16, const u16v& new16, bool rare) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
     static_assert(kLanes == 16);
     __m256i a, b;
     std::memcpy(&a, &old16, sizeof a);
     std::memcpy(&b, &new16, sizeof b);
-    changed_ += __builtin_popcount(_mm256_cmpneq_epu16_mask(a, b));
+    changed_ += __builtin_popcount(_mm256_cmpneq_epu16_mask(a, b));  // on the scalar ports
 #else
     changed_lanes_ -= old16 != new16;  // -1 in lanes that differ; at most kBlock / kLanes per lane
 #endif
-    const u16v magnitude = new16 & 0x7FFFu;
-    top_ = top_ > magnitude ? top_ : magnitude;
+    if (__builtin_expect(rare, 0)) {
+      for (int i = 0; i < kLanes; ++i) nonfinite_ += (new16[i] & kInf16) == kInf16;
+    }
   }
 
-  // The block's counts, once its outputs are in `out[0, n)`.
-  void finish(const uint16_t* out, int64_t n, int64_t& changed, int64_t& nonfinite) const {
+  void finish(int64_t& changed, int64_t& nonfinite) const {
     int64_t ch = changed_;
-    uint16_t top = 0;
-    for (int i = 0; i < kLanes; ++i) {
-      ch += static_cast<uint16_t>(changed_lanes_[i]);  // counts up to 65536 / kLanes fit 16 bits
-      top = std::max<uint16_t>(top, top_[i]);
-    }
+    for (int i = 0; i < kLanes; ++i) ch += static_cast<uint16_t>(changed_lanes_[i]);  // fits 16 bits
     changed += ch;
-    if (top >= kInf16) {  // some output is NaN or Inf: count them exactly
-      for (int64_t k = 0; k < n; ++k) nonfinite += (out[k] & kInf16) == kInf16;
-    }
+    nonfinite += nonfinite_;
   }
 
  private:
   int64_t changed_ = 0;
+  int64_t nonfinite_ = 0;
   i16v changed_lanes_{};
-  u16v top_{};
 };
 
 // Round-to-nearest-even, as torch's fp32 -> bf16 conversion; NaN becomes `nan16` (torch's choice,
@@ -135,29 +164,36 @@ class Counts {
 struct Nearest {
   uint32_t nan16;
 
-  u32v operator()(const u32v& b) const {
+  [[gnu::always_inline]] u32v operator()(const u32v& b, bool& rare) const {
     const u32v o = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-    return (b & kAbs) > kInfBits ? splat(nan16) : o;
+    const u32v mag = b & kAbs;
+    rare = any_at_least(mag, kRare);
+    return rare ? (mag > kInfBits ? splat(nan16) : o) : o;
   }
 };
 
 // Stochastic rounding and dither (casts.round_with_noise): add the element's 16 noise bits to the
 // magnitude and truncate; where round-to-nearest stays finite the carry may not reach Inf.
 struct Noise {
-  uint32_t key;
-  uint32_t hi;  // high word of the element index, constant over a block
+  // A block never crosses a multiple of 2^16 in the element index, so over a block the high half
+  // of (index_lo ^ key) is constant and mix32's first step, x ^= x >> 16, is one XOR with
+  // `key_folded` = key ^ ((index_lo ^ key) >> 16).
+  uint32_t key_folded;
+  uint32_t hi;  // high word of the element index
 
-  u32v operator()(const u32v& b, const u32v& index_lo) const {
-    const u32v noise = mix32(mix32(index_lo ^ key) ^ hi) >> 16;
+  [[gnu::always_inline]] u32v operator()(const u32v& b, const u32v& index_lo, bool& rare) const {
+    const u32v noise = mix32(mix32_after_first_step(index_lo ^ key_folded) ^ hi) >> 16;
     const u32v mag = b & kAbs;
+    const u32v top = b >> 16;
+    const u32v sum = mag + noise;
+    rare = any_at_least(mag, kRare);
+    if (__builtin_expect(!rare, 1)) return (top & 0x8000u) | (sum >> 16);  // no carry can reach Inf
     // Below the overflow threshold the sum may not pass 0x7F7FFFFF (a carry there could only make
     // 0x7F80 = Inf, where the specification keeps mag >> 16 = 0x7F7F); at or above it (Inf and
     // NaN included) the limit is all ones and never binds. mag < 2^31, so the sign of
     // mag + 0x808000 says which side of 0x7F7F8000 mag is on.
     const u32v limit = splat(0x7F7FFFFFu) | bits<u32v>(bits<i32v>(mag + 0x00808000u) >> 31);
-    const u32v sum = mag + noise;
     const u32v r = (sum < limit ? sum : limit) >> 16;
-    const u32v top = b >> 16;
     return mag > kInfBits ? (top | kQuiet16) : ((top & 0x8000u) | r);
   }
 };
@@ -168,7 +204,7 @@ struct Noise {
 struct ErrorFeedback {
   uint32_t nan16;
 
-  u32v operator()(const u32v& b, f32v& residual) const {
+  [[gnu::always_inline]] u32v operator()(const u32v& b, f32v& residual, bool& rare) const {
     const f32v xv = bits<f32v>(b);
     const u32v mag = b & kAbs;
     const u32v t = b >> 16;
@@ -181,6 +217,14 @@ struct ErrorFeedback {
     const f32v yr = bits<f32v>((yb + 0x7FFFu + ((yb >> 16) & 1u)) & 0xFFFF0000u);  // RN(y) as fp32
     f32v s = yr > mn ? yr : mn;
     s = s < mx ? s : mx;
+    // With |x| and |x + e| below kRare every value here is finite: no Inf, no NaN to handle.
+    rare = any_at_least(mag | (yb & kAbs), kRare);
+    if (__builtin_expect(!rare, 1)) {
+      const f32v r_new = y - s;
+      const i32v keep = (bits<u32v>(r_new) & kInfBits) != kInfBits;  // y - s can still overflow
+      residual = bits<f32v>(bits<u32v>(r_new) & bits<u32v>(keep));
+      return bits<u32v>(s) >> 16;
+    }
     s = ((bits<u32v>(s) & kAbs) == kInfBits) & (mag < kRnOverflow) ? lo : s;
     const f32v r_new = y - s;
     const i32v keep = (mag < kInfBits) & ((bits<u32v>(r_new) & kInfBits) != kInfBits);  // NaN y: NaN r_new
@@ -204,17 +248,18 @@ void run_block(const Op& op, const float* x, uint16_t* out, float* res, int64_t 
     const u32v b = load<u32v>(xp);
     const u16v old16 = load<u16v>(op16);
     u32v o;
+    bool rare;
     if constexpr (std::is_same_v<Op, Noise>) {
-      o = op(b, index);
+      o = op(b, index, rare);
     } else if constexpr (std::is_same_v<Op, ErrorFeedback>) {
       f32v r = load<f32v>(rp);
-      o = op(b, r);
+      o = op(b, r, rare);
       store(rp, r);
     } else {
-      o = op(b);
+      o = op(b, rare);
     }
     const u16v o16 = __builtin_convertvector(o, u16v);
-    c.add(old16, o16);
+    c.add(old16, o16, rare);
     store(op16, o16);
     index += static_cast<uint32_t>(kLanes);
   };
@@ -231,7 +276,7 @@ void run_block(const Op& op, const float* x, uint16_t* out, float* res, int64_t 
     std::memcpy(out + k, ob, m * sizeof(uint16_t));
     if (res) std::memcpy(res + k, rb, m * sizeof(float));
   }
-  c.finish(out, n, changed, nonfinite);
+  c.finish(changed, nonfinite);
 }
 
 // Casts elements [0, n) of a contiguous shard holding indices [start, start + n) of one parameter.
@@ -251,7 +296,7 @@ pybind11::tuple cast_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr, uint
       for (int64_t p = begin; p < end;) {
         const auto index = static_cast<uint64_t>(start + p);
         const uint64_t lo = index & 0xFFFFFFFFu;
-        const int64_t m = std::min<int64_t>({end - p, kBlock, static_cast<int64_t>((uint64_t{1} << 32) - lo)});
+        const int64_t m = std::min<int64_t>(end - p, kBlock - static_cast<int64_t>(index % kBlock));
         float* r = res ? res + p : nullptr;
         switch (mode) {
           case kNearest:
@@ -259,8 +304,9 @@ pybind11::tuple cast_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr, uint
             break;
           case kStochastic:
           case kDither:
-            run_block(Noise{static_cast<uint32_t>(key), static_cast<uint32_t>(index >> 32)}, x + p, out + p, r, m,
-                      static_cast<uint32_t>(lo), ch, nf);
+            run_block(Noise{static_cast<uint32_t>(key) ^ ((static_cast<uint32_t>(lo) ^ static_cast<uint32_t>(key)) >> 16),
+                            static_cast<uint32_t>(index >> 32)},
+                      x + p, out + p, r, m, static_cast<uint32_t>(lo), ch, nf);
             break;
           case kErrorFeedback:
             run_block(ErrorFeedback{static_cast<uint32_t>(nan16)}, x + p, out + p, r, m, 0, ch, nf);
