@@ -19,6 +19,7 @@ from faircast_ds.adapters import Adapter, adapter_for
 from faircast_ds.adapters.support import check_supported, engine_config, raw_config
 from faircast_ds.checkpoint import FairCastStateError, publish_restored, reset_state, restore_state, save_state
 from faircast_ds.config import FairCastConfig, find_section
+from faircast_ds.diagnostics import Diagnostics
 from faircast_ds.shard_caster import ShardCaster
 
 logger = logging.getLogger("faircast_ds")
@@ -32,6 +33,15 @@ class FairCast:
     config: FairCastConfig
     caster: ShardCaster
     adapter: Adapter
+    diagnostics: Diagnostics | None = None
+    alignment: Any = None  # faircast_ds.align.AlignmentHandle when fair_cast.align_rounding is set
+
+    def report(self) -> dict[str, float]:
+        """S1, the master-served gap and the lag at the current step (a collective: call on every rank).
+        See faircast_ds.diagnostics."""
+        if self.diagnostics is None:
+            raise RuntimeError("fair_cast.diagnostics.every is 0: diagnostics are off")
+        return self.diagnostics.compute(self.adapter.flat_groups(), self.caster.last, self.caster.step)
 
     def stats(self) -> dict[str, float]:
         """The last cast's counts, summed over all ranks (a collective: call it on every rank)."""
@@ -73,11 +83,44 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None
     caster = ShardCaster(config)
     adapter = adapter_for(engine, caster)
     fair_cast = FairCast(config, caster, adapter)
+    if config.diagnostics.every > 0:
+        fair_cast.diagnostics = caster.observer = Diagnostics(config.diagnostics)
+        _wrap_step_for_diagnostics(engine, fair_cast)
+    if config.align_rounding is not None:
+        from faircast_ds.align import apply_from_config
+
+        fair_cast.alignment = apply_from_config(engine.module, config.align_rounding)
     setattr(engine, _ENGINE_ATTR, fair_cast)
     _wrap_checkpointing(engine, fair_cast)
+    align = (f" align_rounding={config.align_rounding.engine}[{','.join(config.align_rounding.regions)}]"
+             if config.align_rounding else "")
     _log_rank0(f"[fair_cast] active: mode={config.mode} zero_stage={adapter.zero_stage} seed={config.seed} "
-               f"local_shard_elements={adapter.local_numel()} on_nonfinite={config.on_nonfinite}")
+               f"local_shard_elements={adapter.local_numel()} on_nonfinite={config.on_nonfinite}{align}")
     return fair_cast
+
+
+def _wrap_step_for_diagnostics(engine: Any, fair_cast: FairCast) -> None:
+    """After every ``every``-th optimizer step: reduce the figures, log one line, feed DeepSpeed's monitor."""
+    step = engine.step
+    every = fair_cast.config.diagnostics.every
+    reported = {"step": -1}
+
+    @functools.wraps(step)
+    def step_and_report(*args: Any, **kwargs: Any) -> Any:
+        result = step(*args, **kwargs)
+        now = fair_cast.caster.step
+        if now != reported["step"] and now % every == 0:
+            reported["step"] = now
+            figures = fair_cast.report()
+            if fair_cast.config.diagnostics.log:
+                _log_rank0(f"[fair_cast] step {now}: served changed {100 * figures['changed_fraction']:.3f}% | "
+                           f"gap {figures['gap_spacings']:.3f} spacings | lag {figures['lag_steps']:.0f} steps")
+            monitor = getattr(engine, "monitor", None)
+            if monitor is not None and getattr(monitor, "enabled", False):
+                monitor.write_events([(f"fair_cast/{k}", v, now) for k, v in figures.items() if k != "step"])
+        return result
+
+    engine.step = step_and_report
 
 
 def _wrap_checkpointing(engine: Any, fair_cast: FairCast) -> None:

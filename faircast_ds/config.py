@@ -7,9 +7,12 @@ the key and what would have been accepted.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal, Mapping
+import typing
+from typing import Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from faircast_ds.align.config import AlignRoundingConfig
 
 SECTION = "fair_cast"
 
@@ -20,6 +23,18 @@ MissingStatePolicy = Literal["error", "reset"]
 
 class FairCastConfigError(ValueError):
     """The ``fair_cast`` section is malformed; the message names each offending key."""
+
+
+class DiagnosticsConfig(BaseModel):
+    """``fair_cast.diagnostics``: every (steps between reports; 0 turns diagnostics off), sample
+    (1 in ``sample_period`` elements is tracked for the lag), horizon (steps of history)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    every: int = Field(default=10, ge=0)
+    sample_period: int = Field(default=64, ge=1)
+    horizon: int = Field(default=256, ge=2, le=4096)
+    log: bool = True
 
 
 class FairCastConfig(BaseModel):
@@ -40,6 +55,8 @@ class FairCastConfig(BaseModel):
     seed: int = Field(default=0, ge=0, lt=2**63)
     on_nonfinite: NonFinitePolicy = "error"
     on_missing_state: MissingStatePolicy = "error"
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+    align_rounding: Optional[AlignRoundingConfig] = None
 
     @classmethod
     def from_section(cls, section: Any) -> "FairCastConfig":
@@ -61,25 +78,62 @@ def find_section(ds_config: Mapping[str, Any] | None) -> FairCastConfig | None:
     return FairCastConfig.from_section(ds_config[SECTION])
 
 
-def _accepted(field: str) -> str:
-    annotation = FairCastConfig.model_fields[field].annotation
-    args = getattr(annotation, "__args__", None)
+_PLAIN = {bool: "true or false", int: "an integer"}
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The config model behind a field's annotation (``Optional[Model]`` included), if any."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _field_model(path: tuple) -> type[BaseModel]:
+    """The config model that owns the key at ``path`` (a pydantic error location)."""
+    model: type[BaseModel] = FairCastConfig
+    for part in path:
+        field = model.model_fields.get(str(part))
+        sub = _submodel(field.annotation) if field is not None else None
+        if sub is None:
+            break
+        model = sub
+    return model
+
+
+def _accepted(model: type[BaseModel], field: str) -> str:
+    info = model.model_fields.get(field)
+    if info is None:  # an error inside a list or similar: pydantic's own words say it best
+        return "a valid value"
+    sub = _submodel(info.annotation)
+    if sub is not None:
+        return "an object with keys " + ", ".join(sub.model_fields)
+    args = getattr(info.annotation, "__args__", None)
     if args and all(isinstance(a, str) for a in args):
         return "one of " + ", ".join(args)
-    return {"enabled": "true or false", "seed": "an integer in [0, 2^63)"}.get(field, str(annotation))
+    bounds = [f"{op} {m.ge if op == '>=' else m.lt if op == '<' else m.le}" for m in info.metadata
+              for op in (">=", "<", "<=") if getattr(m, {">=": "ge", "<": "lt", "<=": "le"}[op], None) is not None]
+    plain = _PLAIN.get(info.annotation, str(info.annotation))
+    return plain + (f" ({', '.join(bounds)})" if bounds else "")
 
 
-def _describe(exc: ValidationError, section: Mapping[str, Any]) -> str:
-    keys = list(FairCastConfig.model_fields)
+def _describe(exc: ValidationError, section: Any) -> str:
     lines = []
     for err in exc.errors():
-        field = str(err["loc"][0]) if err["loc"] else ""
+        loc = tuple(err["loc"])
+        path = ".".join([SECTION, *map(str, loc)])
+        owner = _field_model(loc[:-1])
+        field = str(loc[-1]) if loc else ""
         if err["type"] == "extra_forbidden":
+            keys = list(owner.model_fields)
             hint = difflib.get_close_matches(field, keys, n=1)
             suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-            lines.append(f"{SECTION}.{field}: unknown key{suggestion}; accepted keys: {', '.join(keys)}")
+            lines.append(f"{path}: unknown key{suggestion}; accepted keys: {', '.join(keys)}")
+        elif err["type"] == "missing":
+            lines.append(f"{path}: required key is missing; expected {_accepted(owner, field)}")
         else:
-            value = section.get(field)
-            lines.append(f"{SECTION}.{field}: {type(value).__name__} {value!r} is not accepted; "
-                         f"expected {_accepted(field)}")
+            value = err.get("input")
+            detail = f" ({err['msg']})" if err["type"] == "value_error" or field not in owner.model_fields else ""
+            lines.append(f"{path}: {type(value).__name__} {value!r} is not accepted; "
+                         f"expected {_accepted(owner, field)}{detail}")
     return "invalid fair_cast config:\n  " + "\n  ".join(lines)

@@ -8,7 +8,7 @@ counts what changed. Nothing larger than the rank's own shard is ever created he
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Protocol, Sequence
 
 import torch
 
@@ -62,6 +62,10 @@ class CastStats:
     changed: int = 0
 
 
+class CastObserver(Protocol):
+    def on_cast(self, key: Hashable, master: torch.Tensor, slices: Sequence[ShardSlice], step: int) -> None: ...
+
+
 @dataclass
 class ShardCaster:
     """Casts flat fp32 shards into flat bf16 shards according to a :class:`FairCastConfig`."""
@@ -70,6 +74,7 @@ class ShardCaster:
     step: int = 0
     residuals: dict[Hashable, torch.Tensor] = field(default_factory=dict)
     last: CastStats = field(default_factory=CastStats)
+    observer: Any = None  # a CastObserver (diagnostics) told about every flat group it casts
 
     def begin_step(self) -> int:
         """Advance the noise step; call once per optimizer step, before its first flat group."""
@@ -115,6 +120,8 @@ class ShardCaster:
             dst.data.copy_(out)
             if previous is not None:
                 before.copy_(out)
+        if self.observer is not None:
+            self.observer.on_cast(key, master, slices, self.step)
 
 
 def _raise_if_nonfinite(out: torch.Tensor, src: torch.Tensor, s: ShardSlice) -> None:

@@ -86,6 +86,27 @@ def full_served_bits(engine: Any) -> dict[str, torch.Tensor]:
         return {n: bf16_bits(p.detach().reshape(-1)).clone() for n, p in params.items()}
 
 
+def gather_shards(fc: Any, numels: dict[str, int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Full fp32 masters and served bits of every parameter, assembled from every rank's shard
+    slices in one collective (test-only: Fair Cast itself never gathers fp32)."""
+    import deepspeed.comm as dist
+
+    from faircast_ds.casts import bf16_bits
+
+    pieces = [(s.name, s.start, master[s.offset:s.offset + s.numel].detach().clone(),
+               bf16_bits(served[s.offset:s.offset + s.numel].detach()))
+              for _, master, served, slices in fc.adapter.flat_groups() for s in slices if not s.is_padding]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    masters = {n: torch.full((k,), float("nan")) for n, k in numels.items()}
+    served = {n: torch.full((k,), -1, dtype=torch.int64) for n, k in numels.items()}
+    for rank_pieces in everyone:
+        for name, start, m, b in rank_pieces:
+            masters[name][start:start + m.numel()] = m
+            served[name][start:start + b.numel()] = b
+    return masters, served
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

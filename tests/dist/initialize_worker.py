@@ -1,5 +1,6 @@
-"""Every setup Fair Cast cannot honour must fail at initialize with a message naming it.
-Run under the `deepspeed` runner with one rank; writes $OUT_DIR/unsupported.json."""
+"""What initialize does with each config, on one rank under the `deepspeed` runner: every setup Fair
+Cast cannot honour fails with a message naming it; align_rounding from the JSON is applied.
+Writes $OUT_DIR/initialize.json."""
 from __future__ import annotations
 
 import copy
@@ -51,6 +52,8 @@ CASES = {
     "wrong_type": fair_cast({"enabled": True, "seed": "1234"}),
     "unknown_mode": fair_cast({"mode": "stochastc"}),
     "not_an_object": fair_cast("stochastic"),
+    "bad_align_engine": fair_cast({"align_rounding": {"engine": "sglng"}}),
+    "bad_diagnostics": fair_cast({"diagnostics": {"evry": 5}}),
 }
 
 
@@ -71,6 +74,27 @@ def attempt(cfg, *, version=None):
         deepspeed.__version__ = saved
 
 
+def alignment_from_json():
+    """align_rounding in the DeepSpeed JSON aligns the engine's module: its forward equals the engine
+    profile's reference forward bit for bit (and differs from HF eager)."""
+    from faircast_ds import get_fair_cast
+    from faircast_ds.align import reference_logits
+    from faircast_ds.align.testing import tiny_causal_lm, token_ids
+
+    model, ids = tiny_causal_lm("qwen3"), token_ids()
+    expected = reference_logits(model, ids, "sglang")
+    eager = reference_logits(model, ids, "hf")
+    cfg = ds_config(None)
+    cfg["fair_cast"] = {"mode": "nearest", "align_rounding": {"engine": "sglang"}}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits
+    return {"ok": True, "aligned": get_fair_cast(engine).alignment is not None,
+            "equals_engine_reference": bool(torch.equal(logits, expected)),
+            "differs_from_hf_eager": not torch.equal(logits, eager)}
+
+
 def main():
     deepspeed.init_distributed(dist_backend="gloo")
     out = {name: attempt(cfg)[0] for name, cfg in CASES.items()}
@@ -88,7 +112,8 @@ def main():
         out["nonfinite"] = {"ok": True}
     except Exception as exc:  # noqa: BLE001
         out["nonfinite"] = {"ok": False, "type": type(exc).__name__, "message": str(exc), "param": slices[1].name}
-    write_json(os.path.join(os.environ["OUT_DIR"], "unsupported.json"), out)
+    out["alignment"] = alignment_from_json()
+    write_json(os.path.join(os.environ["OUT_DIR"], "initialize.json"), out)
     finish()
 
 

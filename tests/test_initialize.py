@@ -1,4 +1,5 @@
-"""Bad config values and unsupported DeepSpeed setups fail at initialize, naming the problem."""
+"""What initialize does with each config: bad values and unsupported DeepSpeed setups fail, naming the
+problem; align_rounding in the JSON is applied to the engine's module."""
 from __future__ import annotations
 
 import json
@@ -23,15 +24,17 @@ EXPECTED = {
     "wrong_type": ("FairCastConfigError", "fair_cast.seed: str '1234' is not accepted"),
     "unknown_mode": ("FairCastConfigError", "expected one of nearest, stochastic, dither, error_feedback"),
     "not_an_object": ("FairCastConfigError", "fair_cast: expected an object"),
+    "bad_align_engine": ("FairCastConfigError", "fair_cast.align_rounding.engine: str 'sglng' is not accepted"),
+    "bad_diagnostics": ("FairCastConfigError", "fair_cast.diagnostics.evry: unknown key (did you mean 'every'?)"),
     "nonfinite": ("NonFiniteWeightError", "'model.layers.0.self_attn.q_proj.weight' element 5"),
 }
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("unsupported")
-    deepspeed_launch(DIST / "unsupported_worker.py", 1, out)
-    return json.loads((out / "unsupported.json").read_text()), (out / "launch.log").read_text()
+    out = tmp_path_factory.mktemp("initialize")
+    deepspeed_launch(DIST / "initialize_worker.py", 1, out)
+    return json.loads((out / "initialize.json").read_text()), (out / "launch.log").read_text()
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
@@ -48,3 +51,10 @@ def test_absent_or_disabled_section_leaves_deepspeed_alone_and_says_so(outcomes)
     assert results["absent"] == {"ok": True, "attached": False}
     assert results["disabled"] == {"ok": True, "attached": False}
     assert "[fair_cast] disabled by config (fair_cast.enabled=false): serving round-to-nearest" in log
+
+
+def test_align_rounding_from_the_json_is_applied(outcomes):
+    results, log = outcomes
+    assert results["alignment"] == {"ok": True, "aligned": True, "equals_engine_reference": True,
+                                    "differs_from_hf_eager": True}
+    assert "align_rounding=sglang[rope,swiglu,rmsnorm]" in log

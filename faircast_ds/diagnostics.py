@@ -1,0 +1,99 @@
+"""How stale is the served policy? Three figures, computed on each rank's own shard and reduced.
+
+- ``changed_fraction`` (S1): the share of served elements the last cast changed (exact, all elements).
+- ``gap_spacings``: mean |master - served| in units of the served value's bf16 spacing (exact).
+- ``lag_steps``: the past step whose fp32 master is closest (L2) to the current served copy — the
+  brute-force lag — estimated on a fixed sample of elements whose master values are kept for the
+  last ``horizon`` steps. The sample is chosen by a hash of (parameter, index), so it is the same
+  for any sharding; memory is ``horizon x sample x 4`` bytes per rank. A lag of ``horizon - 1`` means
+  "at least that".
+
+The observer sees every cast (``on_cast``); ``compute`` is a collective, run every ``every`` steps.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from faircast_ds.casts import bf16_bits
+from faircast_ds.config import DiagnosticsConfig
+from faircast_ds.noise import MASK32, mix32, name_id
+from faircast_ds.shard_caster import CastStats, ShardSlice
+
+_SAMPLE_SALT = 0x5A17
+
+
+def bf16_spacing(served: torch.Tensor) -> torch.Tensor:
+    """The distance from each bf16 value to the next one away from zero (fp32)."""
+    exponent = (bf16_bits(served) >> 7) & 0xFF
+    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), torch.clamp(exponent, min=1) - 134)
+
+
+class Diagnostics:
+    """Observer of one rank's casts; reduces its figures across ranks on demand."""
+
+    def __init__(self, config: DiagnosticsConfig) -> None:
+        self.config = config
+        self._positions: dict[Hashable, torch.Tensor] = {}
+        self._history: dict[Hashable, torch.Tensor] = {}
+        self._first: dict[Hashable, int] = {}  # key -> first step recorded by this process
+        self.last: dict[str, float] = {}
+
+    def _sample_positions(self, slices: Sequence[ShardSlice]) -> torch.Tensor:
+        picked = []
+        for s in slices:
+            if s.is_padding:
+                continue
+            index = torch.arange(s.start, s.start + s.numel, dtype=torch.int64)
+            keep = (mix32((index & MASK32) ^ name_id(s.name) ^ _SAMPLE_SALT) % self.config.sample_period) == 0
+            picked.append(s.offset + keep.nonzero().flatten())
+        return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.int64)
+
+    def on_cast(self, key: Hashable, master: torch.Tensor, slices: Sequence[ShardSlice], step: int) -> None:
+        """Record the sampled master values of one flat group at this step."""
+        if key not in self._positions:
+            self._positions[key] = self._sample_positions(slices).to(master.device)
+            self._history[key] = torch.full((self.config.horizon, self._positions[key].numel()), float("nan"),
+                                            device=master.device)
+            self._first[key] = step
+        self._history[key][step % self.config.horizon] = master.detach().view(-1)[self._positions[key]]
+
+    @torch.no_grad()
+    def compute(self, flat_groups: Any, stats: CastStats, step: int) -> dict[str, float]:
+        """All three figures at ``step`` (a collective: every rank calls it)."""
+        import deepspeed.comm as dist
+
+        horizon = self.config.horizon
+        first = min(self._first.values(), default=step)
+        depth = min(step - first + 1, horizon)  # how many past steps this process has recorded
+        gap_sum = torch.zeros((), dtype=torch.float64)
+        count = 0
+        distances = torch.zeros(horizon, dtype=torch.float64)  # by lag k
+        for key, master, served, slices in flat_groups:
+            m, s = master.detach().view(-1), served.detach().view(-1)
+            for sl in slices:
+                if sl.is_padding:
+                    continue
+                part = s.narrow(0, sl.offset, sl.numel)
+                gap = (m.narrow(0, sl.offset, sl.numel) - part.float()).abs() / bf16_spacing(part)
+                gap_sum += gap.double().sum().cpu()
+                count += sl.numel
+            if key in self._positions and self._positions[key].numel():
+                current = s[self._positions[key]].float()
+                history = self._history[key]
+                for k in range(depth):
+                    row = history[(step - k) % horizon]
+                    distances[k] += float(((row - current).double() ** 2).sum())
+        totals = torch.cat([torch.tensor([stats.changed, stats.numel, float(gap_sum), count], dtype=torch.float64),
+                            distances])
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        changed, numel, gap_total, n = totals[:4].tolist()
+        lag = int(torch.argmin(totals[4:4 + depth]).item()) if depth else 0
+        self.last = {"step": float(step), "changed_fraction": changed / numel if numel else 0.0,
+                     "gap_spacings": gap_total / n if n else 0.0, "lag_steps": float(lag)}
+        return self.last
+
+    def sample_size(self) -> int:
+        return sum(p.numel() for p in self._positions.values())

@@ -1,0 +1,80 @@
+"""Diagnostics: S1, the master-served gap and the lag, checked against the full recorded trajectory."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from conftest import DIST, deepspeed_launch
+from faircast_ds.diagnostics import bf16_spacing
+
+pytestmark = pytest.mark.slow
+HORIZON = 64
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diagnostics")
+    deepspeed_launch(DIST / "diagnostics_worker.py", 2, out)
+    return out, torch.load(out / "diagnostics.pt")
+
+
+def as_float(bits: torch.Tensor) -> torch.Tensor:
+    return (bits.to(torch.int32) << 16).view(torch.float32)
+
+
+def brute_force_lag(masters: torch.Tensor, served: torch.Tensor, i: int) -> int:
+    """The past step whose master (over every element) is closest to the served copy at step i+1."""
+    served_now = as_float(served[i]).double()
+    distances = [float(((masters[i - k].double() - served_now) ** 2).sum()) for k in range(min(i + 1, HORIZON))]
+    return min(range(len(distances)), key=distances.__getitem__)
+
+
+def test_lag_estimate_matches_brute_force_for_round_to_nearest(run):
+    d = run[1]["nearest"]
+    masters, served = torch.stack(d["masters"]), torch.stack(d["served"])
+    assert len(d["reports"]) == 8 and 0 < d["sample"] < masters.shape[1] / 4  # a real sample, not everything
+    for step, report in d["reports"].items():
+        truth = brute_force_lag(masters, served, step - 1)
+        assert abs(report["lag_steps"] - truth) <= 0.3 * truth + 1, (step, report["lag_steps"], truth)
+    assert d["reports"][40]["lag_steps"] >= 30, "in this regime round-to-nearest barely moves: the lag grows"
+
+
+def test_lag_estimate_is_near_zero_for_unbiased_modes(run):
+    results = run[1]
+    rn = sum(r["lag_steps"] for r in results["nearest"]["reports"].values()) / 8
+    for mode in ("stochastic", "dither", "error_feedback"):
+        lags = [r["lag_steps"] for r in results[mode]["reports"].values()]
+        assert sum(lags) / len(lags) <= 0.15 * rn, (mode, lags)
+        assert lags[-1] <= 3, (mode, lags)
+
+
+@pytest.mark.parametrize("mode", ("nearest", "stochastic"))
+def test_changed_fraction_and_gap_are_exact(run, mode):
+    d = run[1][mode]
+    masters, served = torch.stack(d["masters"]), torch.stack(d["served"])
+    for step, report in d["reports"].items():
+        i = step - 1
+        changed = float((served[i] != served[i - 1]).double().mean())
+        assert report["changed_fraction"] == pytest.approx(changed, rel=1e-12)
+        s = as_float(served[i])
+        mantissa, exponent = torch.frexp(s)  # s = mantissa * 2^exponent, 0.5 <= |mantissa| < 1
+        spacing = torch.where(s == 0, torch.tensor(2.0**-133), torch.ldexp(torch.ones_like(s), exponent - 8))
+        gap = float(((masters[i] - s).abs() / spacing).double().mean())
+        assert report["gap_spacings"] == pytest.approx(gap, rel=1e-9)
+
+
+def test_bf16_spacing():
+    values = torch.tensor([1.0, 1.5, -3.0, 2.0**-126, 2.0**-130, 0.0]).to(torch.bfloat16)
+    assert bf16_spacing(values).tolist() == [2.0**-7, 2.0**-7, 2.0**-6, 2.0**-133, 2.0**-133, 2.0**-133]
+
+
+def test_metrics_reach_deepspeed_monitor_and_the_log(run):
+    out, _ = run
+    rows = list(csv.reader(open(next(out.glob("csv/fc/fair_cast_lag_steps.csv")))))
+    assert [int(r[0]) for r in rows[1:]] == [5, 10, 15, 20, 25, 30, 35, 40]
+    for name in ("changed_fraction", "gap_spacings"):
+        assert next(out.glob(f"csv/fc/fair_cast_{name}.csv")).exists()
+    log = (out / "launch.log").read_text()
+    assert "[fair_cast] step 40: served changed" in log and "lag 39 steps" in log
