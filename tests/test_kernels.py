@@ -266,6 +266,9 @@ def test_dispatch_and_arguments(fused, monkeypatch):
     buf = torch.zeros(200)
     with pytest.raises(ValueError, match="share memory"):
         cast_into(buf[:100].view(torch.bfloat16)[:100], buf[10:110], "nearest", seed=0, step=0, name="w")
+    with pytest.raises(ValueError, match="share memory"):
+        cast_into(torch.empty(100, dtype=torch.bfloat16), buf[:100], "error_feedback", seed=0, step=0, name="w",
+                  residual=buf[50:150])
     assert kernels.backend_for(torch.device("cpu")) == "cpp"
     monkeypatch.setenv(kernels.ENV_VAR, "cpp")
     assert kernels.backend_for(torch.device("cpu")) == "cpp"

@@ -123,8 +123,9 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start:
     contiguous and need none). Returns (changed, nonfinite).
     """
     module = load(arch)
-    if any(t is not None and t.numel() and _overlap(out, t) for t in (x, residual)):
-        raise ValueError("cast_into: the bf16 output must not share memory with the fp32 input or the residual")
+    pairs = [(out, x)] + ([(out, residual), (x, residual)] if residual is not None else [])
+    if any(a.numel() and b.numel() and _overlap(a, b) for a, b in pairs):
+        raise ValueError("cast_into: the output, the input and the residual must not share memory")
     if out.numel() == 0:
         return 0, 0
     src = x if x.is_contiguous() else x.contiguous()
