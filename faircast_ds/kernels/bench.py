@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
-    parser.add_argument("--quick", action="store_true", help="skip the 64M size (about 20 s instead of ~2 min)")
+    parser.add_argument("--quick", action="store_true", help="skip the 64M size (about 30 s instead of ~2 min)")
     parser.add_argument("--sizes", type=int, nargs="+", help="element counts to measure (overrides the default)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats of the copy and the fused path")
