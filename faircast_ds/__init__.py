@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "cast": ("faircast_ds.casts", "cast"),
-    "cast_reference": ("faircast_ds.casts", "cast_reference"),
+    "cast_into": ("faircast_ds.casts", "cast_into"),
+    "cast_reference": ("faircast_ds.reference", "cast_reference"),
     "MODES": ("faircast_ds.casts", "MODES"),
     "FairCastConfig": ("faircast_ds.config", "FairCastConfig"),
     "FairCastConfigError": ("faircast_ds.config", "FairCastConfigError"),

@@ -83,8 +83,10 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None
     caster = ShardCaster(config)
     adapter = adapter_for(engine, caster)
     fair_cast = FairCast(config, caster, adapter)
+    _prepare_kernels(adapter)
     if config.diagnostics.every > 0:
-        fair_cast.diagnostics = caster.observer = Diagnostics(config.diagnostics)
+        model_numel = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+        fair_cast.diagnostics = caster.observer = Diagnostics(config.diagnostics, model_numel)
         _wrap_step_for_diagnostics(engine, fair_cast)
     if config.align_rounding is not None:
         from faircast_ds.align import apply_from_config
@@ -97,6 +99,15 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None
     _log_rank0(f"[fair_cast] active: mode={config.mode} zero_stage={adapter.zero_stage} seed={config.seed} "
                f"local_shard_elements={adapter.local_numel()} on_nonfinite={config.on_nonfinite}{align}")
     return fair_cast
+
+
+def _prepare_kernels(adapter: Adapter) -> None:
+    """Build the fused cast kernel for the masters' device now, not inside the first optimizer step."""
+    from faircast_ds import kernels
+
+    devices = {master.device for _, master, _, _ in adapter.flat_groups()}
+    for device in devices:
+        kernels.prepare(device)
 
 
 def _wrap_step_for_diagnostics(engine: Any, fair_cast: FairCast) -> None:

@@ -27,12 +27,13 @@ class FairCastConfigError(ValueError):
 
 class DiagnosticsConfig(BaseModel):
     """``fair_cast.diagnostics``: every (steps between reports; 0 turns diagnostics off), sample
-    (1 in ``sample_period`` elements is tracked for the lag), horizon (steps of history)."""
+    (elements of the whole model tracked for the lag estimate), horizon (steps of history kept for
+    them: memory is ``sample x horizon x 4`` bytes, split across ranks), log (rank 0 prints a line)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     every: int = Field(default=10, ge=0)
-    sample_period: int = Field(default=64, ge=1)
+    sample: int = Field(default=16384, ge=1)
     horizon: int = Field(default=256, ge=2, le=4096)
     log: bool = True
 

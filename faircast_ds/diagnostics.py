@@ -3,10 +3,11 @@
 - ``changed_fraction`` (S1): the share of served elements the last cast changed (exact, all elements).
 - ``gap_spacings``: mean |master - served| in units of the served value's bf16 spacing (exact).
 - ``lag_steps``: the past step whose fp32 master is closest (L2) to the current served copy — the
-  brute-force lag — estimated on a fixed sample of elements whose master values are kept for the
-  last ``horizon`` steps. The sample is chosen by a hash of (parameter, index), so it is the same
-  for any sharding; memory is ``horizon x sample x 4`` bytes per rank. A lag of ``horizon - 1`` means
-  "at least that".
+  brute-force lag — estimated on a fixed sample of about ``sample`` elements of the whole model whose
+  master values are kept for the last ``horizon`` steps. An element is in the sample when a hash of
+  (parameter, index) falls below ``sample / model elements``, so the sample is the same for any
+  sharding; memory is ``sample x horizon x 4`` bytes in all, split across ranks. A lag of
+  ``horizon - 1`` means "at least that".
 
 The observer sees every cast (``on_cast``); ``compute`` is a collective, run every ``every`` steps.
 """
@@ -33,8 +34,10 @@ def bf16_spacing(served: torch.Tensor) -> torch.Tensor:
 class Diagnostics:
     """Observer of one rank's casts; reduces its figures across ranks on demand."""
 
-    def __init__(self, config: DiagnosticsConfig) -> None:
+    def __init__(self, config: DiagnosticsConfig, model_numel: int) -> None:
         self.config = config
+        # an element is sampled when its 32-bit hash is below this threshold
+        self._threshold = min(2**32, (config.sample << 32) // max(model_numel, 1))
         self._positions: dict[Hashable, torch.Tensor] = {}
         self._history: dict[Hashable, torch.Tensor] = {}
         self._first: dict[Hashable, int] = {}  # key -> first step recorded by this process
@@ -46,7 +49,7 @@ class Diagnostics:
             if s.is_padding:
                 continue
             index = torch.arange(s.start, s.start + s.numel, dtype=torch.int64)
-            keep = (mix32((index & MASK32) ^ name_id(s.name) ^ _SAMPLE_SALT) % self.config.sample_period) == 0
+            keep = mix32((index & MASK32) ^ name_id(s.name) ^ _SAMPLE_SALT) < self._threshold
             picked.append(s.offset + keep.nonzero().flatten())
         return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.int64)
 
@@ -96,4 +99,9 @@ class Diagnostics:
         return self.last
 
     def sample_size(self) -> int:
+        """Elements this rank tracks for the lag."""
         return sum(p.numel() for p in self._positions.values())
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The buffers this observer keeps (for memory accounting)."""
+        return list(self._history.values())

@@ -12,7 +12,7 @@ from typing import Any, Hashable, Protocol, Sequence
 
 import torch
 
-from faircast_ds.casts import bf16_bits, cast
+from faircast_ds.casts import bf16_bits, cast, cast_into
 from faircast_ds.config import FairCastConfig
 
 
@@ -111,21 +111,28 @@ class ShardCaster:
                 dst.data.copy_(src)
                 continue
             res = residual.narrow(0, s.offset, s.numel) if residual is not None else None
-            out = cast(src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name, start=s.start, residual=res)
-            if cfg.on_nonfinite == "error":
-                _raise_if_nonfinite(out, src, s)
-            before = dst if previous is None else previous.narrow(0, s.offset, s.numel)
-            self.last.changed += int((bf16_bits(before.detach()) != bf16_bits(out.to(before.device))).sum())
-            self.last.numel += s.numel
-            dst.data.copy_(out)
+            # cast into the buffer that holds the last served bits, so the change count comes for free
+            target = previous.narrow(0, s.offset, s.numel) if previous is not None else dst.data
+            if target.device == src.device:
+                changed, nonfinite = cast_into(target, src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name,
+                                               start=s.start, residual=res)
+            else:  # e.g. fp32 master offloaded to CPU, bf16 on the accelerator
+                out = cast(src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name, start=s.start, residual=res)
+                changed = int((bf16_bits(target) != bf16_bits(out.to(target.device))).sum())
+                nonfinite = int((~torch.isfinite(out)).sum())
+                target.copy_(out)
             if previous is not None:
-                before.copy_(out)
+                dst.data.copy_(target)
+            self.last.changed += changed
+            self.last.numel += s.numel
+            if nonfinite and cfg.on_nonfinite == "error":
+                _raise_nonfinite(target, src, s)
         if self.observer is not None:
             self.observer.on_cast(key, master, slices, self.step)
 
 
-def _raise_if_nonfinite(out: torch.Tensor, src: torch.Tensor, s: ShardSlice) -> None:
-    bad = ~torch.isfinite(out)
+def _raise_nonfinite(out: torch.Tensor, src: torch.Tensor, s: ShardSlice) -> None:
+    bad = ~torch.isfinite(out.float()).cpu()
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise NonFiniteWeightError(

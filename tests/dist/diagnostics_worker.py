@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ds_config, finish, gather_shards, tiny_qwen3, train_step  # noqa: E402
 
 STEPS = 40
-DIAG = {"every": 5, "sample_period": 8, "horizon": 64}
+DIAG = {"every": 5, "sample": 3000, "horizon": 64}
 TRAJECTORY = ("nearest", "stochastic")  # the others report only their estimates
 
 

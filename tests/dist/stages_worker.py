@@ -162,6 +162,9 @@ def _tensors(obj):
 
 
 def allocation_checks(mode: str, stage: str) -> dict:
+    # The eager path is the one that allocates temporaries (the fused kernel writes in place and is
+    # invisible to a dispatch-level tracer), so it is the one to trace.
+    os.environ["FAIRCAST_DS_KERNELS"] = "eager"
     engine, fc = build(mode, stage)
     installed = fc.caster.cast_flat
     tracer = Tracer()
@@ -180,9 +183,12 @@ def allocation_checks(mode: str, stage: str) -> dict:
     largest_slice = max(s.numel for _, _, _, sl in fc.adapter.flat_groups() for s in sl)
     largest_param = max(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     # the error-feedback residual is state, one fp32 per local shard element, made once
-    residual_ptrs = {r.untyped_storage().data_ptr() for r in fc.caster.residuals.values()}
+    # so is the diagnostics' sampled history (made once, sample x horizon x 4 bytes)
+    state = list(fc.caster.residuals.values()) + (fc.diagnostics.state_tensors() if fc.diagnostics else [])
+    residual_ptrs = {r.untyped_storage().data_ptr() for r in state}
     temporaries = [n for n, ptr in tracer.cast_allocs if ptr not in residual_ptrs]
-    return {"cast_max_numel": max(temporaries), "largest_local_slice": largest_slice,
+    os.environ.pop("FAIRCAST_DS_KERNELS")
+    return {"cast_max_numel": max(temporaries, default=0), "largest_local_slice": largest_slice,
             "residual_numel": sum(r.numel() for r in fc.caster.residuals.values()),
             "largest_param": largest_param, "local_shard": fc.adapter.local_numel(),
             "local_shard_padded": sum(m.numel() for _, m, _, _ in fc.adapter.flat_groups()),
