@@ -101,7 +101,3 @@ class Diagnostics:
     def sample_size(self) -> int:
         """Elements this rank tracks for the lag."""
         return sum(p.numel() for p in self._positions.values())
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The buffers this observer keeps (for memory accounting)."""
-        return list(self._history.values())
