@@ -37,6 +37,12 @@ def _to_universal(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from faircast_ds.export.inspect import main as inspect_main
+
+    return inspect_main(args.path, args.checkpoint, args.by, args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="faircast-ds", description="Fair Cast for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
                                               "Fair Cast state included (to resume at another world size)")
     uni.add_argument("input_folder", help="a checkpoint tag folder, e.g. ckpt/global_step100")
     uni.add_argument("output_folder", help="e.g. ckpt/global_step100_universal")
+    insp = sub.add_parser("inspect", help="summarize a checkpoint tag folder's Fair Cast state or an export "
+                                           "directory, per parameter group")
+    insp.add_argument("path", help="a checkpoint tag folder (with fair_cast/) or an export directory (*.safetensors)")
+    insp.add_argument("--checkpoint", help="with an export: the checkpoint tag folder of the same step, to report "
+                                           "mean |master - served| in bf16 spacings")
+    insp.add_argument("--by", choices=("type", "layer", "param"), default="type",
+                      help="group parameters by module type (layer index folded), by layer, or not at all")
+    insp.add_argument("--json", action="store_true", help="print the report as JSON")
     from faircast_ds.kernels import bench  # no torch import until the benchmark runs
 
     bench.add_arguments(sub.add_parser("bench", help="time each cast against a plain bf16.copy_ of the same "
@@ -54,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return _check()
     if args.command == "to-universal":
         return _to_universal(args)
+    if args.command == "inspect":
+        return _inspect(args)
     if args.command == "bench":
         return bench.run_cli(args)
     return 2

@@ -1,0 +1,78 @@
+"""Sparse deltas of served weights: which elements changed, and two encodings of them.
+
+Elements are compared by their bit patterns (so NaN payloads and -0.0 count as what they are).
+A delta of one parameter is (sorted element indices, new bit patterns), sent either as
+``COO`` (index array + values) or as ``BITMAP`` (one bit per element + values), whichever is
+smaller; ``DENSE`` sends every element. Pure functions; no communication here.
+"""
+from __future__ import annotations
+
+import torch
+
+DENSE, COO, BITMAP = 0, 1, 2
+ENCODINGS = {DENSE: "dense", COO: "coo", BITMAP: "bitmap"}
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as same-width integers (a view, flattened)."""
+    return t.detach().view(-1).view(_BITS[t.element_size()])
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    return _BITS[torch.empty((), dtype=dtype).element_size()]
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def changed(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Sorted indices where the bit patterns of two equal-length tensors differ."""
+    return (bits_view(before) != bits_view(after)).nonzero().view(-1)
+
+
+def encoded_bytes(encoding: int, numel: int, nnz: int, element_size: int) -> int:
+    if encoding == DENSE:
+        return numel * element_size
+    if encoding == COO:
+        return nnz * (torch.empty((), dtype=index_dtype(numel)).element_size() + element_size)
+    return (numel + 7) // 8 + nnz * element_size
+
+
+def choose(numel: int, nnz: int, element_size: int) -> int:
+    """The smaller sparse encoding of ``nnz`` changes out of ``numel`` elements."""
+    return min((COO, BITMAP), key=lambda e: encoded_bytes(e, numel, nnz, element_size))
+
+
+def pack_bits(indices: torch.Tensor, numel: int) -> torch.Tensor:
+    """A little-endian bitmap (uint8) with the given element indices set."""
+    mask = torch.zeros((numel + 7) // 8 * 8, dtype=torch.uint8)
+    mask[indices] = 1
+    return (mask.view(-1, 8) * _WEIGHTS).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
+    """Sorted indices of the set bits; raises ValueError if a bit past ``numel`` is set."""
+    bits = (bitmap.view(-1, 1) & _WEIGHTS).ne(0).view(-1)
+    if bits.numel() != (numel + 7) // 8 * 8:
+        raise ValueError(f"bitmap of {bitmap.numel()} bytes for {numel} elements")
+    if bool(bits[numel:].any()):
+        raise ValueError("bitmap has bits set past the end of the parameter")
+    return bits.nonzero().view(-1)
+
+
+def check_indices(indices: torch.Tensor, numel: int) -> None:
+    """Raise ValueError unless ``indices`` are strictly increasing and inside ``[0, numel)``."""
+    if indices.numel() == 0:
+        return
+    if int(indices[0]) < 0 or int(indices[-1]) >= numel:
+        raise ValueError(f"element index out of range [0, {numel})")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError("element indices are not strictly increasing")
+
+
+def apply(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """Write bit patterns ``values`` at ``indices`` of ``target`` (in place, on the target's device)."""
+    bits_view(target)[indices.to(target.device)] = values.to(target.device)

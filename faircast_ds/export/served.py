@@ -1,0 +1,127 @@
+"""The served weights: the bf16 parameters the trainer's forward uses, read one parameter at a time.
+
+Under ZeRO-3 a parameter is partitioned across ranks and gathered (in bf16, through DeepSpeed's own
+``GatheredParameters``) only while it is being read; under ZeRO-1/2 and BF16_Optimizer every rank
+already holds the full bf16 model, so nothing is gathered. Nothing fp32 is ever read here.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Name, full shape and dtype of one served parameter (known on every rank without a gather)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class LocalSlice:
+    """Elements ``[start, start + numel)`` of the flattened served parameter ``name`` held by this rank."""
+
+    name: str
+    start: int
+    values: torch.Tensor  # 1-D view into the rank's served shard
+
+    @property
+    def numel(self) -> int:
+        return self.values.numel()
+
+
+def module_of(model: Any) -> torch.nn.Module:
+    """The ``nn.Module`` behind a DeepSpeed engine (or the module itself)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def _is_partitioned(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "ds_id")  # a ZeRO-3 parameter
+
+
+def served_specs(model: Any) -> list[ParamSpec]:
+    """Every served parameter's name, full shape and dtype, in ``named_parameters()`` order. Local: no
+    collective, no gather."""
+    specs = []
+    for name, p in module_of(model).named_parameters():
+        shape = tuple(p.ds_shape) if _is_partitioned(p) else tuple(p.shape)
+        specs.append(ParamSpec(name, tuple(int(d) for d in shape), p.dtype))
+    return specs
+
+
+@torch.no_grad()
+def served_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every parameter, in ``named_parameters()`` order, exactly as the
+    trainer's forward sees it (bf16 under DeepSpeed's bf16 mode).
+
+    A collective under ZeRO-3: call it on every rank and consume the iterator to the end on every
+    rank. Each parameter is gathered on its own, in its served dtype, and released before the next
+    one, so no rank holds more than one gathered parameter at a time. The yielded tensor is the
+    parameter's own storage, not a copy: it is valid until the iterator advances and must not be
+    modified. ``model`` is a DeepSpeed engine or a plain ``nn.Module``.
+    """
+    for name, p in module_of(model).named_parameters():
+        if _is_partitioned(p):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                yield name, p.data
+        else:
+            yield name, p.data
+
+
+def fair_cast_of(model: Any) -> Any:
+    """The Fair Cast attached to an engine, or None (without importing DeepSpeed when no engine can
+    exist)."""
+    if "deepspeed" not in sys.modules:
+        return None
+    from faircast_ds.activation import get_fair_cast
+
+    return get_fair_cast(model)
+
+
+def local_served_slices(model: Any) -> list[LocalSlice]:
+    """This rank's own pieces of the served parameters, read in place (no gather, no copy). Over all
+    ranks they cover every trained element exactly once.
+
+    With Fair Cast attached they are the rank's served shard as its adapter describes it (any
+    ZeRO stage). Without it, parameters that are not partitioned (ZeRO-1/2, a plain module) are
+    split evenly across ranks. Raises ValueError for ZeRO-3 without Fair Cast.
+    """
+    fair_cast = fair_cast_of(model)
+    if fair_cast is not None:
+        out = []
+        for _, _, served, slices in fair_cast.adapter.flat_groups():
+            flat = served.detach().view(-1)
+            out.extend(LocalSlice(s.name, s.start, flat.narrow(0, s.offset, s.numel))
+                       for s in slices if not s.is_padding)
+        return out
+    params = list(module_of(model).named_parameters())
+    if any(_is_partitioned(p) for _, p in params):
+        raise ValueError("reading a ZeRO-3 rank's served shard goes through Fair Cast's adapter, and this engine "
+                         "has no fair_cast section (use mode 'nearest' for DeepSpeed's own rounding)")
+    from faircast_ds.export._ranks import rank_world
+
+    rank, world = rank_world()
+    out = []
+    for name, p in params:
+        flat = p.detach().view(-1)
+        share = -(-flat.numel() // world)
+        start = min(rank * share, flat.numel())
+        numel = min(share, flat.numel() - start)
+        if numel:
+            out.append(LocalSlice(name, start, flat.narrow(0, start, numel)))
+    return out

@@ -1,0 +1,492 @@
+"""Weight sync from a DeepSpeed trainer to a separate inference process, dense or as sparse deltas.
+
+Trainer side, on every rank (each sync is a collective of the training job)::
+
+    sender = WeightSender(engine, host="127.0.0.1", port=29600)
+    sender.sync()            # after each optimizer step; dense the first time, then deltas
+
+Inference side, in a process that is not part of the training job::
+
+    receiver = WeightReceiver(model, host="127.0.0.1", port=29600)
+    receiver.accept(timeout=600)            # a sender joins; names, shapes, dtypes checked
+    while (report := receiver.receive(timeout=600)) is not None:
+        ...serve with model (hold receiver.lock while reading the weights)...
+
+A dense sync gathers one parameter at a time (:func:`served_weights`) and rank 0 sends it. A delta
+sync sends only the elements whose bits changed since the last acknowledged sync: each rank diffs
+its own served shard against its copy of the bits it last sent (one bf16 copy of the rank's shard),
+the changes are gathered to rank 0 one parameter at a time, and rank 0 sends them.
+
+Delivery is all-or-nothing: the receiver stages an update and applies it only after the sender's
+end marker, all parameters checked; if the sender dies or stalls mid-update the staged data is
+dropped, the previous weights stay as they were, and :class:`SyncAborted` says so. The sender keeps
+its delta baseline only for updates the receiver acknowledged; after any failure the next sync
+reconnects and is dense.
+
+Wire protocol (``PROTOCOL``): hello/welcome JSON (protocol, parameter names/shapes/dtypes,
+versions); per update a JSON header, the receiver's go/no-go, per parameter an int64 triple
+``[index, encoding, count]`` and its payload (see :mod:`faircast_ds.export.delta`), an end triple
+``[-1, 0, parameters sent]``, and the receiver's JSON acknowledgement.
+
+The channel is unauthenticated (see :mod:`faircast_ds.export.channel`): listen on loopback or a
+trusted network only.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from faircast_ds.export import delta
+from faircast_ds.export._ranks import from_rank0, rank_world
+from faircast_ds.export.channel import DEFAULT_HOST, Channel, ChannelError, Listener, WeightSyncError, connect
+from faircast_ds.export.served import (LocalSlice, ParamSpec, local_served_slices, module_of, served_specs,
+                                       served_weights)
+
+PROTOCOL = 1
+_END = -1
+
+
+class SyncAborted(ChannelError):
+    """The sender vanished or stalled; the receiver's weights are those of its last complete update."""
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One update, as the sender sent it or the receiver applied it."""
+
+    version: int
+    kind: str  # "dense" or "delta"
+    params: int  # parameters carried by the update
+    changed: int  # elements carried (dense: all of them)
+    numel: int  # elements in the model
+    bytes: int  # bytes on the channel for this update, headers included
+    seconds: float
+
+
+def spec_list(specs: list[ParamSpec]) -> list[list[Any]]:
+    return [[s.name, list(s.shape), str(s.dtype)] for s in specs]
+
+
+def spec_mismatch(mine: list[list[Any]], theirs: list[list[Any]], limit: int = 5) -> str | None:
+    """A readable description of how two parameter lists differ, or None if they are equal."""
+    if mine == theirs:
+        return None
+    a = {n: (s, d) for n, s, d in mine}
+    b = {n: (s, d) for n, s, d in theirs}
+    problems = []
+    missing = [n for n in a if n not in b]
+    extra = [n for n in b if n not in a]
+    if missing:
+        problems.append(f"{len(missing)} parameter(s) the receiver has and the sender does not send, "
+                        f"e.g. {missing[:limit]}")
+    if extra:
+        problems.append(f"{len(extra)} parameter(s) the sender sends and the receiver does not have, "
+                        f"e.g. {extra[:limit]}")
+    differ = [f"{n}: sender {list(b[n][0])} {b[n][1]}, receiver {list(a[n][0])} {a[n][1]}"
+              for n in a if n in b and (list(a[n][0]), a[n][1]) != (list(b[n][0]), b[n][1])]
+    if differ:
+        problems.append(f"{len(differ)} parameter(s) differ in shape or dtype: " + "; ".join(differ[:limit]))
+    if not problems:
+        problems.append("the parameters are listed in a different order")
+    return "; ".join(problems)
+
+
+class WeightSender:
+    """The trainer's end. Construct, :meth:`sync` and :meth:`close` on every rank of the training job;
+    only rank 0 talks to the receiver.
+
+    ``model`` is a DeepSpeed engine (or an ``nn.Module``, then ``version`` must be given to
+    :meth:`sync`). ``delta`` allows sparse updates; under ZeRO-3 they need Fair Cast attached to the
+    engine (any mode) to read each rank's served shard in place. ``timeout`` bounds every wait on the
+    channel, in seconds. ``bind`` is the address rank 0's gloo listens on (default ``host``; set it
+    when the receiver is on another machine). Collectives run on the default process group: pure
+    data parallelism is assumed.
+    """
+
+    def __init__(self, model: Any, host: str = DEFAULT_HOST, port: int = 29600, *, timeout: float = 60.0,
+                 delta: bool = True, bind: str | None = None) -> None:
+        self.model = model
+        self.host, self.port, self.timeout, self.bind = host, port, timeout, bind
+        self.specs = served_specs(model)
+        self.numel = sum(s.numel for s in self.specs)
+        self.rank, self.world = rank_world()
+        self.channel: Channel | None = None
+        self.can_delta = delta and _can_read_local_shards(model)
+        self._baseline: dict[tuple[str, int], torch.Tensor] | None = None  # this rank's last acknowledged bits
+        self._baseline_version: int | None = None
+
+    def connect(self) -> None:
+        """Join the receiver and exchange hello/welcome (collective; raises on every rank if refused)."""
+        error = None
+        if self.rank == 0:
+            error = self._on_rank0(self._hello)
+        error = from_rank0(error)
+        self._baseline_version = None
+        if error is not None:
+            raise WeightSyncError(error)
+
+    def _hello(self) -> None:
+        self.channel = connect(self.host, self.port, self.timeout, self.bind)
+        self.channel.send_json({"type": "hello", "protocol": PROTOCOL, "params": spec_list(self.specs)})
+        reply = self.channel.recv_json()
+        if not reply.get("ok"):
+            self.channel.close()
+            raise WeightSyncError(f"the weight receiver at {self.host}:{self.port} refused this sender: "
+                                  f"{reply.get('error')}")
+
+    def _on_rank0(self, fn: Callable[[], Any]) -> str | None:
+        try:
+            fn()
+            return None
+        except WeightSyncError as exc:
+            if self.channel is not None:
+                self.channel.close()
+            return str(exc)
+
+    def _session_alive(self) -> bool:
+        """Whether rank 0 still has a session (collective)."""
+        return bool(from_rank0(self.channel is not None and not self.channel.closed if self.rank == 0 else None))
+
+    def sync(self, version: int | None = None, kind: str = "auto") -> SyncReport:
+        """Push the served weights (collective). ``version`` defaults to the engine's ``global_steps``.
+        ``kind``: ``auto`` (delta when the receiver acknowledged a previous sync in this session, else
+        dense), ``dense``, or ``delta``. Reconnects first if the session is gone. Raises
+        WeightSyncError on every rank if the update was refused or not delivered (the receiver then
+        still serves its previous weights)."""
+        began = time.perf_counter()
+        if version is None:
+            version = getattr(self.model, "global_steps", None)
+            if version is None:
+                raise ValueError("sync(version=...) is required for a model that is not a DeepSpeed engine")
+        if kind not in ("auto", "dense", "delta"):
+            raise ValueError(f"kind must be 'auto', 'dense' or 'delta', not {kind!r}")
+        if not self._session_alive():
+            self.connect()
+        use_delta = kind != "dense" and self._baseline_version is not None
+        if kind == "delta" and not use_delta:
+            raise WeightSyncError("a delta sync needs a previous sync acknowledged in this session" + (
+                "" if self.can_delta else " and each rank's served shard (under ZeRO-3: Fair Cast attached)"))
+        error, sent_before = None, 0
+        if self.rank == 0:
+            sent_before = self.channel.sent_bytes
+            header = {"type": "update", "kind": "delta" if use_delta else "dense", "version": int(version),
+                      "base": self._baseline_version if use_delta else None}
+            error = self._on_rank0(lambda: self._open_update(header))
+        error = from_rank0(error)
+        if error is not None:
+            self._baseline_version = None
+            raise WeightSyncError(error)
+        failure, params, changed = self._stream_delta() if use_delta else self._stream_dense()
+        if self.rank == 0 and failure is None:
+            failure = self._on_rank0(lambda: self._finish(params))
+        sent = self.channel.sent_bytes - sent_before if self.rank == 0 else 0
+        failure, params, changed, sent = from_rank0((failure, params, changed, sent))
+        if failure is not None:
+            self._baseline_version = None
+            self._baseline = None
+            raise WeightSyncError(f"weight sync of version {version} not delivered: {failure}")
+        if self.can_delta:
+            self._baseline = {(s.name, s.start): delta.bits_view(s.values).clone()
+                              for s in local_served_slices(self.model)}
+            self._baseline_version = int(version)
+        return SyncReport(int(version), "delta" if use_delta else "dense", params, changed, self.numel, sent,
+                          time.perf_counter() - began)
+
+    def _open_update(self, header: dict[str, Any]) -> None:
+        self.channel.send_json(header)
+        reply = self.channel.recv_json()
+        if not reply.get("ok"):
+            raise WeightSyncError(f"the weight receiver refused update {header['version']}: {reply.get('error')}")
+
+    def _finish(self, params: int) -> None:
+        self.channel.send_tensor(torch.tensor([_END, 0, params], dtype=torch.int64))
+        ack = self.channel.recv_json()
+        if not ack.get("ok"):
+            raise WeightSyncError(f"the weight receiver rejected the update: {ack.get('error')}")
+
+    def _send(self, failure: str | None, index: int, encoding: int, count: int,
+              payload: list[torch.Tensor]) -> str | None:
+        """Rank 0 sends one parameter unless an earlier send failed (the other ranks' collectives go on)."""
+        if failure is not None:
+            return failure
+        try:
+            self.channel.send_tensor(torch.tensor([index, encoding, count], dtype=torch.int64))
+            for t in payload:
+                self.channel.send_tensor(t)
+        except WeightSyncError as exc:
+            return str(exc)
+        return None
+
+    def _stream_dense(self) -> tuple[str | None, int, int]:
+        failure = None
+        for index, (name, tensor) in enumerate(served_weights(self.model)):  # collective under ZeRO-3
+            if self.rank == 0:
+                failure = self._send(failure, index, delta.DENSE, tensor.numel(), [delta.bits_view(tensor)])
+        return failure, len(self.specs), self.numel
+
+    def _stream_delta(self) -> tuple[str | None, int, int]:
+        by_name: dict[str, list[LocalSlice]] = {}
+        for s in local_served_slices(self.model):
+            by_name.setdefault(s.name, []).append(s)
+        failure, params, changed = None, 0, 0
+        for index, spec in enumerate(self.specs):
+            idx_parts, val_parts = [], []
+            for s in by_name.get(spec.name, []):
+                now = delta.bits_view(s.values)
+                d = delta.changed(self._baseline[(s.name, s.start)], now)
+                idx_parts.append(d + s.start)
+                val_parts.append(now[d])
+            vdtype = delta.bits_dtype(spec.dtype)
+            idx = torch.cat(idx_parts) if idx_parts else torch.zeros(0, dtype=torch.int64)
+            vals = torch.cat(val_parts) if val_parts else torch.zeros(0, dtype=vdtype)
+            idx, vals = self._gather_to_rank0(idx, vals)
+            if idx is None:  # nothing changed anywhere (known on every rank)
+                continue
+            params += 1
+            changed += idx.numel()
+            if self.rank == 0:
+                encoding = delta.choose(spec.numel, idx.numel(), vals.element_size())
+                if encoding == delta.COO:
+                    first = idx.to(delta.index_dtype(spec.numel))
+                else:
+                    first = delta.pack_bits(idx, spec.numel)
+                failure = self._send(failure, index, encoding, idx.numel(), [first, vals])
+        return failure, params, changed
+
+    def _gather_to_rank0(self, idx: torch.Tensor,
+                         vals: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every rank's changes of one parameter, concatenated in index order on rank 0. (None, None)
+        on every rank when no rank has a change."""
+        if self.world == 1:
+            return (idx.cpu(), vals.cpu()) if idx.numel() else (None, None)
+        device = _comm_device()
+        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
+        dist.all_gather(counts, torch.tensor([idx.numel()], dtype=torch.int64, device=device))
+        counts = [int(c) for c in counts]
+        if sum(counts) == 0:
+            return None, None
+        packed = torch.zeros(2, max(counts), dtype=torch.int64, device=device)
+        packed[0, :idx.numel()] = idx.to(device)
+        packed[1, :idx.numel()] = vals.to(device=device, dtype=torch.int64)
+        parts = [torch.empty_like(packed) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(packed, parts, dst=0)
+        if self.rank != 0:
+            return idx, vals  # only the count matters off rank 0
+        merged = torch.cat([p[:, :n] for p, n in zip(parts, counts)], dim=1).cpu()
+        order = merged[0].argsort()
+        return merged[0, order], merged[1, order].to(vals.dtype)
+
+    def close(self) -> None:
+        """End the session cleanly (the receiver's :meth:`WeightReceiver.receive` returns None)."""
+        if self.rank == 0 and self.channel is not None and not self.channel.closed:
+            try:
+                self.channel.send_json({"type": "bye"})
+            except WeightSyncError:
+                pass
+            self.channel.close()
+        self.channel = None
+        self._baseline_version = None
+        self._baseline = None
+
+
+def _comm_device() -> torch.device:
+    """Where the training group's collectives take their tensors (NCCL: the current GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _can_read_local_shards(model: Any) -> bool:
+    try:
+        local_served_slices(model)
+    except ValueError:
+        return False
+    return True
+
+
+class WeightReceiver:
+    """The inference process's end: receives updates into ``model``'s parameters (or a mapping of
+    name -> tensor), all-or-nothing. Listens on ``host:port`` only (``port`` 0 picks a free one,
+    see :attr:`port`). ``timeout`` bounds each wait inside an update, in seconds.
+
+    Refuses, with a clear error to both sides: another protocol, parameters that differ in names,
+    shapes or dtypes, an update older than the weights served (unless ``allow_rollback``), and a
+    delta against weights this receiver does not hold. Hold :attr:`lock` while reading the weights
+    to never see an update half applied.
+    """
+
+    def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], host: str = DEFAULT_HOST, port: int = 0,
+                 *, timeout: float = 60.0, allow_rollback: bool = False) -> None:
+        if isinstance(model, Mapping):
+            self.targets = dict(model)
+        else:
+            self.targets = {n: p for n, p in module_of(model).named_parameters()}
+        self.names = list(self.targets)
+        self.specs = [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self.targets.items()]
+        self.numel = sum(s.numel for s in self.specs)
+        self.timeout = timeout
+        self.allow_rollback = allow_rollback
+        self.listener = Listener(host, port, timeout)
+        self.lock = threading.Lock()
+        self.channel: Channel | None = None
+        self.version: int | None = None  # of the weights now served, None before the first update
+        self.updates = 0
+        self.last_error: str | None = None
+        self._synced_in_session = False
+
+    @property
+    def host(self) -> str:
+        return self.listener.host
+
+    @property
+    def port(self) -> int:
+        return self.listener.port
+
+    @property
+    def connected(self) -> bool:
+        return self.channel is not None and not self.channel.closed
+
+    def accept(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a sender, then check its hello. Raises WeightSyncError
+        (the sender is told why) for a mismatched sender."""
+        if self.connected:
+            raise WeightSyncError("a sender is already connected")
+        self.channel = self.listener.accept(timeout)
+        self._synced_in_session = False
+        try:
+            hello = self.channel.recv_json()
+        except ChannelError as exc:
+            raise self._fail(SyncAborted(f"the sender vanished during the handshake: {exc}"))
+        error = None
+        if hello.get("type") != "hello" or hello.get("protocol") != PROTOCOL:
+            error = (f"protocol mismatch: receiver speaks faircast-ds weight sync protocol {PROTOCOL}, the sender "
+                     f"sent {hello.get('type')!r} protocol {hello.get('protocol')!r}")
+        else:
+            problem = spec_mismatch(spec_list(self.specs), hello.get("params", []))
+            if problem is not None:
+                error = f"model mismatch: {problem}"
+        self._reply(error)
+        if error is not None:
+            self.channel.close()
+            raise self._fail(WeightSyncError(f"refused a sender: {error}"))
+
+    def _reply(self, error: str | None, **extra: Any) -> None:
+        try:
+            self.channel.send_json({"ok": error is None, "error": error, "version": self.version, **extra})
+        except ChannelError:
+            pass  # the sender is gone; the next receive reports it
+
+    def _fail(self, exc: WeightSyncError) -> WeightSyncError:
+        self.last_error = str(exc)
+        if self.channel is not None:
+            self.channel.close()
+        return exc
+
+    def receive(self, timeout: float) -> SyncReport | None:
+        """Wait up to ``timeout`` seconds for the next update and apply it whole. Returns its report,
+        or None when the sender ended the session. Raises SyncAborted if the sender vanished or
+        stalled (weights unchanged), WeightSyncError if the update was refused or malformed."""
+        if not self.connected:
+            raise WeightSyncError("no sender connected; call accept() first")
+        began = time.perf_counter()
+        received_before = self.channel.received_bytes
+        try:
+            header = self.channel.recv_json(timeout)
+        except ChannelError as exc:
+            raise self._fail(SyncAborted(f"the sender disconnected or went silent between updates ({exc}); "
+                                         f"still serving version {self.version}"))
+        if header.get("type") == "bye":
+            self.channel.close()
+            return None
+        error = self._check_header(header)
+        self._reply(error)
+        if error is not None:
+            raise self._fail(WeightSyncError(f"refused update: {error}"))
+        is_delta = header["kind"] == "delta"
+        staged: dict[int, Any] = {}
+        changed = 0
+        try:
+            while True:
+                index, encoding, count = (int(v) for v in self.channel.recv_tensor(3, torch.int64))
+                if index == _END:
+                    if count != len(staged):
+                        raise ValueError(f"end marker says {count} parameters, {len(staged)} received")
+                    break
+                staged[index] = self._receive_param(index, encoding, count, is_delta, staged)
+                changed += count
+        except ChannelError as exc:
+            raise self._fail(SyncAborted(
+                f"the sender vanished mid-update (version {header['version']}, {len(staged)} of "
+                f"{'?' if is_delta else len(self.specs)} parameters received): the update was discarded, still "
+                f"serving version {self.version} ({exc})"))
+        except ValueError as exc:
+            self._reply(f"malformed update: {exc}")
+            raise self._fail(WeightSyncError(f"malformed update {header['version']} discarded, still serving "
+                                             f"version {self.version}: {exc}"))
+        if not is_delta and len(staged) != len(self.specs):
+            missing = [self.names[i] for i in range(len(self.specs)) if i not in staged]
+            self._reply(f"dense update without {missing[:5]}")
+            raise self._fail(WeightSyncError(f"dense update {header['version']} is missing {len(missing)} "
+                                             f"parameter(s), e.g. {missing[:5]}; discarded"))
+        with self.lock:  # validated in full: nothing below can fail halfway
+            for index, data in staged.items():
+                target = self.targets[self.names[index]]
+                if is_delta and data[0] is not None:
+                    delta.apply(target, data[0], data[1])
+                else:
+                    delta.bits_view(target).copy_(data[1])
+            self.version = int(header["version"])
+            self.updates += 1
+            self._synced_in_session = True
+        self._reply(None)
+        self.last_error = None
+        return SyncReport(self.version, header["kind"], len(staged), changed, self.numel,
+                          self.channel.received_bytes - received_before, time.perf_counter() - began)
+
+    def _check_header(self, header: dict[str, Any]) -> str | None:
+        if header.get("type") != "update" or header.get("kind") not in ("dense", "delta"):
+            return f"unexpected message {header!r}"
+        version = header.get("version")
+        if not isinstance(version, int):
+            return f"update without an integer version: {version!r}"
+        if self.version is not None and version < self.version:
+            first = not self._synced_in_session
+            if not (first and self.allow_rollback):
+                return (f"update version {version} is older than the weights served (version {self.version}); "
+                        + ("a stale sender? start the receiver with allow_rollback=True to accept a trainer resumed "
+                           "from an earlier checkpoint" if first else "versions must not decrease within a session"))
+        if header["kind"] == "delta" and (not self._synced_in_session or header.get("base") != self.version):
+            return (f"delta against version {header.get('base')} but this receiver serves version {self.version}"
+                    + ("" if self._synced_in_session else " from another session") + "; send a dense update")
+        return None
+
+    def _receive_param(self, index: int, encoding: int, count: int, is_delta: bool,
+                       staged: dict[int, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if not 0 <= index < len(self.specs) or index in staged:
+            raise ValueError(f"parameter index {index} out of range or repeated")
+        spec = self.specs[index]
+        vdtype = delta.bits_dtype(spec.dtype)
+        if encoding == delta.DENSE:
+            if count != spec.numel:
+                raise ValueError(f"{spec.name}: dense payload of {count} elements, expected {spec.numel}")
+            return None, self.channel.recv_tensor(count, vdtype)
+        if not is_delta or encoding not in (delta.COO, delta.BITMAP) or not 0 < count <= spec.numel:
+            raise ValueError(f"{spec.name}: encoding {encoding} with {count} elements is not valid here")
+        if encoding == delta.COO:
+            indices = self.channel.recv_tensor(count, delta.index_dtype(spec.numel)).to(torch.int64)
+            delta.check_indices(indices, spec.numel)
+        else:
+            indices = delta.unpack_bits(self.channel.recv_tensor((spec.numel + 7) // 8, torch.uint8), spec.numel)
+            if indices.numel() != count:
+                raise ValueError(f"{spec.name}: bitmap has {indices.numel()} bits set, header says {count}")
+        return indices, self.channel.recv_tensor(count, vdtype)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.listener.close()
