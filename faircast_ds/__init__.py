@@ -22,6 +22,10 @@ _LAZY = {
     "attach": ("faircast_ds.activation", "attach"),
     "get_fair_cast": ("faircast_ds.activation", "get_fair_cast"),
     "UnsupportedSetupError": ("faircast_ds.adapters", "UnsupportedSetupError"),
+    "served_weights": ("faircast_ds.export", "served_weights"),
+    "save_hf": ("faircast_ds.export", "save_hf"),
+    "WeightSender": ("faircast_ds.export", "WeightSender"),
+    "WeightReceiver": ("faircast_ds.export", "WeightReceiver"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

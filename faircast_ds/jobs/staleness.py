@@ -25,7 +25,8 @@ def build_model(hidden: int, layers: int, vocab: int, seed: int) -> torch.nn.Mod
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
                       max_position_embeddings=128, initializer_range=0.1, tie_word_embeddings=False)
-    return Qwen3ForCausalLM(cfg).to(torch.bfloat16)  # bf16 init: the fp32 master starts on the bf16 grid
+    # bf16 parameters (the fp32 master starts on the bf16 grid), fp32 buffers as from_pretrained builds them
+    return Qwen3ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -13,12 +13,14 @@ TINY_QWEN3 = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidd
 
 
 def tiny_qwen3(seed: int = 0, std: float = 0.02) -> torch.nn.Module:
-    """A tiny transformers Qwen3, identical on every rank, in bf16 (sizes chosen not to divide by 2 or 3)."""
+    """A tiny transformers Qwen3, identical on every rank, bf16 parameters (sizes chosen not to divide by
+    2 or 3)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3, initializer_range=std, tie_word_embeddings=False))
-    return model.to(torch.bfloat16)
+    config = Qwen3Config(**TINY_QWEN3, initializer_range=std, tie_word_embeddings=False)
+    # bf16 parameters, fp32 buffers (RoPE's inv_freq), as from_pretrained(dtype=bfloat16) builds it
+    return Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
 
 
 # Every optimizer class Fair Cast handles, with and without CPU offload.
