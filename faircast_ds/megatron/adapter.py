@@ -1,0 +1,122 @@
+"""Megatron-Core's DistributedOptimizer (``megatron/core/optimizer/distrib_optimizer.py``).
+
+After every successful step, ``step_with_ready_grads`` calls ``_copy_main_params_to_model_params``:
+each rank copies its fp32 main shards into its range of the param buffer (round to nearest), then
+the param all-gather builds the full bf16 parameters. That copy is the one refresh site; no
+checkpoint load refreshes bf16 from fp32 (loads restore the model's bf16 weights and the main
+params separately). The runtime route replaces the method on the optimizer instance with the same
+copy done by the caster, shard by shard; a Megatron-Core carrying
+``patches/megatron-core-0.16.1-fair-cast.patch`` calls our hook instead (``faircast_ds.megatron.hook``).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from faircast_ds.adapters.base import Adapter, UnsupportedSetupError
+from faircast_ds.megatron.shards import ParamShard, fp32_shards, low_precision_shards
+from faircast_ds.shard_caster import ShardCaster, ShardSlice
+
+VERIFIED_MEGATRON_CORE = ("0.16.1",)
+
+
+def distributed_optimizers(optimizer: Any) -> list[Any]:
+    """The DistributedOptimizer instances behind ``optimizer`` (itself, or a ChainedOptimizer's)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def parameter_names(optimizer: Any) -> dict:
+    """parameter -> the model's name for it (wrappers' ``module.`` prefixes removed), the noise id."""
+    names = {}
+    for chunk in optimizer.model_chunks:
+        for name, param in chunk.named_parameters():
+            while name.startswith("module."):
+                name = name[len("module."):]
+            names[param] = name
+    return names
+
+
+def check_supported(optimizer: Any) -> None:
+    """Raise UnsupportedSetupError listing every setting whose served copy we do not route."""
+    problems = list(_problems(optimizer))
+    if problems:
+        raise UnsupportedSetupError("fair_cast is enabled but this Megatron-Core setup is not supported:\n  - " +
+                                    "\n  - ".join(problems))
+
+
+def _problems(optimizer: Any) -> Iterator[str]:
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.package_info import __version__
+
+    if __version__ not in VERIFIED_MEGATRON_CORE:
+        yield (f"megatron-core {__version__} is not verified (verified: {', '.join(VERIFIED_MEGATRON_CORE)}); "
+               "its main->model copy may have moved")
+        return
+    if type(optimizer) is not DistributedOptimizer:
+        yield (f"optimizer class {type(optimizer).__name__}: only DistributedOptimizer "
+               "(use_distributed_optimizer=True) is routed through the cast")
+        return
+    cfg, ddp = optimizer.config, optimizer.ddp_config
+    if not cfg.bf16 or cfg.fp16:
+        yield "the optimizer config must say bf16=True (the served copy must be bf16)"
+    if cfg.use_precision_aware_optimizer or cfg.optimizer_cpu_offload:
+        yield ("use_precision_aware_optimizer / optimizer_cpu_offload: the main params live in the optimizer, "
+               "which writes the model params itself")
+    if cfg.fp8_recipe is not None or cfg.reuse_grad_buf_for_mxfp8_param_ag:
+        yield "fp8 parameters: the served copy is quantized, not cast"
+    if ddp.use_megatron_fsdp:
+        yield "use_megatron_fsdp: Megatron-FSDP copies main weights in its own buffer"
+    if len(optimizer.model_chunks) != 1:
+        yield "several model chunks (virtual pipeline): their parameter names are not unique"
+    if parallel_state.model_parallel_is_initialized():
+        sizes = {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
+                 "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+                 "expert": parallel_state.get_expert_model_parallel_world_size()}
+        for kind, size in sizes.items():
+            if size > 1:
+                yield (f"{kind}_model_parallel_size {size}: a parameter's local name and index do not name one "
+                       "element on every rank (the noise id); only data parallelism is supported")
+
+
+class MegatronAdapter(Adapter):
+    """One DistributedOptimizer's shards: one flat group per owned parameter shard, keyed (name, start)."""
+
+    zero_stage = 1  # the distributed optimizer shards optimizer state and masters, like ZeRO-1
+
+    def __init__(self, optimizer: Any, caster: ShardCaster, names: dict) -> None:
+        super().__init__(optimizer, caster, names)
+        if optimizer.is_stub_optimizer:  # no parameters on this rank
+            self._shards: list[tuple[ParamShard, torch.Tensor, torch.Tensor]] = []
+            self._fp32: list[tuple[torch.Tensor, torch.Tensor]] = []
+        else:
+            self._shards = list(low_precision_shards(optimizer, names))
+            self._fp32 = list(fp32_shards(optimizer))
+        self._by_param = {id(p): names[p] for group in getattr(optimizer, "model_float16_groups", []) for p in group}
+
+    def flat_groups(self) -> Iterator[tuple[Any, torch.Tensor, torch.Tensor, list[ShardSlice]]]:
+        for shard, main, served in self._shards:
+            yield shard.key, main, served, shard.slices()
+
+    def name_of(self, model_param: torch.nn.Parameter) -> str:
+        return self._by_param[id(model_param)]
+
+    def install(self) -> None:
+        self.optimizer._copy_main_params_to_model_params = self.refresh
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Replaces ``_copy_main_params_to_model_params``: one optimizer step's refresh."""
+        if self.optimizer.is_stub_optimizer:
+            return
+        self.caster.begin_step()
+        self.cast_all()
+        for main, served in self._fp32:
+            served.copy_(main)
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """All-gather the served shards now (outside a step, e.g. after rewriting them)."""
+        for chunk in self.optimizer.model_chunks:
+            chunk.start_param_sync(force_sync=True)

@@ -1,0 +1,78 @@
+"""Fair Cast through a patched Megatron-Core's cast hook (``patches/megatron-core-0.16.1-fair-cast.patch``).
+
+The patched ``_copy_main_params_to_model_params`` hands every shard of one refresh to
+``megatron.core.optimizer.param_cast.copy_main_params_to_model_params``: one call per optimizer step,
+each shard with its model parameter, its range in that parameter, its fp32 main values and its
+destination in the param buffer. Nothing of Megatron is replaced; the noise id of a shard's first
+element is (the parameter's name, ``param_range.start``), as on the runtime route.
+"""
+from __future__ import annotations
+
+import importlib.util
+import weakref
+from typing import Any
+
+import torch
+
+from faircast_ds.adapters.base import UnsupportedSetupError
+from faircast_ds.megatron.adapter import MegatronAdapter
+from faircast_ds.shard_caster import ShardSlice
+
+HOOK_MODULE = "megatron.core.optimizer.param_cast"
+
+_ROUTES: "weakref.WeakKeyDictionary[Any, MegatronAdapter]" = weakref.WeakKeyDictionary()  # optimizer -> adapter
+_installed: dict[str, Any] = {}  # "previous": the hook installed before ours, if any
+
+
+def megatron_has_cast_hook() -> bool:
+    """Whether the importable Megatron-Core carries the cast hook (has the patch applied)."""
+    try:
+        return importlib.util.find_spec(HOOK_MODULE) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@torch.no_grad()
+def _cast(adapter: MegatronAdapter, shards: list) -> None:
+    caster = adapter.caster
+    caster.begin_step()  # the hook runs once per refresh, and a refresh follows every successful step
+    for shard in shards:
+        if shard.model_shard.dtype == torch.float32:  # a parameter kept in fp32: nothing to round
+            shard.model_shard.copy_(shard.main_shard)
+            continue
+        name, start = adapter.name_of(shard.model_param), int(shard.param_range.start)
+        caster.cast_flat((name, start), shard.main_shard, shard.model_shard,
+                         [ShardSlice(name, start, shard.main_shard.numel(), 0)])
+
+
+def _hook(optimizer: Any, shards: list) -> bool:
+    adapter = _ROUTES.get(optimizer)
+    if adapter is None:
+        previous = _installed.get("previous")
+        return bool(previous(optimizer, shards)) if previous is not None else False
+    if "_copy_main_params_to_model_params" in vars(optimizer):
+        raise RuntimeError("fair_cast: this optimizer is routed through Megatron's cast hook and its copy was also "
+                           "replaced at runtime; a refresh would be cast twice")
+    _cast(adapter, shards)
+    return True
+
+
+def route(adapter: MegatronAdapter) -> None:
+    """Send every main->model refresh of ``adapter.optimizer`` to ``adapter.caster`` through the hook."""
+    if not megatron_has_cast_hook():
+        raise UnsupportedSetupError("fair_cast: this Megatron-Core has no cast hook (megatron.core.optimizer."
+                                    "param_cast); apply patches/megatron-core-0.16.1-fair-cast.patch or use "
+                                    "route='runtime'")
+    from megatron.core.optimizer import param_cast
+
+    if "previous" not in _installed:  # once per process; a later hook is expected to hand ours the rest
+        _installed["previous"] = param_cast.set_main_param_cast_hook(_hook)
+    _ROUTES[adapter.optimizer] = adapter
+
+
+def unroute(optimizer: Any) -> None:
+    _ROUTES.pop(optimizer, None)
+
+
+def is_routed(optimizer: Any) -> bool:
+    return optimizer in _ROUTES

@@ -1,0 +1,177 @@
+"""Megatron-Core's DistributedOptimizer (bf16 params, fp32 main params) with Fair Cast on CPU ranks over
+gloo, launched by torchrun for tests/test_megatron.py. ROUTE=runtime replaces the optimizer's copy at
+runtime; ROUTE=hook runs on a patched Megatron-Core copy (put first on PYTHONPATH by the test).
+
+Every case starts from the same model and deterministic fp32 main values and takes a few steps. Each
+rank checks its own shards against ``faircast_ds.cast`` of its main shards; rank 0 checks the
+all-gathered parameters against the cast of the full fp32 parameter (the bits do not depend on where
+the shards were cut) and saves every parameter's served bits for the cross-route comparison.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import megatron_cpu  # noqa: E402
+
+megatron_cpu.enable()
+
+from common import deterministic_master  # noqa: E402
+
+from faircast_ds.casts import bf16_bits, cast  # noqa: E402
+from faircast_ds.noise import name_id  # noqa: E402
+
+OUT = os.environ["OUT_DIR"]
+ROUTE = os.environ["ROUTE"]  # "runtime" or "hook"
+STEPS = 3
+CASES = ["megatron", "nearest", "stochastic", "dither", "error_feedback"]  # "megatron": no Fair Cast at all
+
+
+class Tiny(torch.nn.Module):
+    """A few layers whose sizes make the data-parallel cut fall inside a parameter; one fp32 parameter."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.up = torch.nn.Linear(40, 37, dtype=torch.bfloat16)
+        self.down = torch.nn.Linear(37, 11, dtype=torch.bfloat16)
+        self.norm = torch.nn.Parameter(torch.ones(37, dtype=torch.bfloat16))
+        self.scale = torch.nn.Parameter(torch.full((11,), 0.5))  # kept in fp32: copied, never rounded
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)) * self.norm).float() * self.scale
+
+
+def build(mode: str):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    from faircast_ds.megatron import attach
+    from faircast_ds.megatron.adapter import distributed_optimizers, parameter_names
+    from faircast_ds.megatron.shards import low_precision_shards
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, bf16=True,
+                               params_dtype=torch.bfloat16, use_cpu_initialization=True)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                          grad_reduce_in_fp32=True), Tiny(config))
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-5, bf16=True,
+                                                       use_distributed_optimizer=True), [model])
+    fc = None
+    if mode != "megatron":
+        fc = attach(optimizer, {"mode": mode, "seed": 77}, route=ROUTE)
+    for opt in distributed_optimizers(optimizer):
+        for shard, main, _ in low_precision_shards(opt, parameter_names(opt)):
+            main.data.copy_(deterministic_master(name_id(shard.name), shard.start, shard.numel))
+    return model, optimizer, fc
+
+
+def train_step(model, optimizer, step: int, rank: int) -> float:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(8, 40, generator=g).to(torch.bfloat16)
+    optimizer.zero_grad()
+    model.zero_grad_buffer()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    model.finish_grad_sync()
+    ok, _, _ = optimizer.step()
+    assert ok
+    return float(loss)
+
+
+def run_case(mode: str, hook_calls: list) -> dict:
+    model, optimizer, fc = build(mode)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    replay = {}
+    report = {"exact_replay": True, "full_is_cast_of_full_master": True, "split_param": False,
+              "caster_step": None, "hook_calls": 0, "losses": [], "changed": []}
+    names = dict(model.named_parameters())
+    calls_before = len(hook_calls)
+    bits = []
+    for step in range(1, STEPS + 1):
+        report["losses"].append(train_step(model, optimizer, step, rank))
+        served_full = {n.removeprefix("module."): bf16_bits(p.detach().reshape(-1)).clone()
+                       for n, p in names.items() if p.dtype == torch.bfloat16}
+        bits.append(served_full)
+        if fc is None:
+            continue
+        pieces = []
+        for adapter in fc.adapters:
+            for key, main, served, slices in adapter.flat_groups():
+                (s,) = slices
+                res = replay.setdefault(key, torch.zeros(s.numel)) if mode == "error_feedback" else None
+                want = cast(main.detach().clone(), mode, seed=77, step=step, name=s.name, start=s.start, residual=res)
+                report["exact_replay"] &= bool(torch.equal(bf16_bits(served), bf16_bits(want)))
+                report["split_param"] |= s.start > 0
+                pieces.append((s.name, s.start, main.detach().clone()))
+        everyone = [None] * world
+        torch.distributed.all_gather_object(everyone, pieces)
+        if rank == 0 and mode != "error_feedback":  # error feedback's residual is per element: replayed above
+            full = {n: torch.full((bits[-1][n].numel(),), float("nan")) for n in bits[-1]}
+            for rank_pieces in everyone:
+                for name, start, main in rank_pieces:
+                    full[name][start:start + main.numel()] = main
+            for name, master in full.items():
+                assert not torch.isnan(master).any(), f"{name}: no rank owns some elements"
+                want = bf16_bits(cast(master, mode, seed=77, step=step, name=name, start=0))
+                report["full_is_cast_of_full_master"] &= bool(torch.equal(want, served_full[name]))
+        report["changed"].append(fc.stats()["changed_fraction"])
+    if fc is not None:
+        report["caster_step"] = fc.adapters[0].caster.step
+        report["route"] = fc.route
+        report["replaced_at_runtime"] = any("_copy_main_params_to_model_params" in vars(a.optimizer)
+                                            for a in fc.adapters)
+    report["hook_calls"] = len(hook_calls) - calls_before
+    return report, bits
+
+
+def count_hook_calls(hook_calls: list) -> None:
+    """Wrap the cast hook (after ours is installed) to count the refreshes it took."""
+    from megatron.core.optimizer import param_cast
+
+    inner = param_cast.get_main_param_cast_hook()
+
+    def counting(optimizer, shards):
+        took = inner(optimizer, shards)
+        if took:
+            hook_calls.append(len(shards))
+        return took
+
+    param_cast.set_main_param_cast_hook(counting)
+
+
+def main() -> None:
+    torch.distributed.init_process_group("gloo")
+    from megatron.core import parallel_state
+    import megatron.core
+
+    parallel_state.initialize_model_parallel()
+    rank = torch.distributed.get_rank()
+    hook_calls: list = []
+    result = {"route": ROUTE, "megatron_file": megatron.core.__file__, "world": torch.distributed.get_world_size(),
+              "cases": {}}
+    if ROUTE == "hook":
+        from faircast_ds.megatron import hook
+
+        result["has_hook"] = hook.megatron_has_cast_hook()
+        build("stochastic")  # installs our hook; count from here on
+        count_hook_calls(hook_calls)
+    all_bits = {}
+    for mode in CASES:
+        result["cases"][mode], all_bits[mode] = run_case(mode, hook_calls)
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, f"report_rank{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if rank == 0:
+        torch.save(all_bits, os.path.join(OUT, "bits.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
