@@ -65,6 +65,21 @@ def report_nodes(engine: Any) -> list[dict[str, Any]]:
     return everyone
 
 
+def exit_without_finalizing(code: int) -> None:
+    """Exit right away, after the process group is destroyed. Gloo's worker threads are still
+    running after destroy_process_group() (the groups stay referenced, gc.collect() does not end
+    them); one still releasing the last collective's tensors while Python finalizes aborts the
+    process (SIGABRT after a clean run, seen under Open MPI). Finalizes MPI if mpi4py started it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    os._exit(code)
+
+
 def _tiny_model() -> Any:
     import torch
 
@@ -101,4 +116,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalizing(main())

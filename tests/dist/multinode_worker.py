@@ -34,7 +34,7 @@ import deepspeed.comm as dist  # noqa: E402
 import torch  # noqa: E402
 from checkpoint_worker import replay_ok, snapshot  # noqa: E402
 from common import deterministic_master, finish, full_served_bits, tiny_qwen3, train_step, write_json  # noqa: E402
-from preflight import report_nodes  # noqa: E402
+from preflight import exit_without_finalizing, report_nodes  # noqa: E402
 
 from faircast_ds import get_fair_cast  # noqa: E402
 from faircast_ds.noise import name_id  # noqa: E402
@@ -148,6 +148,7 @@ def main() -> None:
     rank = dist.get_rank()
     finish()
     print(f"[multinode_worker] rank {rank} finished", flush=True)
+    exit_without_finalizing(0)
 
 
 if __name__ == "__main__":
