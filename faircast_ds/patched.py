@@ -22,6 +22,7 @@ import torch
 
 from faircast_ds.activation import FairCast, get_fair_cast
 from faircast_ds.adapters import Adapter, UnsupportedSetupError
+from faircast_ds.adapters.registry import adapter_class
 from faircast_ds.adapters.support import check_supported, engine_config, raw_config
 from faircast_ds.config import FairCastConfig, find_section
 from faircast_ds.shard_caster import ShardCaster, ShardSlice
@@ -100,25 +101,6 @@ def is_routed(optimizer: Any) -> bool:
     return optimizer in _ROUTES
 
 
-def _adapter_class(optimizer: Any) -> type[Adapter]:
-    # exact classes, as on the runtime route: a subclass (MiCS, SuperOffload) may refresh elsewhere
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    from faircast_ds.adapters.bf16 import BF16OptimizerAdapter
-    from faircast_ds.adapters.zero3 import Zero3Adapter
-    from faircast_ds.adapters.zero12 import Zero12Adapter
-
-    table: dict[type, type[Adapter]] = {DeepSpeedZeroOptimizer_Stage3: Zero3Adapter,
-                                        DeepSpeedZeroOptimizer: Zero12Adapter, BF16_Optimizer: BF16OptimizerAdapter}
-    cls = table.get(type(optimizer))
-    if cls is None:
-        raise UnsupportedSetupError(f"fair_cast: optimizer class {type(optimizer).__name__} is not supported "
-                                    f"(supported: {', '.join(c.__name__ for c in table)})")
-    return cls
-
-
 def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None) -> FairCast | None:
     """Serve ``engine``'s bf16 weights by Fair Cast through a patched DeepSpeed's cast hook.
 
@@ -143,7 +125,7 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None
     if engine.optimizer is None:
         raise UnsupportedSetupError("fair_cast: the engine has no optimizer; there is no fp32 master to cast from")
     caster = ShardCaster(config)
-    adapter = _adapter_class(engine.optimizer)(engine.optimizer, caster, engine.param_names)
+    adapter = adapter_class(engine.optimizer)(engine.optimizer, caster, engine.param_names)
     route(adapter, engine)
     fair_cast = FairCast(config, caster, adapter)
     if config.align_rounding is not None:

@@ -29,20 +29,25 @@ _HINTS = {
 }
 
 
+def adapter_class(optimizer: Any) -> type[Adapter]:
+    """The adapter for an optimizer's exact class (a subclass such as MiCS or SuperOffload may cast
+    elsewhere); UnsupportedSetupError names the class otherwise."""
+    table = _adapters()
+    cls = table.get(type(optimizer))
+    if cls is None:
+        known = ", ".join(c.__name__ for c in table)
+        name = type(optimizer).__name__
+        hint = f": {_HINTS[name]}" if name in _HINTS else ""
+        raise UnsupportedSetupError(f"fair_cast: optimizer class {name} is not supported{hint} (supported: {known})")
+    return cls
+
+
 def adapter_for(engine: Any, caster: ShardCaster) -> Adapter:
-    """Check the engine's setup, then install the adapter for its optimizer (exact class match:
-    a subclass such as MiCS or SuperOffload may cast elsewhere)."""
+    """Check the engine's setup, then install the adapter for its optimizer."""
     check_supported(engine_config(engine))
     if engine.optimizer is None:
         raise UnsupportedSetupError("fair_cast: the engine has no optimizer; Fair Cast replaces the cast that "
                                     "follows the optimizer step, so it needs a training engine")
-    table = _adapters()
-    cls = table.get(type(engine.optimizer))
-    if cls is None:
-        known = ", ".join(c.__name__ for c in table)
-        name = type(engine.optimizer).__name__
-        hint = f": {_HINTS[name]}" if name in _HINTS else ""
-        raise UnsupportedSetupError(f"fair_cast: optimizer class {name} is not supported{hint} (supported: {known})")
-    adapter = cls(engine.optimizer, caster, engine.param_names)
+    adapter = adapter_class(engine.optimizer)(engine.optimizer, caster, engine.param_names)
     adapter.install()
     return adapter
