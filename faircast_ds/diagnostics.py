@@ -41,7 +41,19 @@ class Diagnostics:
         self._positions: dict[Hashable, torch.Tensor] = {}
         self._history: dict[Hashable, torch.Tensor] = {}
         self._first: dict[Hashable, int] = {}  # key -> first step recorded by this process
+        self._masks: dict[Hashable, torch.Tensor] = {}
         self.last: dict[str, float] = {}
+
+    def _parameter_mask(self, key: Hashable, slices: Sequence[ShardSlice], numel: int) -> torch.Tensor:
+        """Which elements of a flat group belong to a parameter (not alignment padding); cached."""
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = torch.zeros(numel, dtype=torch.bool)
+            for s in slices:
+                if not s.is_padding:
+                    mask[s.offset:s.offset + s.numel] = True
+            self._masks[key] = mask
+        return mask
 
     def _sample_positions(self, slices: Sequence[ShardSlice]) -> torch.Tensor:
         picked = []
@@ -73,21 +85,18 @@ class Diagnostics:
         gap_sum = torch.zeros((), dtype=torch.float64)
         count = 0
         distances = torch.zeros(horizon, dtype=torch.float64)  # by lag k
+        rows = torch.tensor([(step - k) % horizon for k in range(depth)], dtype=torch.int64)
         for key, master, served, slices in flat_groups:
-            m, s = master.detach().view(-1), served.detach().view(-1)
-            for sl in slices:
-                if sl.is_padding:
-                    continue
-                part = s.narrow(0, sl.offset, sl.numel)
-                gap = (m.narrow(0, sl.offset, sl.numel) - part.float()).abs() / bf16_spacing(part)
-                gap_sum += gap.double().sum().cpu()
-                count += sl.numel
+            m = master.detach().view(-1)
+            s = served.detach().view(-1).to(m.device)  # fp32 master offloaded: compare on its device
+            mask = self._parameter_mask(key, slices, m.numel()).to(m.device)
+            gap = (m - s.float()).abs() / bf16_spacing(s)
+            gap_sum += gap[mask].double().sum().cpu()
+            count += int(mask.sum())
             if key in self._positions and self._positions[key].numel():
                 current = s[self._positions[key]].float()
-                history = self._history[key]
-                for k in range(depth):
-                    row = history[(step - k) % horizon]
-                    distances[k] += float(((row - current).double() ** 2).sum())
+                history = self._history[key].index_select(0, rows.to(m.device))  # (depth, sample), row k = lag k
+                distances[:depth] += ((history - current).double() ** 2).sum(dim=1).cpu()
         totals = torch.cat([torch.tensor([stats.changed, stats.numel, float(gap_sum), count], dtype=torch.float64),
                             distances])
         if dist.is_initialized():

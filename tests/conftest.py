@@ -31,8 +31,9 @@ def deepspeed_runner() -> str:
 
 def cpu_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
+    path = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]  # no empty entry (= cwd)
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])})
+                "PYTHONPATH": os.pathsep.join(path)})
     env.update(extra)
     return env
 
