@@ -1,0 +1,405 @@
+"""GRPO on a tiny Qwen3 under the ``deepspeed`` runner: does the cast of the served weights change what RL learns?
+
+Launch: ``deepspeed --num_gpus 2 --module faircast_ds.jobs.grpo [--full] [--seeds N] [--steps N]``
+(``bash launch/main.sh`` does this on CPU ranks).
+
+For every seed and every mode (``fp32``, ``nearest``, ``stochastic``, ``dither``, ``error_feedback``) one
+ZeRO-3 engine trains a tiny ``transformers`` Qwen3, built from a config, with AdamW on fp32 masters.
+Each step samples rollouts from the *served* copy (the engine's module, bf16 as DeepSpeed holds it;
+fp32 for the reference), scores them with the task's verifiable reward (``tasks.py``), and takes one
+policy-gradient step with group-normalized (GRPO) advantages; the loss is computed on the served copy
+too. ``fp32`` is the reference: ZeRO-3 without bf16 and without ``fair_cast``. Every mode sees the same
+initial weights, prompts and sampling noise for a given seed.
+
+Writes ``<out>/<name>/``: ``steps.csv`` (every step of every run), ``reward.png``, ``results.md`` (the
+table), ``summary.txt`` (what is printed at the end) and ``run.json`` (settings and wall time).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from faircast_ds.jobs.tasks import LowTokenTask, group_advantages, sample_token
+
+MODES = ("fp32", "nearest", "stochastic", "dither", "error_feedback")
+REFERENCE = "fp32"  # served = master: no rounding at all
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Settings of one invocation. ``rollouts`` counts rollouts per step over all ranks."""
+
+    steps: int = 300
+    seeds: int = 1
+    lr: float = 1e-4
+    hidden: int = 256
+    layers: int = 2
+    vocab: int = 256
+    init_std: float = 0.1
+    rollouts: int = 64
+    group: int = 8
+    prompt_len: int = 4
+    gen_len: int = 8
+    modes: tuple[str, ...] = MODES
+    tie: float = 0.01  # |reward difference| below this is a tie in the per-seed comparison with nearest
+    diag_every: int = 1
+    horizon: int = 128
+    # ZeRO-3 keeps parameters up to this size gathered after each step (DeepSpeed's default is 1e5); 1e6
+    # keeps this tiny model's (<= 65k elements each) so that rollouts do not all-gather per forward
+    persist_threshold: int = 1_000_000
+    # "view": sample from the persistent served tensors through a plain model (same bits, no ZeRO-3 hooks);
+    # "module": through the engine's module (ZeRO-3 hooks gather what is not persistent)
+    rollout_via: str = "view"
+    out: str = "runs"
+    name: str = ""
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},  # 1 seed x 300 steps: 3.5 minutes on 2 shared CPU cores (see README)
+    "full": {"seeds": 5},  # same steps: the gap is a delay of the reward's climb, which more steps would outrun
+}
+
+
+def build_model(cfg: JobConfig, seed: int, fp32: bool) -> torch.nn.Module:
+    """The tiny Qwen3, initialized in bf16 so that the fp32 master starts on the bf16 grid (as when
+    fine-tuning a bf16 checkpoint); the fp32 reference starts from the same values."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden,
+                         num_hidden_layers=cfg.layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=cfg.hidden // 4, max_position_embeddings=64, initializer_range=cfg.init_std,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    # bf16 parameters, fp32 buffers (RoPE's inv_freq), as from_pretrained(dtype=torch.bfloat16) builds them
+    model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    return model.float() if fp32 else model
+
+
+def ds_config(mode: str, seed: int, cfg: JobConfig, per_rank: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": per_rank,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": cfg.persist_threshold,
+                              "stage3_prefetch_bucket_size": 0},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if mode != REFERENCE:
+        config["bf16"] = {"enabled": True}
+        config["fair_cast"] = {"enabled": True, "mode": mode, "seed": seed,
+                               "diagnostics": {"every": cfg.diag_every, "horizon": cfg.horizon, "log": False}}
+    return config
+
+
+@torch.no_grad()
+def rollout(policy: torch.nn.Module, prompts: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample ``uniforms.shape[1]`` tokens after each prompt from the served policy, with a KV cache
+    (every rank runs the same number of forwards, as ZeRO-3's gathers require)."""
+    out = policy(input_ids=prompts, use_cache=True)
+    seqs = prompts
+    for t in range(uniforms.shape[1]):
+        token = sample_token(out.logits[:, -1], uniforms[:, t])
+        seqs = torch.cat([seqs, token], dim=1)
+        if t + 1 < uniforms.shape[1]:
+            out = policy(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    return seqs
+
+
+class ServedView:
+    """The served weights exactly as DeepSpeed holds them, run through a plain HF model: no copy, no ZeRO hooks.
+
+    Possible when every parameter is ZeRO-3 persistent: then each rank's ``param.data`` is the full served
+    tensor, all-gathered from the cast shards after every step. ``policy()`` rebinds the plain model's
+    parameters to those tensors (in case DeepSpeed swapped them) and returns it, or returns None while
+    some are not gathered yet (before the first forward).
+    """
+
+    def __init__(self, engine: Any, plain: torch.nn.Module) -> None:
+        theirs = dict(engine.module.named_parameters())
+        self.model = plain.eval()
+        self.pairs = [(p, theirs[name]) for name, p in plain.named_parameters()]
+
+    @staticmethod
+    def possible(engine: Any) -> bool:
+        return all(getattr(p, "ds_persist", False) for p in engine.module.parameters())
+
+    def policy(self) -> torch.nn.Module | None:
+        if any(theirs.data.shape != mine.shape for mine, theirs in self.pairs):
+            return None
+        for mine, theirs in self.pairs:
+            mine.data = theirs.data
+        return self.model
+
+
+class ServedChangeCounter:
+    """For the fp32 reference (no Fair Cast): how many local served elements each step changed."""
+
+    def __init__(self, engine: Any) -> None:
+        self.params = [p for p in engine.module.parameters()]
+        self.previous = self._bits()
+
+    def _bits(self) -> torch.Tensor:
+        return torch.cat([p.ds_tensor.detach().view(-1).view(torch.int32) for p in self.params]).clone()
+
+    def count(self) -> tuple[float, float]:
+        now = self._bits()
+        changed = float((now != self.previous).sum())
+        self.previous = now
+        return changed, float(sum(p.ds_numel for p in self.params)) / torch.distributed.get_world_size()
+
+
+class DeltaSyncBytes:
+    """Payload bytes a delta weight sync (``faircast_ds.export.WeightSender``) would send for each step:
+    per parameter that changed, the smaller of its COO (index + value) and bitmap encodings
+    (``faircast_ds.export.delta``). Reads the full served tensors of a :class:`ServedView`."""
+
+    def __init__(self, view: ServedView) -> None:
+        self.view = view
+        self.previous: list[torch.Tensor] | None = None
+
+    def step(self) -> int | None:
+        from faircast_ds.export import delta
+
+        if self.view.policy() is None:
+            return None
+        now = [delta.bits_view(theirs.data).clone() for _, theirs in self.view.pairs]
+        total = None
+        if self.previous is not None:
+            total = 0
+            for before, after in zip(self.previous, now):
+                nnz = int((before != after).sum())
+                if nnz:
+                    size = after.element_size()
+                    total += delta.encoded_bytes(delta.choose(after.numel(), nnz, size), after.numel(), nnz, size)
+        self.previous = now
+        return total
+
+
+def timed_cast(fair_cast: Any) -> list[float]:
+    """Time every cast Fair Cast does (seconds accumulate in the returned one-element list)."""
+    spent = [0.0]
+    cast_flat = fair_cast.caster.cast_flat
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return cast_flat(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    fair_cast.caster.cast_flat = timed
+    return spent
+
+
+def served_copy(engine: Any, cfg: JobConfig, seed: int, rank: int) -> torch.nn.Module | None:
+    """The served weights gathered into a plain HF model on rank 0 (a collective; None elsewhere)."""
+    import deepspeed
+
+    copy = build_model(cfg, seed, fp32=False) if rank == 0 else None
+    targets = dict(copy.named_parameters()) if copy is not None else {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            if copy is not None:
+                targets[name].data.copy_(param.data)
+    return copy
+
+
+def mismatch(model: torch.nn.Module, input_ids: torch.Tensor, engine: str = "sglang") -> dict[str, float]:
+    """Trainer-vs-engine log-prob gap (RMS, k3 KL) on the final served weights, unaligned and aligned."""
+    from faircast_ds.align import REGIONS, get_profile, measure_mismatch
+
+    regions = tuple(r for r in REGIONS if get_profile(engine).differs_from_hf(r))
+    plain = measure_mismatch(model, input_ids, engine=engine, attribute=False)
+    aligned = measure_mismatch(model, input_ids, engine=engine, trainer_regions=regions, attribute=False)
+    return {"mismatch_rms": plain.rms, "mismatch_k3": plain.k3_kl,
+            "mismatch_rms_aligned": aligned.rms, "mismatch_k3_aligned": aligned.k3_kl}
+
+
+def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: Any) -> tuple[list[dict], dict]:
+    """Train one engine; return its per-step rows and its end-of-run figures (rank 0's are complete)."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from faircast_ds import get_fair_cast
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_rank = cfg.rollouts // world
+    model = build_model(cfg, seed, fp32=(mode == REFERENCE))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(mode, seed, cfg, per_rank))
+    fair_cast = get_fair_cast(engine)
+    if (fair_cast is None) != (mode == REFERENCE):
+        raise RuntimeError(f"mode {mode}: expected Fair Cast {'off' if mode == REFERENCE else 'on'}")
+    cast_spent = timed_cast(fair_cast) if fair_cast is not None else None
+    view = None
+    if cfg.rollout_via == "view" and ServedView.possible(engine):
+        view = ServedView(engine, build_model(cfg, seed, fp32=(mode == REFERENCE)))
+    sync_meter = DeltaSyncBytes(view) if view is not None and fair_cast is not None else None
+    counter = ServedChangeCounter(engine) if fair_cast is None else None
+    served_bytes = 4 if fair_cast is None else 2
+    rows: list[dict] = []
+    seqs = torch.zeros(0, dtype=torch.long)
+    for step in range(1, cfg.steps + 1):
+        prompts, uniforms = task.draw(per_rank, task.generator(seed, step, rank))
+        t0 = time.perf_counter()
+        policy = view.policy() if view is not None else None
+        seqs = rollout(policy if policy is not None else engine.module, prompts, uniforms)
+        if sync_meter is not None and sync_meter.previous is None:
+            sync_meter.step()  # the baseline: the weights these rollouts were sampled from
+        completions = seqs[:, cfg.prompt_len:]
+        rewards = task.reward(completions)
+        advantages = group_advantages(rewards, task.group)
+        t1 = time.perf_counter()
+        logits = engine(input_ids=seqs, use_cache=False).logits[:, cfg.prompt_len - 1:-1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+        loss = -(advantages * logp.mean(dim=1)).mean()
+        engine.backward(loss)
+        if cast_spent is not None:
+            cast_spent[0] = 0.0
+        engine.step()
+        t3 = time.perf_counter()
+        if fair_cast is not None:
+            changed, numel = fair_cast.caster.last.changed, fair_cast.caster.last.numel
+            figures = fair_cast.diagnostics.last
+            fresh = bool(figures) and int(figures["step"]) == fair_cast.caster.step
+            gap, lag = (figures["gap_spacings"], figures["lag_steps"]) if fresh else (math.nan, math.nan)
+            cast_s = cast_spent[0]
+        else:
+            changed, numel = counter.count()
+            gap, lag, cast_s = math.nan, math.nan, math.nan
+        # what a weight sync would send now: a delta per the export's encodings (every rank holds the full
+        # persistent tensors, so rank 0's count is the count), else 6 bytes per changed element (COO)
+        delta_bytes = sync_meter.step() if sync_meter is not None else None
+        totals = torch.tensor([float(rewards.sum()), rewards.numel(), changed, numel, cast_s,
+                               t1 - t0, t3 - t1], dtype=torch.float64)
+        dist.all_reduce(totals)
+        r_sum, r_n, changed, numel, cast_s, rollout_s, train_s = totals.tolist()
+        rows.append({
+            "mode": mode, "seed": seed, "step": step, "reward": r_sum / r_n, "loss": float(loss.detach()),
+            "changed": int(changed), "numel": int(numel), "changed_fraction": changed / numel,
+            "gap_spacings": gap, "lag_steps": lag,
+            "sync_bytes": (int(numel) * served_bytes if fair_cast is None  # no delta sync of fp32 weights
+                           else delta_bytes if delta_bytes is not None else int(changed) * (4 + served_bytes)),
+            "sync_bytes_dense": int(numel) * served_bytes,
+            "cast_ms": 1e3 * cast_s / world, "rollout_ms": 1e3 * rollout_s / world,
+            "train_ms": 1e3 * train_s / world,
+        })
+        if progress is not None:
+            progress.set_postfix_str(f"{mode} seed {seed} reward {rows[-1]['reward']:.3f} "
+                                     f"changed {100 * rows[-1]['changed_fraction']:.2f}%", refresh=False)
+            progress.update(1)
+    final: dict[str, Any] = {"mode": mode, "seed": seed}
+    if fair_cast is not None:
+        copy = served_copy(engine, cfg, seed, rank)
+        if copy is not None:
+            final.update(mismatch(copy, seqs))
+    engine.destroy()
+    del engine, opt, model
+    gc.collect()
+    return rows, final
+
+
+def parse(argv: list[str] | None) -> JobConfig:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help=f"the longer preset: {PRESETS['full']}")
+    for f in fields(JobConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "modes":
+            parser.add_argument(flag, default=None, help=f"comma-separated subset of {','.join(MODES)}")
+        else:
+            parser.add_argument(flag, type=type(f.default), default=None, help=f"default {f.default!r}")
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    cfg = replace(JobConfig(), **PRESETS["full" if args.full else "default"])
+    given = {f.name: getattr(args, f.name) for f in fields(JobConfig) if getattr(args, f.name) is not None}
+    if "modes" in given:
+        given["modes"] = tuple(m.strip() for m in given["modes"].split(",") if m.strip())
+        unknown = [m for m in given["modes"] if m not in MODES]
+        if unknown:
+            parser.error(f"unknown mode(s) {unknown}; choose from {','.join(MODES)}")
+    cfg = replace(cfg, **given)
+    if not cfg.name:
+        cfg = replace(cfg, name=("full-" if args.full else "") + time.strftime("%Y%m%d-%H%M%S"))
+    return cfg
+
+
+def quiet() -> None:
+    """Keep the screen for the progress bar: DeepSpeed's INFO lines and torch's deprecation notes for
+    the collectives DeepSpeed calls go."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse(argv)
+    import deepspeed
+    import deepspeed.comm as dist
+
+    quiet()
+
+    from faircast_ds.jobs import plots, report
+
+    started = time.time()
+    deepspeed.init_distributed(dist_backend="gloo" if os.environ.get("DS_ACCELERATOR") == "cpu" else None)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if cfg.rollouts % (world * cfg.group):
+        raise SystemExit(f"--rollouts {cfg.rollouts} must be a multiple of world size x group ({world} x {cfg.group})")
+    # the run directory is named on rank 0 only (clocks may tick between ranks)
+    name = [cfg.name]
+    dist.broadcast_object_list(name, src=0)
+    cfg = replace(cfg, name=name[0])
+    run_dir = os.path.join(cfg.out, cfg.name)
+    task = LowTokenTask(vocab=cfg.vocab, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, group=cfg.group)
+    progress = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        os.makedirs(run_dir, exist_ok=True)
+        print(f"[grpo] {len(cfg.modes)} modes x {cfg.seeds} seeds x {cfg.steps} steps, world size {world} "
+              f"-> {run_dir}", flush=True)
+        progress = tqdm(total=len(cfg.modes) * cfg.seeds * cfg.steps, unit="step", file=sys.stdout,
+                        dynamic_ncols=True, mininterval=2.0)
+    rows: list[dict] = []
+    finals: list[dict] = []
+    csv_path = os.path.join(run_dir, "steps.csv")
+    for seed in range(cfg.seeds):
+        for mode in cfg.modes:
+            run_rows, final = run_one(mode, seed, cfg, task, progress)
+            rows += run_rows
+            finals.append(final)
+            if rank == 0:  # written as runs finish, so an interrupted job keeps what it did
+                report.write_csv(csv_path, rows)
+    if rank == 0:
+        progress.close()
+        wall = time.time() - started
+        summaries = report.summarize(rows, finals, cfg.modes, tie=cfg.tie)
+        plots.plot_run(rows, os.path.join(run_dir, "reward.png"), title=report.headline(cfg, world))
+        table = report.markdown(summaries, cfg, world, wall)
+        with open(os.path.join(run_dir, "results.md"), "w") as f:
+            f.write(table)
+        with open(os.path.join(run_dir, "run.json"), "w") as f:
+            json.dump({"config": asdict(cfg), "world_size": world, "wall_s": wall, "finals": finals}, f, indent=1)
+        text = report.summary_text(summaries, cfg, world, wall, run_dir)
+        with open(os.path.join(run_dir, "summary.txt"), "w") as f:
+            f.write(text + "\n")
+        print("\n" + text, flush=True)
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
