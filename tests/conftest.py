@@ -20,6 +20,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def assert_bitwise(a: dict, b: dict, what: str) -> None:
+    """Two snapshots (served bits, fp32 masters, residuals per parameter) are identical bit for bit."""
+    import torch
+
+    for part in ("served", "master", "residual"):
+        assert a[part].keys() == b[part].keys(), f"{what}: {part} parameters differ"
+        for name in a[part]:
+            x, y = a[part][name], b[part][name]
+            if x.dtype == torch.float32:
+                x, y = x.view(torch.int32), y.view(torch.int32)  # compares NaN padding and -0.0 too
+            assert torch.equal(x, y), f"{what}: {part} of {name} differs"
+
+
 def deepspeed_runner() -> str:
     """The `deepspeed` command of this interpreter's environment (what users launch with)."""
     beside = Path(sys.executable).parent / "deepspeed"

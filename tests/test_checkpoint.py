@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DIST, ROOT, cpu_env, deepspeed_launch
+from conftest import DIST, ROOT, assert_bitwise, cpu_env, deepspeed_launch
 
 pytestmark = pytest.mark.slow
 WORKER = DIST / "checkpoint_worker.py"
@@ -57,16 +57,6 @@ def phases(tmp_path_factory):
             "straight": torch.load(out["straight"] / "straight.pt"), "resume": torch.load(out["resume"] / "resume.pt"),
             "ws3": torch.load(out["ws3"] / "elastic_ws3.pt"), "ws1": torch.load(out["ws1"] / "elastic_ws1.pt"),
             "bad": json.loads((out["resume"] / "bad_state.json").read_text())}
-
-
-def assert_bitwise(a: dict, b: dict, what: str) -> None:
-    for part in ("served", "master", "residual"):
-        assert a[part].keys() == b[part].keys(), f"{what}: {part} parameters differ"
-        for name in a[part]:
-            x, y = a[part][name], b[part][name]
-            if x.dtype == torch.float32:
-                x, y = x.view(torch.int32), y.view(torch.int32)  # compares NaN padding and -0.0 too
-            assert torch.equal(x, y), f"{what}: {part} of {name} differs"
 
 
 @pytest.mark.parametrize("combo", COMBOS)

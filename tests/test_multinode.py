@@ -34,7 +34,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import DIST, ROOT, cpu_env, free_port
+from conftest import DIST, ROOT, assert_bitwise, cpu_env, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -461,16 +461,6 @@ def test_slurm_tasks_and_preflight_name_the_node_without_fair_cast(slurm_preflig
 
 # ---------------------------------------------------------------------------------------------
 # checkpoint: saved on 2 nodes, resumed on 1
-
-
-def assert_bitwise(a: dict, b: dict, what: str) -> None:
-    for part in ("served", "master", "residual"):
-        assert a[part].keys() == b[part].keys(), f"{what}: {part} parameters differ"
-        for name in a[part]:
-            x, y = a[part][name], b[part][name]
-            if x.dtype == torch.float32:
-                x, y = x.view(torch.int32), y.view(torch.int32)
-            assert torch.equal(x, y), f"{what}: {part} of {name} differs"
 
 
 def test_checkpoint_from_two_nodes_resumes_on_one_node(loopback, single):

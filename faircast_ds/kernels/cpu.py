@@ -22,6 +22,7 @@ from types import ModuleType
 import torch
 
 from faircast_ds.kernels.nan import torch_nan16
+from faircast_ds.kernels.operands import contiguous, write_back
 
 SOURCE = Path(__file__).with_name("fused_cast.cpp")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
@@ -128,16 +129,9 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start:
         raise ValueError("cast_into: the output, the input and the residual must not share memory")
     if out.numel() == 0:
         return 0, 0
-    src = x if x.is_contiguous() else x.contiguous()
-    dst = out if out.is_contiguous() else out.contiguous()
-    res = residual
-    if res is not None and not res.is_contiguous():
-        res = res.contiguous()
+    dst, src, res = contiguous(out, x, residual)
     changed, nonfinite = module.cast_into(
         MODE_CODES[mode], dst.data_ptr(), src.data_ptr(), res.data_ptr() if res is not None else 0,
         src.numel(), start, key, torch_nan16(out.device))
-    if dst is not out:
-        out.copy_(dst)
-    if res is not None and res is not residual:
-        residual.copy_(res)
+    write_back(out, dst, residual, res)
     return changed, nonfinite

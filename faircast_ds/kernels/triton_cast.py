@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from faircast_ds.kernels.nan import torch_nan16
+from faircast_ds.kernels.operands import contiguous, write_back
 
 MODE_CODES = {"nearest": 0, "stochastic": 1, "dither": 2, "error_feedback": 3}
 BLOCK = 4096
@@ -126,11 +127,7 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start:
     n = x.numel()
     if n == 0:
         return 0, 0
-    src = x if x.is_contiguous() else x.contiguous()
-    dst = out if out.is_contiguous() else out.contiguous()
-    res = residual
-    if res is not None and not res.is_contiguous():
-        res = res.contiguous()
+    dst, src, res = contiguous(out, x, residual)
     grid = (n + BLOCK - 1) // BLOCK
     partial = torch.empty((grid, 2), dtype=torch.int32, device=x.device)
     key_i32 = key - (1 << 32) if key >= (1 << 31) else key  # always an i32 argument
@@ -139,9 +136,6 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start:
         n, start, key_i32,
         MODE=MODE_CODES[mode], NAN16=torch_nan16(x.device), COUNT_CHANGED=count_changed, USE_PTX=_use_ptx(),
         BLOCK=BLOCK, num_warps=NUM_WARPS)
-    if dst is not out:
-        out.copy_(dst)
-    if res is not None and res is not residual:
-        residual.copy_(res)
+    write_back(out, dst, residual, res)
     changed, nonfinite = partial.sum(0, dtype=torch.int64).tolist()
     return (changed if count_changed else -1), nonfinite

@@ -109,6 +109,18 @@ def gather_shards(fc: Any, numels: dict[str, int]) -> tuple[dict[str, torch.Tens
     return masters, served
 
 
+def tensors_in(obj: Any):
+    """Every tensor in a nest of lists, tuples and dicts (a dispatched op's arguments or results)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o)
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

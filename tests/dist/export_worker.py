@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import batch, ds_config, finish, full_served_bits, train_step, write_json  # noqa: E402
+from common import batch, ds_config, finish, full_served_bits, tensors_in, train_step, write_json  # noqa: E402
 from export_common import bits_digest, greedy, served_model  # noqa: E402
 
 import faircast_ds  # noqa: E402
@@ -51,20 +51,9 @@ class CollectiveTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         if name.startswith("c10d.") or "gather" in name:
-            dtypes = sorted({str(t.dtype) for t in _tensors((args, kwargs))})
+            dtypes = sorted({str(t.dtype) for t in tensors_in((args, kwargs))})
             self.collectives.append(f"{name}:{','.join(dtypes)}")
         return func(*args, **(kwargs or {}))
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 def forward_used_bits(engine) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (batch, deterministic_master, ds_config, finish, full_served_bits, optimizer_class,  # noqa: E402
-                    tiny_qwen3, train_step, write_json)
+                    tensors_in, tiny_qwen3, train_step, write_json)
 
 from faircast_ds.casts import MODES, bf16_bits, cast, fp32_bits  # noqa: E402
 from faircast_ds.noise import name_id  # noqa: E402
@@ -136,29 +136,18 @@ class Tracer(TorchDispatchMode):
         name = str(func)
         is_collective = name.startswith("c10d.") or "allgather" in name or "all_gather" in name
         if is_collective:
-            dtypes = sorted({str(t.dtype) for t in _tensors((args, kwargs))})
+            dtypes = sorted({str(t.dtype) for t in tensors_in((args, kwargs))})
             if "gather" in name:
                 self.gathers.append(f"{name}:{','.join(dtypes)}")
             if self.in_cast:
                 self.cast_collectives.append(name)
         elif self.in_cast:
             # views and in-place results share an input's storage: only new storage is an allocation
-            inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
-            for t in _tensors(out):
+            inputs = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs))}
+            for t in tensors_in(out):
                 if t.untyped_storage().data_ptr() not in inputs:
                     self.cast_allocs.append((t.numel(), t.untyped_storage().data_ptr()))
         return out
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 def allocation_checks(mode: str, stage: str) -> dict:
