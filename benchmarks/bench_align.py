@@ -15,24 +15,14 @@ import time
 
 import torch
 import torch.nn.functional as F
-from transformers import Qwen3Config, Qwen3ForCausalLM
-
 from faircast_ds.align import ENGINES, REGIONS, align_model
+from faircast_ds.models import tiny_causal_lm
 
 
-def build(attn: str) -> Qwen3ForCausalLM:
-    config = Qwen3Config(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        attn_implementation=attn,
-    )
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(config).to(torch.bfloat16).train()
+def build(attn: str) -> torch.nn.Module:
+    return tiny_causal_lm("qwen3", seed=0, init_std=0.02, as_from_pretrained=False, attn=attn, vocab_size=4096,
+                          hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                          num_key_value_heads=4, head_dim=32).train()
 
 
 def step_seconds(model: torch.nn.Module, input_ids: torch.Tensor) -> float:

@@ -1,7 +1,7 @@
 """faircast-ds: unbiased fp32 -> bf16 casts for DeepSpeed ZeRO's served weights.
 
 The public API is a handful of names. They are loaded lazily so that the
-interpreter-start hook (``faircast_ds._autoload``) costs nothing for programs
+interpreter-start hook (``faircast_ds.deepspeed.autoload``) costs nothing for programs
 that never import DeepSpeed.
 """
 from __future__ import annotations
@@ -18,10 +18,11 @@ _LAZY = {
     "MODES": ("faircast_ds.casts", "MODES"),
     "FairCastConfig": ("faircast_ds.config", "FairCastConfig"),
     "FairCastConfigError": ("faircast_ds.config", "FairCastConfigError"),
-    "install": ("faircast_ds.activation", "install"),
-    "attach": ("faircast_ds.activation", "attach"),
-    "get_fair_cast": ("faircast_ds.activation", "get_fair_cast"),
-    "UnsupportedSetupError": ("faircast_ds.adapters", "UnsupportedSetupError"),
+    "install": ("faircast_ds.deepspeed.engine", "install"),
+    "attach": ("faircast_ds.deepspeed.engine", "attach"),
+    "get_fair_cast": ("faircast_ds.handle", "get_fair_cast"),
+    "FairCast": ("faircast_ds.handle", "FairCast"),
+    "UnsupportedSetupError": ("faircast_ds.adapter", "UnsupportedSetupError"),
     "served_weights": ("faircast_ds.export", "served_weights"),
     "save_hf": ("faircast_ds.export", "save_hf"),
     "WeightSender": ("faircast_ds.export", "WeightSender"),

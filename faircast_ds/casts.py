@@ -16,9 +16,8 @@ from typing import Final
 
 import torch
 
-from faircast_ds.noise import MASK32, STREAM_DITHER, STREAM_STOCHASTIC, noise16, stream_key
-
-MODES: Final = ("nearest", "stochastic", "dither", "error_feedback")
+from faircast_ds.modes import MODES, noise_key
+from faircast_ds.noise import MASK32, noise16
 
 _SIGN: Final = 0x80000000
 _ABS: Final = 0x7FFFFFFF
@@ -42,6 +41,17 @@ def bf16_from_bits(bits16: torch.Tensor) -> torch.Tensor:
 def bf16_bits(y: torch.Tensor) -> torch.Tensor:
     """The bit pattern of a bf16 tensor as int64 values in [0, 2^16)."""
     return y.view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def bf16_spacing(y: torch.Tensor) -> torch.Tensor:
+    """The bf16 spacing in the binade of each value, as fp32: for a bf16 value the distance to the next one
+    away from zero; for an fp32 value the spacing of the bf16 grid around it (subnormals and zero: the
+    smallest spacing). The one definition of a spacing that every figure in spacings uses."""
+    if y.dtype == torch.float32:
+        exponent = (fp32_bits(y.detach().contiguous()) >> 23) & 0xFF
+    else:
+        exponent = (bf16_bits(y.detach().contiguous()) >> 7) & 0xFF
+    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), torch.clamp(exponent, min=1) - 134)
 
 
 def round_with_noise(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -118,8 +128,7 @@ def cast(x: torch.Tensor,
         return x.to(torch.bfloat16)
     if mode == "error_feedback":
         return error_feedback_step(x, residual)
-    stream = STREAM_STOCHASTIC if mode == "stochastic" else STREAM_DITHER
-    key = stream_key(seed=seed, step=step if mode == "stochastic" else 0, name=name, stream=stream)
+    key = noise_key(mode, seed=seed, step=step, name=name)
     return round_with_noise(x, noise16(start, x.numel(), key, device=x.device))
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from faircast_ds.adapters.base import Adapter
+from faircast_ds.adapter import Adapter
 from faircast_ds.casts import bf16_bits, bf16_from_bits
 from faircast_ds.shard_caster import ShardCaster
 
@@ -86,7 +86,9 @@ class _Piece:
     file: str
 
 
-def _read_records(tag_dir: str) -> list[tuple[str, dict[str, Any]]]:
+def read_records(tag_dir: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every rank file of a tag directory's Fair Cast state, checked for format and completeness
+    (memory-mapped: nothing is read until used)."""
     files = sorted(glob.glob(os.path.join(state_dir(tag_dir), "rank*-of-*.pt")))
     if not files:
         raise FairCastStateError(f"no Fair Cast state in {state_dir(tag_dir)} (checkpoint saved without fair_cast?)")
@@ -124,7 +126,7 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str) -> int:
     communicates; call :func:`publish_restored` on every rank afterwards. Raises FairCastStateError
     on any mismatch."""
     cfg = caster.config
-    records = _read_records(tag_dir)
+    records = read_records(tag_dir)
     first_file, first = records[0]
     for what in ("mode", "seed"):
         if first[what] != getattr(cfg, what):
@@ -175,7 +177,7 @@ def publish_restored(adapter: Adapter, caster: ShardCaster) -> None:
     if caster.config.mode == "error_feedback":
         adapter.publish()  # the saved served bits are already in the shards
     else:
-        adapter.recast_all()  # deterministic in (seed, step, name, index): the bits served at save time
+        adapter.recast_and_publish()  # deterministic in (seed, step, name, index): the bits served at save time
 
 
 @torch.no_grad()
@@ -183,4 +185,4 @@ def reset_state(adapter: Adapter, caster: ShardCaster, step: int) -> None:
     """Start over from the restored masters: zero residual, noise step ``step``."""
     caster.residuals.clear()
     caster.step = step
-    adapter.recast_all()
+    adapter.recast_and_publish()

@@ -9,7 +9,7 @@ import sys
 
 
 def _check() -> int:
-    from faircast_ds import _autoload
+    from faircast_ds.deepspeed import autoload as _autoload
 
     active = any(isinstance(f, _autoload._EngineWatcher) for f in sys.meta_path)
     print(f"faircast-ds autoload hook: {'active' if active else 'NOT active'}")
@@ -38,7 +38,7 @@ def _to_universal(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from faircast_ds.export.inspect import main as inspect_main
+    from faircast_ds.export.inspection import main as inspect_main
 
     return inspect_main(args.path, args.checkpoint, args.by, args.json)
 

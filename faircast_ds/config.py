@@ -13,10 +13,10 @@ from typing import Any, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from faircast_ds.align.config import AlignRoundingConfig
+from faircast_ds.modes import Mode
 
 SECTION = "fair_cast"
 
-Mode = Literal["nearest", "stochastic", "dither", "error_feedback"]
 NonFinitePolicy = Literal["error", "propagate"]
 MissingStatePolicy = Literal["error", "reset"]
 
@@ -26,38 +26,48 @@ class FairCastConfigError(ValueError):
 
 
 class DiagnosticsConfig(BaseModel):
-    """``fair_cast.diagnostics``: every (steps between reports; 0 turns diagnostics off), sample
-    (elements of the whole model tracked for the lag estimate), horizon (steps of history kept for
-    them: memory is ``sample x horizon x 4`` bytes, split across ranks), log (rank 0 prints a line)."""
+    """``fair_cast.diagnostics``: the staleness reports; each key documents itself below
+    (``python3 -m faircast_ds.config_docs`` renders them as docs/config.md's table)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    every: int = Field(default=10, ge=0)
-    sample: int = Field(default=16384, ge=1)
-    horizon: int = Field(default=256, ge=2, le=4096)
-    log: bool = True
+    every: int = Field(default=10, ge=0, description=(
+        "Steps between staleness reports (changed fraction, gap, lag); `0` turns diagnostics off."))
+    sample: int = Field(default=16384, ge=1, description=(
+        "About this many elements of the whole model are tracked for the lag estimate, chosen by a "
+        "hash of (parameter, index), so the same for any sharding."))
+    horizon: int = Field(default=256, ge=2, le=4096, description=(
+        "Steps of sampled master history kept (the largest lag it can see); memory is "
+        "`sample x horizon x 4` bytes in all (16 MiB by default), split across ranks."))
+    log: bool = Field(default=True, description="Rank 0 prints one line per report.")
 
 
 class FairCastConfig(BaseModel):
-    """Validated ``fair_cast`` settings.
-
-    enabled:      turn the cast on (``false`` keeps DeepSpeed's round-to-nearest, and says so).
-    mode:         ``nearest`` (DeepSpeed today, the control), ``stochastic`` (fresh noise every cast),
-                  ``dither`` (a fixed per-element threshold), ``error_feedback`` (a carried residual).
-    seed:         the noise seed; the noise is a function of (seed, step, parameter name, index).
-    on_nonfinite: ``error`` stops the step with the parameter's name when a served weight is NaN/Inf;
-                  ``propagate`` serves it as it is (what DeepSpeed does today).
-    """
+    """Validated ``fair_cast`` settings; each key documents itself in its ``Field(description=...)``
+    (``python3 -m faircast_ds.config_docs`` renders them as docs/config.md's table)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    enabled: bool = True
-    mode: Mode = "stochastic"
-    seed: int = Field(default=0, ge=0, lt=2**63)
-    on_nonfinite: NonFinitePolicy = "error"
-    on_missing_state: MissingStatePolicy = "error"
-    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
-    align_rounding: Optional[AlignRoundingConfig] = None
+    enabled: bool = Field(default=True, description=(
+        "Turn the cast on; `false` keeps DeepSpeed's round-to-nearest, and rank 0 says so."))
+    mode: Mode = Field(default="stochastic", description=(
+        "The cast rule: `nearest` (round-to-nearest, DeepSpeed today, the control), `stochastic` "
+        "(fresh noise every step), `dither` (a fixed per-element threshold), `error_feedback` "
+        "(a carried fp32 residual); see docs/modes.md."))
+    seed: int = Field(default=0, ge=0, lt=2**63, description=(
+        "The noise seed; the noise is a function of (seed, step, parameter name, index)."))
+    on_nonfinite: NonFinitePolicy = Field(default="error", description=(
+        "`error` stops the step naming the parameter and element whose served value would be "
+        "NaN/Inf; `propagate` serves it as DeepSpeed does today."))
+    on_missing_state: MissingStatePolicy = Field(default="error", description=(
+        "What `load_checkpoint` does when the checkpoint's Fair Cast state is missing, from another "
+        "mode or seed, or corrupted: `error` names the problem on every rank; `reset` logs it and "
+        "starts the residual at zero and the noise step at the engine's global step."))
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig, description=(
+        "Staleness diagnostics, reported to rank 0's log and DeepSpeed's monitor; see docs/diagnostics.md."))
+    align_rounding: Optional[AlignRoundingConfig] = Field(default=None, description=(
+        "Align the trainer's rounding to an inference engine's (absent: off); needs `enabled: true` "
+        "(use mode `nearest` to align without changing the cast); see docs/alignment.md."))
 
     @classmethod
     def from_section(cls, section: Any) -> "FairCastConfig":

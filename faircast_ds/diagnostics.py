@@ -17,18 +17,13 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-from faircast_ds.casts import bf16_bits
+from faircast_ds import dist
+from faircast_ds.casts import bf16_spacing
 from faircast_ds.config import DiagnosticsConfig
 from faircast_ds.noise import MASK32, mix32, name_id
 from faircast_ds.shard_caster import CastStats, ShardSlice
 
 _SAMPLE_SALT = 0x5A17
-
-
-def bf16_spacing(served: torch.Tensor) -> torch.Tensor:
-    """The distance from each bf16 value to the next one away from zero (fp32)."""
-    exponent = (bf16_bits(served) >> 7) & 0xFF
-    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), torch.clamp(exponent, min=1) - 134)
 
 
 class Diagnostics:
@@ -77,8 +72,6 @@ class Diagnostics:
     @torch.no_grad()
     def compute(self, flat_groups: Any, stats: CastStats, step: int) -> dict[str, float]:
         """All three figures at ``step`` (a collective: every rank calls it)."""
-        import deepspeed.comm as dist
-
         horizon = self.config.horizon
         first = min(self._first.values(), default=step)
         depth = min(step - first + 1, horizon)  # how many past steps this process has recorded
@@ -99,8 +92,8 @@ class Diagnostics:
                 distances[:depth] += ((history - current).double() ** 2).sum(dim=1).cpu()
         totals = torch.cat([torch.tensor([stats.changed, stats.numel, float(gap_sum), count], dtype=torch.float64),
                             distances])
-        if dist.is_initialized():
-            dist.all_reduce(totals)
+        if dist.initialized():
+            torch.distributed.all_reduce(totals)
         changed, numel, gap_total, n = totals[:4].tolist()
         lag = int(torch.argmin(totals[4:4 + depth]).item()) if depth else 0
         self.last = {"step": float(step), "changed_fraction": changed / numel if numel else 0.0,

@@ -2,7 +2,7 @@
 
 No generator state and no stored noise: the same element of the same parameter gets the same
 16 noise bits whatever the sharding, the order of calls or the device. This is what makes the
-served weights independent of ZeRO stage, world size and offload (see GUIDE.md §2).
+served weights independent of ZeRO stage, world size and offload.
 
 The specification, which every fast path must reproduce bit for bit:
 
@@ -25,9 +25,6 @@ MASK32 = 0xFFFFFFFF
 _M1 = 0x21F0AAAD
 _M2 = 0x735A2D97
 
-# Stream tags keep the noise of different modes independent for the same (seed, name).
-STREAM_STOCHASTIC = 1
-STREAM_DITHER = 2
 
 
 def mix32_int(x: int) -> int:

@@ -12,7 +12,8 @@ import struct
 import numpy as np
 import torch
 
-from faircast_ds.noise import STREAM_DITHER, STREAM_STOCHASTIC, noise16_int, stream_key
+from faircast_ds.modes import noise_key, uses_noise
+from faircast_ds.noise import noise16_int
 
 _TOP = 2.0**128  # where the "next value" after the largest bf16 sits, for rounding purposes
 
@@ -100,9 +101,8 @@ def cast_reference(x: torch.Tensor,
     out: list[int] = []
     if mode == "nearest":
         out = [nearest_bits(v) for v in values]
-    elif mode in ("stochastic", "dither"):
-        stream = STREAM_STOCHASTIC if mode == "stochastic" else STREAM_DITHER
-        key = stream_key(seed=seed, step=step if mode == "stochastic" else 0, name=name, stream=stream)
+    elif uses_noise(mode):
+        key = noise_key(mode, seed=seed, step=step, name=name)
         out = [round_up_bits(v, noise16_int(start + i, key)) for i, v in enumerate(values)]
     elif mode == "error_feedback":
         if residual is None:

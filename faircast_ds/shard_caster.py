@@ -7,6 +7,7 @@ counts what changed. Nothing larger than the rank's own shard is ever created he
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Protocol, Sequence
 
@@ -60,9 +61,12 @@ class CastStats:
     step: int = 0
     numel: int = 0
     changed: int = 0
+    seconds: float = 0.0  # wall time spent casting (the observer's time excluded)
 
 
 class CastObserver(Protocol):
+    """Told about every flat group the caster casts (e.g. :class:`faircast_ds.diagnostics.Diagnostics`)."""
+
     def on_cast(self, key: Hashable, master: torch.Tensor, slices: Sequence[ShardSlice], step: int) -> None: ...
 
 
@@ -74,7 +78,7 @@ class ShardCaster:
     step: int = 0
     residuals: dict[Hashable, torch.Tensor] = field(default_factory=dict)
     last: CastStats = field(default_factory=CastStats)
-    observer: Any = None  # a CastObserver (diagnostics) told about every flat group it casts
+    observer: CastObserver | None = None  # told about every flat group it casts
 
     def begin_step(self) -> int:
         """Advance the noise step; call once per optimizer step, before its first flat group."""
@@ -101,6 +105,7 @@ class ShardCaster:
         """
         if master.numel() != served.numel():
             raise ValueError(f"flat shard {key!r}: master has {master.numel()} elements, served {served.numel()}")
+        started = time.perf_counter()
         master = master.detach().view(-1)
         residual = self.residual_for(key, master)
         cfg = self.config
@@ -127,6 +132,7 @@ class ShardCaster:
             self.last.numel += s.numel
             if nonfinite and cfg.on_nonfinite == "error":
                 _raise_nonfinite(target, src, s)
+        self.last.seconds += time.perf_counter() - started
         if self.observer is not None:
             self.observer.on_cast(key, master, slices, self.step)
 

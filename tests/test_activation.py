@@ -11,7 +11,7 @@ from conftest import DIST, ROOT, cpu_env, deepspeed_launch
 
 
 def test_hook_is_installed_with_the_package_and_imports_nothing_heavy():
-    code = ("import sys; from faircast_ds import _autoload; "
+    code = ("import sys; from faircast_ds.deepspeed import autoload as _autoload; "
             "print(any(isinstance(f, _autoload._EngineWatcher) for f in sys.meta_path), "
             "'torch' in sys.modules, 'deepspeed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cpu_env(), cwd="/")

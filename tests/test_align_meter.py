@@ -10,7 +10,7 @@ from faircast_ds.align import REGIONS, align_model, measure_mismatch
 from faircast_ds.align.meter import gap_stats, token_logprobs
 from faircast_ds.align.patch import is_aligned
 from faircast_ds.align.profiles import get_profile
-from faircast_ds.align.testing import single_thread, tiny_causal_lm, token_ids
+from faircast_ds.models import alignment_lm, single_thread, token_ids
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -21,7 +21,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_causal_lm("qwen3")
+    return alignment_lm("qwen3")
 
 
 IDS = token_ids(batch=4, length=32)
@@ -103,6 +103,6 @@ def test_meter_refuses_an_aligned_model_or_a_non_eager_kernel(model):
     with align_model(model, "sglang"), pytest.raises(RuntimeError, match="remove"):
         measure_mismatch(model, IDS, "sglang")
     with pytest.raises(ValueError, match="eager"):
-        measure_mismatch(tiny_causal_lm("qwen3", attn="sdpa"), IDS, "sglang")
+        measure_mismatch(alignment_lm("qwen3", attn="sdpa"), IDS, "sglang")
     with pytest.raises(ValueError, match="unknown engine"):
         measure_mismatch(model, IDS, "vllm")

@@ -18,7 +18,7 @@ from faircast_ds.align import (
 )
 from faircast_ds.align.meter import token_logprobs
 from faircast_ds.align.patch import is_aligned
-from faircast_ds.align.testing import single_thread, tiny_causal_lm, token_ids
+from faircast_ds.models import alignment_lm, single_thread, token_ids
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 NON_HF = ("vllm-cuda", "vllm-inductor", "sglang")
@@ -48,14 +48,14 @@ def instance_forwards(model: nn.Module) -> list[str]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_reference_reproduces_transformers_eager_bitwise(family):
-    model, ids = tiny_causal_lm(family), token_ids()
+    model, ids = alignment_lm(family), token_ids()
     assert torch.equal(reference_logits(model, ids, "hf"), logits(model, ids))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_aligned_trainer_logprobs_equal_engine_reference_bitwise(family, engine):
-    model, ids = tiny_causal_lm(family), token_ids()
+    model, ids = alignment_lm(family), token_ids()
     expected = reference_logits(model, ids, engine)
     with align_model(model, engine):
         got = logits(model, ids)
@@ -67,7 +67,7 @@ def test_aligned_trainer_logprobs_equal_engine_reference_bitwise(family, engine)
 @pytest.mark.parametrize("engine", NON_HF)
 @pytest.mark.parametrize("region", REGIONS)
 def test_each_region_aligned_alone_equals_its_reference_bitwise(family, engine, region):
-    model, ids = tiny_causal_lm(family), token_ids()
+    model, ids = alignment_lm(family), token_ids()
     with align_model(model, engine, [region]):
         got = logits(model, ids)
     assert torch.equal(got, reference_logits(model, ids, engine, [region]))
@@ -76,7 +76,7 @@ def test_each_region_aligned_alone_equals_its_reference_bitwise(family, engine, 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("engine", NON_HF)
 def test_unaligned_trainer_differs_measurably_from_the_engine(family, engine):
-    model, ids = tiny_causal_lm(family), token_ids()
+    model, ids = alignment_lm(family), token_ids()
     gap = token_logprobs(logits(model, ids), ids) - token_logprobs(reference_logits(model, ids, engine), ids)
     assert gap.pow(2).mean().sqrt() > 3e-3  # measured 0.02–0.05 on these tiny models
 
@@ -87,7 +87,7 @@ def test_unaligned_trainer_differs_measurably_from_the_engine(family, engine):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("engine", NON_HF)
 def test_aligned_gradients_match_reference_autograd(family, engine):
-    model, ids = tiny_causal_lm(family), token_ids()
+    model, ids = alignment_lm(family), token_ids()
     params = list(model.parameters())
     with align_model(model, engine):
         aligned = torch.autograd.grad(loss(model(input_ids=ids).logits, ids), params)
@@ -106,7 +106,7 @@ def test_aligned_gradient_agrees_with_finite_differences_in_fp64():
     # In fp64 nothing rounds, so this checks the fused backward formulas and the patched
     # dataflow against the loss itself. HF eager's softmax stays fp32, hence eps=1e-3 along the
     # gradient direction (largest signal) and rtol 1e-3 (measured 4e-5).
-    model, ids = tiny_causal_lm("qwen3", dtype=torch.float64), token_ids()
+    model, ids = alignment_lm("qwen3", dtype=torch.float64), token_ids()
     params = list(model.parameters())
     with align_model(model, "sglang"):
         grads = torch.autograd.grad(loss(model(input_ids=ids).logits, ids), params)
@@ -126,7 +126,7 @@ def test_aligned_gradient_agrees_with_finite_differences_in_fp64():
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing_recomputes_the_aligned_forward(use_reentrant):
-    model, ids = tiny_causal_lm("qwen3"), token_ids()
+    model, ids = alignment_lm("qwen3"), token_ids()
     model.train()  # checkpointing is active in training mode only
     params = list(model.parameters())
     with align_model(model, "sglang"):
@@ -141,7 +141,7 @@ def test_activation_checkpointing_recomputes_the_aligned_forward(use_reentrant):
 
 
 def test_remove_restores_hf_eager_bits_and_leaves_parameters_alone():
-    model, ids = tiny_causal_lm("qwen3"), token_ids()
+    model, ids = alignment_lm("qwen3"), token_ids()
     before = logits(model, ids)
     storage = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
     handle = align_model(model, "sglang")
@@ -156,7 +156,7 @@ def test_remove_restores_hf_eager_bits_and_leaves_parameters_alone():
 
 
 def test_patches_are_per_instance_not_per_class():
-    aligned, other, ids = tiny_causal_lm("qwen3"), tiny_causal_lm("qwen3"), token_ids()
+    aligned, other, ids = alignment_lm("qwen3"), alignment_lm("qwen3"), token_ids()
     class_forward = modeling_qwen3.Qwen3MLP.forward
     other_before = logits(other, ids)
     with align_model(aligned, "sglang"):
@@ -166,7 +166,7 @@ def test_patches_are_per_instance_not_per_class():
 
 
 def test_engine_that_rounds_like_hf_in_a_region_leaves_it_unpatched():
-    model = tiny_causal_lm("qwen3")
+    model = alignment_lm("qwen3")
     with align_model(model, "vllm-cuda") as handle:
         assert handle.patched_regions == ("rope",)
         patched = set(instance_forwards(model))
@@ -174,7 +174,7 @@ def test_engine_that_rounds_like_hf_in_a_region_leaves_it_unpatched():
 
 
 def test_apply_from_config_takes_the_model_or_its_raw_dict():
-    model, ids = tiny_causal_lm("llama"), token_ids()
+    model, ids = alignment_lm("llama"), token_ids()
     expected = reference_logits(model, ids, "vllm-inductor", ["swiglu", "rmsnorm"])
     for cfg in (
         {"engine": "vllm-inductor", "regions": ["swiglu", "rmsnorm"]},
@@ -189,7 +189,7 @@ def test_apply_from_config_takes_the_model_or_its_raw_dict():
 
 
 def test_unknown_engine_or_region_is_a_clear_error():
-    model = tiny_causal_lm("qwen3")
+    model = alignment_lm("qwen3")
     with pytest.raises(ValueError, match="unknown engine 'tensorrt'"):
         align_model(model, "tensorrt")
     with pytest.raises(ValueError, match=r"unknown region\(s\) \['attention'\]"):
@@ -204,11 +204,11 @@ def test_unsupported_model_class_is_a_clear_error():
     with pytest.raises(UnsupportedModelError):
         reference_logits(gpt2, token_ids(vocab=50), "sglang")
     with pytest.raises(UnsupportedModelError, match="ForCausalLM"):
-        reference_logits(tiny_causal_lm("qwen3").model, token_ids(), "sglang")
+        reference_logits(alignment_lm("qwen3").model, token_ids(), "sglang")
 
 
 def test_non_silu_mlp_is_refused_for_swiglu_only():
-    model = tiny_causal_lm("llama", hidden_act="gelu")
+    model = alignment_lm("llama", hidden_act="gelu")
     with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'"):
         align_model(model, "sglang", ["swiglu"])
     assert instance_forwards(model) == []
@@ -217,7 +217,7 @@ def test_non_silu_mlp_is_refused_for_swiglu_only():
 
 
 def test_aligning_twice_or_over_a_foreign_patch_is_refused():
-    model = tiny_causal_lm("qwen3")
+    model = alignment_lm("qwen3")
     with align_model(model, "sglang"), pytest.raises(RuntimeError, match="already aligned"):
         align_model(model, "vllm-cuda")
     mlp = model.model.layers[0].mlp

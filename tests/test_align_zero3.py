@@ -40,9 +40,9 @@ def _worker() -> None:
 
     from faircast_ds.align import align_model, reference_logits
     from faircast_ds.align.meter import token_logprobs
-    from faircast_ds.align.testing import tiny_causal_lm, token_ids
+    from faircast_ds.models import alignment_lm, token_ids
 
-    model, ids = tiny_causal_lm("qwen3"), token_ids()
+    model, ids = alignment_lm("qwen3"), token_ids()
     hf_logits = reference_logits(model, ids, "hf")
     expected = reference_logits(model, ids, "sglang")
     names = [n for n, _ in model.named_parameters()]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import DIST, deepspeed_launch
-from faircast_ds.diagnostics import bf16_spacing
+from faircast_ds.casts import bf16_spacing
 
 pytestmark = pytest.mark.slow
 HORIZON = 64
@@ -74,7 +74,14 @@ def test_metrics_reach_deepspeed_monitor_and_the_log(run):
     out, _ = run
     rows = list(csv.reader(open(next(out.glob("csv/fc/fair_cast_lag_steps.csv")))))
     assert [int(r[0]) for r in rows[1:]] == [5, 10, 15, 20, 25, 30, 35, 40]
+    reports = run[1]["nearest"]["reports"]  # the worker writes the csv monitor for nearest only
+    assert sorted(reports) == [5, 10, 15, 20, 25, 30, 35, 40]
     for name in ("changed_fraction", "gap_spacings"):
-        assert next(out.glob(f"csv/fc/fair_cast_{name}.csv")).exists()
+        path = out / "csv" / "fc" / f"fair_cast_{name}.csv"
+        assert path.is_file(), f"DeepSpeed's csv monitor got no {name}"
+        rows = list(csv.reader(open(path)))
+        assert rows[0] == ["step", name]
+        # every report, at its step, with the value Fair Cast reported
+        assert [(int(r[0]), float(r[1])) for r in rows[1:]] == [(step, reports[step][name]) for step in sorted(reports)]
     log = (out / "launch.log").read_text()
     assert "[fair_cast] step 40: served changed" in log and "lag 39 steps" in log

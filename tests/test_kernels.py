@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from faircast_ds import kernels
+from faircast_ds import kernels, modes
 from faircast_ds.casts import MODES, bf16_bits, cast, cast_into, fp32_bits
 from faircast_ds.kernels import cpu
 from faircast_ds.reference import cast_reference
@@ -84,7 +84,7 @@ def archs(fused) -> list[str]:
 
 def fused_cast(out, x, mode, *, seed, step, start, residual=None, arch="native"):
     """The kernel itself (not the dispatcher), for a given build."""
-    key = kernels.noise_key(mode, seed=seed, step=step, name="blocks.0.w")
+    key = modes.noise_key(mode, seed=seed, step=step, name="blocks.0.w")
     return cpu.cast_into(out, x, mode, key=key, start=start, residual=residual, arch=arch)
 
 
@@ -319,10 +319,19 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch):
         cast_into(out, x, "stochastic", seed=1, step=1, name="w")
 
 
-def test_bench_modes_match_casts_and_a_tiny_run_formats():
+def test_kernel_mode_codes_are_the_ones_modes_defines():
+    import re
+
+    source = (Path(cpu.__file__).parent / "fused_cast.cpp").read_text()
+    enum = re.search(r"enum Mode : int64_t \{([^}]*)\}", source).group(1)
+    codes = {name: int(code) for name, code in re.findall(r"k(\w+) = (\d+)", enum)}
+    camel = {m: "".join(part.title() for part in m.split("_")) for m in MODES}
+    assert {camel[m]: c for m, c in modes.MODE_CODES.items()} == codes
+
+
+def test_bench_runs_a_tiny_case_and_formats():
     from faircast_ds.kernels import bench
 
-    assert bench.MODES == MODES
     report = bench.run((4096,), modes=("nearest", "stochastic"), repeats=1, eager_repeats=1, torchao=False)
     text = bench.format_report(report)
     assert "fused/RN" in text and "stochastic" in text and len(report.rows) == 2
@@ -358,7 +367,7 @@ def test_triton_kernel_in_the_cpu_interpreter(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(ROOT / 'tests')!r})
-        from faircast_ds import kernels
+        from faircast_ds import modes
         from faircast_ds.casts import MODES, bf16_bits, cast, fp32_bits
         from faircast_ds.kernels import triton_cast
         from test_casts import awkward_values, specials
@@ -369,7 +378,7 @@ def test_triton_kernel_in_the_cpu_interpreter(tmp_path):
                 e2 = e1.clone() if e1 is not None else None
                 want = cast(x, mode, seed=seed, step=step, name="w", start=start, residual=e1)
                 out = torch.zeros(x.shape, dtype=torch.bfloat16)
-                key = kernels.noise_key(mode, seed=seed, step=step, name="w")
+                key = modes.noise_key(mode, seed=seed, step=step, name="w")
                 counts = triton_cast.cast_into(out, x, mode, key=key, start=start, residual=e2)
                 assert torch.equal(bf16_bits(out), bf16_bits(want)), mode
                 assert counts == (int((bf16_bits(want) != 0).sum()), int((~torch.isfinite(want.float())).sum()))

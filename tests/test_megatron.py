@@ -175,11 +175,13 @@ def test_hook_route_casts_routed_optimizers_and_passes_others_on(patched_megatro
     param_cast = load_param_cast(patched_megatron)
     monkeypatch.setitem(sys.modules, "megatron.core.optimizer.param_cast", param_cast)
     monkeypatch.setattr(hook, "_installed", {})
-    monkeypatch.setattr(hook, "_ROUTES", type(hook._ROUTES)())
+    from faircast_ds.routes import ROUTES, Route
+
     try:
         opt, other = FakeDistributedOptimizer(), FakeDistributedOptimizer()
         adapter = MegatronAdapter(opt, ShardCaster(FairCastConfig(mode="dither", seed=4)), opt.names)
-        hook.route(adapter)
+        ROUTES.add(opt, Route(adapter, hook.ROUTE))
+        hook.connect(adapter)
         shards = [param_cast.MainParamShard(opt.b, R(2, 5), opt.main_b, opt.param_data[32:35]),
                   param_cast.MainParamShard(opt.s, R(0, 3), opt.main_s, opt.fp32_data[35:38])]
         param_cast.copy_main_params_to_model_params(opt, shards)
@@ -199,7 +201,7 @@ def test_hook_route_casts_routed_optimizers_and_passes_others_on(patched_megatro
 
 @needs_megatron
 def test_unsupported_megatron_setups_are_refused():
-    from faircast_ds.adapters import UnsupportedSetupError
+    from faircast_ds.adapter import UnsupportedSetupError
     from faircast_ds.megatron import attach
 
     with pytest.raises(UnsupportedSetupError, match="only DistributedOptimizer"):

@@ -1,5 +1,5 @@
 """patches/deepspeed-0.19.8-fair-cast.patch: it applies to the installed DeepSpeed, its cast hook and
-``fair_cast`` config behave as documented, ``faircast_ds.patched`` routes refreshes through it, and a
+``fair_cast`` config behave as documented, ``faircast_ds.deepspeed.hook`` routes refreshes through it, and a
 patched copy of DeepSpeed serves bitwise the same weights as the runtime route for ZeRO-1, ZeRO-2
 (with CPU offload), ZeRO-3 and BF16_Optimizer — after training steps and after a load refresh.
 
@@ -21,6 +21,9 @@ import pytest
 import torch
 
 from conftest import DIST, ROOT, cpu_env, deepspeed_launch
+
+from faircast_ds.casts import bf16_bits, cast
+from faircast_ds.routes import ROUTES, Route
 
 PATCH = ROOT / "patches" / "deepspeed-0.19.8-fair-cast.patch"
 TOUCHED = ["deepspeed/runtime/bf16_optimizer.py", "deepspeed/runtime/config.py", "deepspeed/runtime/lp_cast.py",
@@ -142,20 +145,21 @@ class _OneGroup:
     def flat_groups(self):
         yield 0, self.master, torch.zeros(10, dtype=torch.bfloat16), self.slices
 
+    def group_slices(self, key):
+        return self.slices
+
     def previous(self, key):
         return None
 
 
 def test_patched_route_casts_routed_optimizers_and_passes_others_on(patched_site, monkeypatch):
-    from faircast_ds import patched
-    from faircast_ds.casts import bf16_bits, cast
+    from faircast_ds.deepspeed import hook as patched
     from faircast_ds.config import FairCastConfig
     from faircast_ds.shard_caster import ShardCaster
 
     lp_cast = load_lp_cast(patched_site)
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.lp_cast", lp_cast)
     monkeypatch.setattr(patched, "_installed", {})
-    monkeypatch.setattr(patched, "_ROUTES", type(patched._ROUTES)())
     assert patched.deepspeed_has_cast_hook()
     earlier = []
     lp_cast.set_lp_cast_hook(lambda lp, hp, c: earlier.append(c.optimizer) or False)
@@ -165,8 +169,9 @@ def test_patched_route_casts_routed_optimizers_and_passes_others_on(patched_site
 
         mine, other = Opt(), Opt()
         adapter = _OneGroup(mine, ShardCaster(FairCastConfig(mode="stochastic", seed=5)))
-        patched.route(adapter)
-        assert patched.is_routed(mine) and not patched.is_routed(other)
+        ROUTES.add(mine, Route(adapter, patched.ROUTE))
+        patched.connect(adapter)
+        assert ROUTES.get(mine).adapter is adapter and ROUTES.get(other) is None
         lp = torch.zeros(10, dtype=torch.bfloat16)
         for step in (1, 2):
             lp_cast.cast_hp_to_lp(lp, adapter.master, optimizer=mine, group_index=0, after_step=True)
@@ -177,47 +182,49 @@ def test_patched_route_casts_routed_optimizers_and_passes_others_on(patched_site
         assert adapter.caster.step == 2  # a load refresh casts at the current step
         lp_cast.cast_hp_to_lp(lp, adapter.master, optimizer=other, group_index=0)
         assert torch.equal(lp, adapter.master.to(torch.bfloat16)) and earlier == [other]
-        patched.unroute(mine)
+        ROUTES.remove(mine)
         lp_cast.cast_hp_to_lp(lp, adapter.master * 2, optimizer=mine, group_index=0)
         assert torch.equal(lp, (adapter.master * 2).to(torch.bfloat16))
     finally:
         lp_cast.set_lp_cast_hook(None)
 
 
-def test_second_route_on_the_same_engine_is_refused(patched_site, monkeypatch):
-    from faircast_ds import patched
+def test_second_route_on_the_same_optimizer_is_refused(patched_site, monkeypatch):
+    from faircast_ds.deepspeed import engine as runtime
+    from faircast_ds.deepspeed import hook as patched
     from faircast_ds.config import FairCastConfig
     from faircast_ds.shard_caster import ShardCaster
 
     lp_cast = load_lp_cast(patched_site)
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.lp_cast", lp_cast)
     monkeypatch.setattr(patched, "_installed", {})
-    monkeypatch.setattr(patched, "_ROUTES", type(patched._ROUTES)())
     try:
-        class Engine:
-            pass
-
-        engine, opt = Engine(), object.__new__(type("Opt", (), {}))
+        opt = object.__new__(type("Opt", (), {}))
         adapter = _OneGroup(opt, ShardCaster(FairCastConfig(mode="dither")))
-        patched.route(adapter, engine)
+        ROUTES.add(opt, Route(adapter, patched.ROUTE))
+        patched.connect(adapter)
         lp = torch.zeros(10, dtype=torch.bfloat16)
         lp_cast.cast_hp_to_lp(lp, adapter.master, optimizer=opt, group_index=0)
-        engine._fair_cast = object()  # what faircast_ds.attach leaves on an engine it serves at runtime
+        assert adapter.caster.step == 1 and torch.equal(bf16_bits(lp), bf16_bits(
+            torch.cat([cast(adapter.master[:6], "dither", seed=0, step=0, name="a.weight", start=4),
+                       cast(adapter.master[6:], "dither", seed=0, step=0, name="b.bias", start=0)])))
+        # what faircast_ds.attach (the runtime route) would register for the same optimizer: refused
         with pytest.raises(RuntimeError, match="cast twice"):
-            lp_cast.cast_hp_to_lp(lp, adapter.master, optimizer=opt, group_index=0)
+            ROUTES.add(opt, Route(_OneGroup(opt, adapter.caster), runtime.ROUTE))
+        assert ROUTES.get(opt).adapter is adapter
     finally:
         lp_cast.set_lp_cast_hook(None)
 
 
 def test_unpatched_deepspeed_has_no_hook():
-    from faircast_ds import patched
-    from faircast_ds.adapters import UnsupportedSetupError
+    from faircast_ds.deepspeed import hook as patched
+    from faircast_ds.adapter import UnsupportedSetupError
 
     if "deepspeed.runtime.lp_cast" in sys.modules or importlib.util.find_spec("deepspeed.runtime.lp_cast"):
         pytest.skip("the installed DeepSpeed is already patched")
     assert not patched.deepspeed_has_cast_hook()
     with pytest.raises(UnsupportedSetupError, match="no cast hook"):
-        patched.route(_OneGroup(object(), None))
+        patched.connect(_OneGroup(object(), None))
 
 
 def test_native_config_reaches_deepspeedconfig(patched_site):

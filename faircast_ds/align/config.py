@@ -12,17 +12,17 @@ from faircast_ds.align.profiles import REGIONS, EngineName, RegionName, check_re
 
 
 class AlignRoundingConfig(BaseModel):
-    """Align the trainer's rounding to an inference engine's.
-
-    Attributes:
-        engine: the engine profile to match (``hf`` makes alignment a no-op).
-        regions: which regions to align; default all three. Unknown keys are rejected.
-    """
+    """Align the trainer's rounding to an inference engine's; each key documents itself in its
+    ``Field(description=...)``. Unknown keys are rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    engine: EngineName
-    regions: list[RegionName] = Field(default_factory=lambda: list(REGIONS))
+    engine: EngineName = Field(description=(
+        "The engine profile to match: `hf` (transformers eager; alignment is a no-op), `vllm-cuda` "
+        "(vLLM custom ops), `vllm-inductor` (vLLM compiled `forward_native`), `sglang` (FlashInfer)."))
+    regions: list[RegionName] = Field(default_factory=lambda: list(REGIONS), description=(
+        "Which regions to align, each at most once: `rope`, `swiglu` and `rmsnorm` (residual add + "
+        "RMSNorm); default all three."))
 
     @field_validator("regions")
     @classmethod

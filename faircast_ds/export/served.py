@@ -6,11 +6,12 @@ already holds the full bf16 model, so nothing is gathered. Nothing fp32 is ever 
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+
+from faircast_ds.deepspeed import params as zero3  # ZeRO-3 parameter attributes; imports no DeepSpeed
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,6 @@ def module_of(model: Any) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
-def _is_partitioned(param: torch.nn.Parameter) -> bool:
-    return hasattr(param, "ds_id")  # a ZeRO-3 parameter
 
 
 def served_specs(model: Any) -> list[ParamSpec]:
@@ -57,8 +56,8 @@ def served_specs(model: Any) -> list[ParamSpec]:
     collective, no gather."""
     specs = []
     for name, p in module_of(model).named_parameters():
-        shape = tuple(p.ds_shape) if _is_partitioned(p) else tuple(p.shape)
-        specs.append(ParamSpec(name, tuple(int(d) for d in shape), p.dtype))
+        shape = zero3.full_shape(p)
+        specs.append(ParamSpec(name, shape, p.dtype))
     return specs
 
 
@@ -74,11 +73,9 @@ def served_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     modified. ``model`` is a DeepSpeed engine or a plain ``nn.Module``.
     """
     for name, p in module_of(model).named_parameters():
-        if _is_partitioned(p):
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([p]):
-                yield name, p.data
+        if zero3.is_partitioned(p):
+            with zero3.gathered(p) as full:
+                yield name, full
         else:
             yield name, p.data
 
@@ -86,9 +83,7 @@ def served_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
 def fair_cast_of(model: Any) -> Any:
     """The Fair Cast attached to an engine, or None (without importing DeepSpeed when no engine can
     exist)."""
-    if "deepspeed" not in sys.modules:
-        return None
-    from faircast_ds.activation import get_fair_cast
+    from faircast_ds.handle import get_fair_cast
 
     return get_fair_cast(model)
 
@@ -110,10 +105,10 @@ def local_served_slices(model: Any) -> list[LocalSlice]:
                        for s in slices if not s.is_padding)
         return out
     params = list(module_of(model).named_parameters())
-    if any(_is_partitioned(p) for _, p in params):
+    if any(zero3.is_partitioned(p) for _, p in params):
         raise ValueError("reading a ZeRO-3 rank's served shard goes through Fair Cast's adapter, and this engine "
                          "has no fair_cast section (use mode 'nearest' for DeepSpeed's own rounding)")
-    from faircast_ds.export._ranks import rank_world
+    from faircast_ds.dist import rank_world
 
     rank, world = rank_world()
     out = []

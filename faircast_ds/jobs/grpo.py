@@ -72,15 +72,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 def build_model(cfg: JobConfig, seed: int, fp32: bool) -> torch.nn.Module:
     """The tiny Qwen3, initialized in bf16 so that the fp32 master starts on the bf16 grid (as when
     fine-tuning a bf16 checkpoint); the fp32 reference starts from the same values."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from faircast_ds.models import tiny_causal_lm
 
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden,
-                         num_hidden_layers=cfg.layers, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=cfg.hidden // 4, max_position_embeddings=64, initializer_range=cfg.init_std,
-                         tie_word_embeddings=False, attn_implementation="eager")
-    # bf16 parameters, fp32 buffers (RoPE's inv_freq), as from_pretrained(dtype=torch.bfloat16) builds them
-    model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model = tiny_causal_lm("qwen3", seed=seed, init_std=cfg.init_std, attn="eager", vocab_size=cfg.vocab,
+                           hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden, num_hidden_layers=cfg.layers,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=cfg.hidden // 4,
+                           max_position_embeddings=64, tie_word_embeddings=False)
     return model.float() if fp32 else model
 
 
@@ -130,7 +127,9 @@ class ServedView:
 
     @staticmethod
     def possible(engine: Any) -> bool:
-        return all(getattr(p, "ds_persist", False) for p in engine.module.parameters())
+        from faircast_ds.deepspeed.params import is_persistent
+
+        return all(is_persistent(p) for p in engine.module.parameters())
 
     def policy(self) -> torch.nn.Module | None:
         if any(theirs.data.shape != mine.shape for mine, theirs in self.pairs):
@@ -140,21 +139,27 @@ class ServedView:
         return self.model
 
 
-class ServedChangeCounter:
-    """For the fp32 reference (no Fair Cast): how many local served elements each step changed."""
+class ReferenceChangeCounter:
+    """For the fp32 reference, which has no Fair Cast caster to count for it: how many elements of this
+    rank's ZeRO-3 partitions each step changed."""
 
     def __init__(self, engine: Any) -> None:
+        from faircast_ds.deepspeed.params import full_numel
+
         self.params = [p for p in engine.module.parameters()]
+        self.numel = sum(full_numel(p) for p in self.params) / torch.distributed.get_world_size()
         self.previous = self._bits()
 
     def _bits(self) -> torch.Tensor:
-        return torch.cat([p.ds_tensor.detach().view(-1).view(torch.int32) for p in self.params]).clone()
+        from faircast_ds.deepspeed.params import local_partition
+
+        return torch.cat([local_partition(p).view(torch.int32) for p in self.params]).clone()
 
     def count(self) -> tuple[float, float]:
         now = self._bits()
         changed = float((now != self.previous).sum())
         self.previous = now
-        return changed, float(sum(p.ds_numel for p in self.params)) / torch.distributed.get_world_size()
+        return changed, self.numel
 
 
 class DeltaSyncBytes:
@@ -184,32 +189,15 @@ class DeltaSyncBytes:
         return total
 
 
-def timed_cast(fair_cast: Any) -> list[float]:
-    """Time every cast Fair Cast does (seconds accumulate in the returned one-element list)."""
-    spent = [0.0]
-    cast_flat = fair_cast.caster.cast_flat
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return cast_flat(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - start
-
-    fair_cast.caster.cast_flat = timed
-    return spent
-
-
 def served_copy(engine: Any, cfg: JobConfig, seed: int, rank: int) -> torch.nn.Module | None:
     """The served weights gathered into a plain HF model on rank 0 (a collective; None elsewhere)."""
-    import deepspeed
+    from faircast_ds.export import served_weights
 
     copy = build_model(cfg, seed, fp32=False) if rank == 0 else None
     targets = dict(copy.named_parameters()) if copy is not None else {}
-    for name, param in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param]):
-            if copy is not None:
-                targets[name].data.copy_(param.data)
+    for name, served in served_weights(engine):
+        if copy is not None:
+            targets[name].data.copy_(served)
     return copy
 
 
@@ -239,12 +227,11 @@ def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: 
     fair_cast = get_fair_cast(engine)
     if (fair_cast is None) != (mode == REFERENCE):
         raise RuntimeError(f"mode {mode}: expected Fair Cast {'off' if mode == REFERENCE else 'on'}")
-    cast_spent = timed_cast(fair_cast) if fair_cast is not None else None
     view = None
     if cfg.rollout_via == "view" and ServedView.possible(engine):
         view = ServedView(engine, build_model(cfg, seed, fp32=(mode == REFERENCE)))
     sync_meter = DeltaSyncBytes(view) if view is not None and fair_cast is not None else None
-    counter = ServedChangeCounter(engine) if fair_cast is None else None
+    counter = ReferenceChangeCounter(engine) if fair_cast is None else None
     served_bytes = 4 if fair_cast is None else 2
     rows: list[dict] = []
     seqs = torch.zeros(0, dtype=torch.long)
@@ -263,16 +250,14 @@ def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: 
         logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
         loss = -(advantages * logp.mean(dim=1)).mean()
         engine.backward(loss)
-        if cast_spent is not None:
-            cast_spent[0] = 0.0
         engine.step()
         t3 = time.perf_counter()
         if fair_cast is not None:
-            changed, numel = fair_cast.caster.last.changed, fair_cast.caster.last.numel
+            cast = fair_cast.caster.last  # this step's counts and cast time, from the caster itself
+            changed, numel, cast_s = cast.changed, cast.numel, cast.seconds
             figures = fair_cast.diagnostics.last
-            fresh = bool(figures) and int(figures["step"]) == fair_cast.caster.step
+            fresh = bool(figures) and int(figures["step"]) == cast.step
             gap, lag = (figures["gap_spacings"], figures["lag_steps"]) if fresh else (math.nan, math.nan)
-            cast_s = cast_spent[0]
         else:
             changed, numel = counter.count()
             gap, lag, cast_s = math.nan, math.nan, math.nan

@@ -15,18 +15,17 @@ from typing import Any
 
 import torch
 
-MODES = ("nearest", "stochastic", "dither", "error_feedback")
+from faircast_ds.modes import MODES
 
 
 def build_model(hidden: int, layers: int, vocab: int, seed: int) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """bf16 parameters (the fp32 master starts on the bf16 grid), fp32 buffers as from_pretrained builds them."""
+    from faircast_ds.models import tiny_causal_lm
 
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                      max_position_embeddings=128, initializer_range=0.1, tie_word_embeddings=False)
-    # bf16 parameters (the fp32 master starts on the bf16 grid), fp32 buffers as from_pretrained builds them
-    return Qwen3ForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    return tiny_causal_lm("qwen3", seed=seed, init_std=0.1, vocab_size=vocab, hidden_size=hidden,
+                          intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=128,
+                          tie_word_embeddings=False)
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:

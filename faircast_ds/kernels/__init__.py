@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from faircast_ds.noise import STREAM_DITHER, STREAM_STOCHASTIC, stream_key
+from faircast_ds.modes import noise_key, uses_noise
 
 ENV_VAR = "FAIRCAST_DS_KERNELS"
 BACKENDS = ("auto", "eager", "cpp", "triton")
@@ -70,15 +70,6 @@ def backend_for(device: torch.device) -> str:
     return native
 
 
-def noise_key(mode: str, *, seed: int, step: int, name: str) -> int:
-    """The 32-bit stream key the noise modes hash with (0 for modes without noise)."""
-    if mode == "stochastic":
-        return stream_key(seed=seed, step=step, name=name, stream=STREAM_STOCHASTIC)
-    if mode == "dither":
-        return stream_key(seed=seed, step=0, name=name, stream=STREAM_DITHER)
-    return 0
-
-
 def fused_cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, seed: int, step: int, name: str,
                     start: int, residual: torch.Tensor | None) -> tuple[int, int] | None:
     """Cast with the fast path for the tensors' device; None when the eager path must do it.
@@ -91,7 +82,7 @@ def fused_cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, seed: int,
     backend = backend_for(x.device)
     if backend == "eager":
         return None
-    if mode in ("stochastic", "dither") and start < 0:
+    if uses_noise(mode) and start < 0:
         raise ValueError(f"start must be non-negative, got {start}")
     key = noise_key(mode, seed=seed, step=step, name=name)
     if backend == "cpp":

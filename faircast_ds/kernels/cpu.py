@@ -22,6 +22,7 @@ from types import ModuleType
 import torch
 
 from faircast_ds.kernels.nan import torch_nan16
+from faircast_ds.modes import MODE_CODES
 from faircast_ds.kernels.operands import contiguous, write_back
 
 SOURCE = Path(__file__).with_name("fused_cast.cpp")
@@ -30,7 +31,6 @@ CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
 # one already in the process, so at::parallel_for runs on torch's threads (torch.set_num_threads).
 LDFLAGS = ("-fopenmp",)
 
-MODE_CODES = {"nearest": 0, "stochastic": 1, "dither": 2, "error_feedback": 3}
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}

@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from faircast_ds.kernels.nan import torch_nan16
+from faircast_ds.modes import MODE_CODES
 from faircast_ds.kernels.operands import contiguous, write_back
 
-MODE_CODES = {"nearest": 0, "stochastic": 1, "dither": 2, "error_feedback": 3}
 BLOCK = 4096
 NUM_WARPS = 8
 

@@ -9,18 +9,18 @@ element is (the parameter's name, ``param_range.start``), as on the runtime rout
 from __future__ import annotations
 
 import importlib.util
-import weakref
 from typing import Any
 
 import torch
 
-from faircast_ds.adapters.base import UnsupportedSetupError
+from faircast_ds.adapter import UnsupportedSetupError
 from faircast_ds.megatron.adapter import MegatronAdapter
+from faircast_ds.routes import ROUTES
 from faircast_ds.shard_caster import ShardSlice
 
 HOOK_MODULE = "megatron.core.optimizer.param_cast"
+ROUTE = "megatron-hook"
 
-_ROUTES: "weakref.WeakKeyDictionary[Any, MegatronAdapter]" = weakref.WeakKeyDictionary()  # optimizer -> adapter
 _installed: dict[str, Any] = {}  # "previous": the hook installed before ours, if any
 
 
@@ -46,19 +46,20 @@ def _cast(adapter: MegatronAdapter, shards: list) -> None:
 
 
 def _hook(optimizer: Any, shards: list) -> bool:
-    adapter = _ROUTES.get(optimizer)
-    if adapter is None:
+    route = ROUTES.get(optimizer)
+    if route is None or route.kind != ROUTE:
         previous = _installed.get("previous")
         return bool(previous(optimizer, shards)) if previous is not None else False
     if "_copy_main_params_to_model_params" in vars(optimizer):
         raise RuntimeError("fair_cast: this optimizer is routed through Megatron's cast hook and its copy was also "
                            "replaced at runtime; a refresh would be cast twice")
-    _cast(adapter, shards)
+    _cast(route.adapter, shards)
     return True
 
 
-def route(adapter: MegatronAdapter) -> None:
-    """Send every main->model refresh of ``adapter.optimizer`` to ``adapter.caster`` through the hook."""
+def connect(adapter: MegatronAdapter) -> None:
+    """Send every main->model refresh of ``adapter.optimizer`` (registered under this route) to its
+    caster through the hook."""
     if not megatron_has_cast_hook():
         raise UnsupportedSetupError("fair_cast: this Megatron-Core has no cast hook (megatron.core.optimizer."
                                     "param_cast); apply patches/megatron-core-0.16.1-fair-cast.patch or use "
@@ -67,12 +68,3 @@ def route(adapter: MegatronAdapter) -> None:
 
     if "previous" not in _installed:  # once per process; a later hook is expected to hand ours the rest
         _installed["previous"] = param_cast.set_main_param_cast_hook(_hook)
-    _ROUTES[adapter.optimizer] = adapter
-
-
-def unroute(optimizer: Any) -> None:
-    _ROUTES.pop(optimizer, None)
-
-
-def is_routed(optimizer: Any) -> bool:
-    return optimizer in _ROUTES

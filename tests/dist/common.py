@@ -8,19 +8,7 @@ from typing import Any
 
 import torch
 
-TINY_QWEN3 = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-
-
-def tiny_qwen3(seed: int = 0, std: float = 0.02) -> torch.nn.Module:
-    """A tiny transformers Qwen3, identical on every rank, bf16 parameters (sizes chosen not to divide by
-    2 or 3)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(**TINY_QWEN3, initializer_range=std, tie_word_embeddings=False)
-    # bf16 parameters, fp32 buffers (RoPE's inv_freq), as from_pretrained(dtype=bfloat16) builds it
-    return Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+from faircast_ds.models import tiny_qwen3  # noqa: F401  (the one tiny model, re-exported for the workers)
 
 
 # Every optimizer class Fair Cast handles, with and without CPU offload.

@@ -10,21 +10,9 @@ from typing import Any, Iterable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import TINY_QWEN3  # noqa: E402
 
 PROMPT = [[5, 17, 42, 8, 99, 3]]
 NEW_TOKENS = 8
-
-
-def served_model(seed: int = 0, std: float = 0.02, **overrides: Any) -> torch.nn.Module:
-    """The tiny Qwen3 as `from_pretrained(dtype=bfloat16)` builds it: bf16 parameters, fp32 buffers
-    (RoPE's inv_freq). Casting the whole module with `.to(bfloat16)` would round inv_freq too, and
-    the trainer's forward would then differ from any engine that loads the export."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(**{**TINY_QWEN3, **overrides}, initializer_range=std, tie_word_embeddings=False)
-    return Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
 
 
 def plain_model(seed: int = 0, intermediate: int = 64) -> torch.nn.Module:

@@ -10,7 +10,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from export_common import append_jsonl, digest, greedy, served_model  # noqa: E402
+from export_common import append_jsonl, digest, greedy  # noqa: E402
+from faircast_ds.models import tiny_qwen3  # noqa: E402  (as from_pretrained(dtype=bfloat16) builds it)
 
 from faircast_ds.export import WeightReceiver, WeightSyncError  # noqa: E402
 
@@ -23,7 +24,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--allow-rollback", action="store_true", help="each session is a new trainer starting at step 0")
     args = ap.parse_args()
-    model = served_model(seed=99).eval()  # not the trainer's weights: everything it serves must arrive
+    model = tiny_qwen3(seed=99).eval()  # not the trainer's weights: everything it serves must arrive
     append_jsonl(args.log, {"initial_tokens": greedy(model), "initial_digest": digest(model.named_parameters())})
     rx = WeightReceiver(model, host="127.0.0.1", port=0, timeout=args.timeout,
                         allow_rollback=args.allow_rollback)

@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import batch, ds_config, finish, full_served_bits, tensors_in, train_step, write_json  # noqa: E402
-from export_common import bits_digest, greedy, served_model  # noqa: E402
+from export_common import bits_digest, greedy  # noqa: E402
+from faircast_ds.models import tiny_qwen3  # noqa: E402  (as from_pretrained(dtype=bfloat16) builds it)
 
 import faircast_ds  # noqa: E402
 from faircast_ds.casts import MODES, bf16_bits, fp32_bits  # noqa: E402
@@ -35,7 +36,7 @@ OUT = os.environ["OUT_DIR"]
 
 def build(stage: str, mode: str, lr: float):
     faircast_ds.install()  # the interpreter-start hook does this too; explicit, to not depend on it here
-    model = served_model(seed=0)
+    model = tiny_qwen3(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(mode, stage=stage))
     return engine, faircast_ds.get_fair_cast(engine)

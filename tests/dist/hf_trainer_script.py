@@ -1,7 +1,7 @@
 """A plain Hugging Face Trainer script: it knows nothing of faircast_ds.
 
 DeepSpeed is initialized by Trainer/Accelerate from the config dict below, which has a
-`fair_cast` section. The only CPU-specific line is the bf16 availability stub (see GUIDE.md §1).
+`fair_cast` section. The only CPU-specific line is the bf16 availability stub (transformers refuses bf16 without a GPU unless use_cpu=True, and use_cpu=True turns DeepSpeed off).
 After training it reports, from DeepSpeed's own API, how many served weights the last step changed.
 """
 from __future__ import annotations

@@ -123,7 +123,7 @@ def run_case(mode: str, hook_calls: list) -> dict:
         report["changed"].append(fc.stats()["changed_fraction"])
     if fc is not None:
         report["caster_step"] = fc.adapters[0].caster.step
-        report["route"] = fc.route
+        report["route"] = fc.route.removeprefix("megatron-")  # "megatron-runtime" -> "runtime"
         report["replaced_at_runtime"] = any("_copy_main_params_to_model_params" in vars(a.optimizer)
                                             for a in fc.adapters)
     report["hook_calls"] = len(hook_calls) - calls_before

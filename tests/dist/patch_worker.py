@@ -1,6 +1,6 @@
 """One launch per route for tests/test_patch_deepspeed.py: the same training cases on the runtime route
 (an unmodified DeepSpeed, Fair Cast from the interpreter-start hook) or on a patched DeepSpeed copy
-(FAIRCAST_DS_AUTOLOAD=0, Fair Cast through ``faircast_ds.patched.attach``).
+(FAIRCAST_DS_AUTOLOAD=0, Fair Cast through ``faircast_ds.deepspeed.hook.attach``).
 
 Each case starts from deterministic fp32 masters, trains a few steps and then runs the optimizer's
 checkpoint-load refresh site; rank 0 saves every parameter's served bits after each of those, so the
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (deterministic_master, ds_config, finish, full_served_bits, gather_shards,  # noqa: E402
                     tiny_qwen3, train_step, write_json)
 
-from faircast_ds.activation import get_fair_cast  # noqa: E402
+from faircast_ds.handle import get_fair_cast  # noqa: E402
 from faircast_ds.casts import bf16_bits  # noqa: E402
 from faircast_ds.noise import name_id  # noqa: E402
 
@@ -47,7 +47,7 @@ def build(stage: str, mode: str | None):
 def attach(engine):
     if ROUTE == "runtime" or get_fair_cast(engine) is not None:
         return get_fair_cast(engine)
-    from faircast_ds import patched
+    from faircast_ds.deepspeed import hook as patched
 
     return patched.attach(engine)
 
@@ -87,12 +87,15 @@ def _routed(engine) -> bool:
     """Whether the patched route serves this engine (and only it: attach hands back a runtime handle)."""
     if ROUTE != "patched":
         return False
-    from faircast_ds import patched
+    from faircast_ds.deepspeed import hook as patched
 
     again = patched.attach(engine)
     runtime = get_fair_cast(engine)
     assert runtime is None or again is runtime, "patched.attach did not hand back the runtime route's handle"
-    return patched.is_routed(engine.optimizer)
+    from faircast_ds.routes import ROUTES
+
+    route = ROUTES.get(engine.optimizer)
+    return route is not None and route.kind == patched.ROUTE
 
 
 def _runtime_wrapped(engine) -> bool:
@@ -142,14 +145,16 @@ def main() -> None:
     if ROUTE == "patched":
         from deepspeed.runtime.engine import DeepSpeedEngine
 
-        from faircast_ds import patched
+        from faircast_ds.deepspeed import hook as patched
 
         report["has_hook"] = patched.deepspeed_has_cast_hook()
         report["engine_init_hooked"] = bool(getattr(DeepSpeedEngine.__init__, "_faircast_wrapped", False))
         first = build(*CASES[0])  # installs our hook; from here on every refresh is counted
         patched.attach(first)
         count_hook_calls(counts)
-        patched.unroute(first.optimizer)
+        from faircast_ds.routes import ROUTES
+
+        ROUTES.remove(first.optimizer)
     for stage, mode in CASES:
         results[f"{stage}/{mode}"] = run_case(stage, mode, counts)
     if ROUTE == "patched":

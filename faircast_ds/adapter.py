@@ -1,16 +1,23 @@
-"""What every adapter provides to the rest of faircast_ds."""
+"""What every adapter provides to the rest of faircast_ds: the framework-neutral base class.
+
+An adapter belongs to one framework integration (``faircast_ds.deepspeed.adapters``,
+``faircast_ds.megatron``): it finds one optimizer's flat shards, describes them as ``ShardSlice`` lists
+and routes the optimizer's fp32 -> bf16 refresh sites through a :class:`ShardCaster`. Everything that
+reads a framework's internals lives in those subclasses; this base only knows shards and casters.
+"""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Iterator
+from typing import Any, Hashable, Iterator
 
 import torch
 
-from faircast_ds.shard_caster import ShardCaster, ShardSlice, with_padding
+from faircast_ds.shard_caster import ShardCaster, ShardSlice
 
 
 class UnsupportedSetupError(RuntimeError):
-    """The DeepSpeed setup cannot get Fair Cast; the message says which setting and what to do."""
+    """The training setup (DeepSpeed, Megatron-Core) cannot get Fair Cast; the message names the setting and
+    what to do."""
 
 
 def param_name(names: dict, param: object) -> str:
@@ -22,24 +29,10 @@ def param_name(names: dict, param: object) -> str:
                                     "element is keyed by its parameter's name") from None
 
 
-def slices_from_fragments(params: Iterable[Any], names: dict, total: int) -> list[ShardSlice]:
-    """Slices of a flat fp32 partition that cuts across parameters, read from DeepSpeed's own
-    fragment mapping (``param._hp_mapping``: where the local fragment sits in the parameter and in
-    the partition); the gaps are alignment padding."""
-    slices = []
-    for param in params:
-        mapping = getattr(param, "_hp_mapping", None)
-        if mapping is None:  # no element of this parameter lives in this rank's partition
-            continue
-        lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
-        slices.append(ShardSlice(param_name(names, param), int(lp.start), int(lp.numel), int(hp.start)))
-    return with_padding(slices, total)
-
-
 class Adapter(ABC):
     """Finds one optimizer's flat shards, routes its fp32 -> bf16 refresh sites through the caster."""
 
-    zero_stage: int
+    zero_stage: int | None = None  # the DeepSpeed ZeRO stage (1 for Megatron's distributed optimizer: it shards like ZeRO-1)
 
     def __init__(self, optimizer: Any, caster: ShardCaster, names: dict) -> None:
         self.optimizer = optimizer
@@ -51,13 +44,25 @@ class Adapter(ABC):
         """Replace the optimizer's refresh sites with calls to :meth:`cast_group`."""
 
     @abstractmethod
-    def flat_groups(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, list[ShardSlice]]]:
+    def flat_groups(self) -> Iterator[tuple[Hashable, torch.Tensor, torch.Tensor, list[ShardSlice]]]:
         """Yield (group key, fp32 master flat shard, bf16 served flat shard, slices) for this rank."""
 
     @abstractmethod
     def publish(self) -> None:
         """Make the model's bf16 parameters reflect the served shards after they were rewritten outside
         an optimizer step (a load, a restore)."""
+
+    def group_slices(self, key: Hashable) -> list[ShardSlice]:
+        """The slices of one flat group."""
+        for k, _, _, slices in self.flat_groups():
+            if k == key:
+                return slices
+        raise KeyError(f"no flat group {key!r} in this rank's shards")
+
+    @property
+    def setup(self) -> str:
+        """What the banner says about the optimizer's setup (e.g. ``zero_stage=3``)."""
+        return f"zero_stage={self.zero_stage}"
 
     def local_numel(self) -> int:
         """Parameter elements held by this rank (padding excluded)."""
@@ -69,12 +74,13 @@ class Adapter(ABC):
         for key, master, served, slices in self.flat_groups():
             self.caster.cast_flat(key, master, served, slices, previous=self.previous(key))
 
-    def recast_all(self) -> None:
-        """cast_all(), then publish the result to the model's parameters."""
+    def recast_and_publish(self) -> None:
+        """cast_all(), then publish the result to the model's parameters. A collective (publishing
+        all-gathers the shards): call it on every rank."""
         self.cast_all()
         self.publish()
 
-    def previous(self, key: int) -> torch.Tensor | None:
+    def previous(self, key: Hashable) -> torch.Tensor | None:
         """The last served bits of a flat group, for adapters whose optimizer overwrites the served shard
         by round-to-nearest before the cast (None: the served shard itself still holds them)."""
         return None

@@ -10,15 +10,28 @@ partitions cut across parameters; DeepSpeed's fragment mapping gives (parameter,
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from deepspeed import comm as dist
 
-from faircast_ds.adapters.base import Adapter, slices_from_fragments
-from faircast_ds.shard_caster import ShardSlice
+from faircast_ds.adapter import Adapter, param_name
+from faircast_ds.routes import ROUTES
+from faircast_ds.shard_caster import ShardSlice, with_padding
 
-_BY_PARTITIONS: dict[int, "GatherSiteAdapter"] = {}  # id(partitioned groups list) -> adapter
+
+def slices_from_fragments(params: Iterable[Any], names: dict, total: int) -> list[ShardSlice]:
+    """Slices of a flat fp32 partition that cuts across parameters, read from DeepSpeed's own
+    fragment mapping (``param._hp_mapping``: where the local fragment sits in the parameter and in
+    the partition); the gaps are alignment padding."""
+    slices = []
+    for param in params:
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:  # no element of this parameter lives in this rank's partition
+            continue
+        lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+        slices.append(ShardSlice(param_name(names, param), int(lp.start), int(lp.numel), int(hp.start)))
+    return with_padding(slices, total)
 
 
 class GatherSiteAdapter(Adapter):
@@ -63,7 +76,6 @@ class GatherSiteAdapter(Adapter):
 
     def install(self) -> None:
         _wrap_gather(self.module)
-        _BY_PARTITIONS[id(self.partitions())] = self
         step = self.optimizer.step
 
         @functools.wraps(step)
@@ -109,9 +121,11 @@ def _wrap_gather(module: Any) -> None:
     @functools.wraps(original)
     def all_gather_dp_groups(*args: Any, **kwargs: Any) -> Any:
         groups = kwargs.get("partitioned_param_groups", args[1] if len(args) > 1 else None)
-        adapter = _BY_PARTITIONS.get(id(groups))
-        if adapter is not None:
-            adapter.before_gather()
+        # the live optimizer whose partitions these are (routes hold optimizers weakly; no stale id)
+        route = ROUTES.find(lambda r: isinstance(r.adapter, GatherSiteAdapter) and r.kind == "deepspeed-runtime"
+                            and r.adapter.partitions() is groups)
+        if route is not None:
+            route.adapter.before_gather()
         return original(*args, **kwargs)
 
     all_gather_dp_groups._faircast_wrapped = True  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from faircast_ds.adapters.zero12 import GatherSiteAdapter
+from faircast_ds.deepspeed.adapters.zero12 import GatherSiteAdapter
 
 
 class BF16OptimizerAdapter(GatherSiteAdapter):

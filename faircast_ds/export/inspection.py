@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from faircast_ds.checkpoint import FORMAT, state_dir
+from faircast_ds.casts import bf16_from_bits, bf16_spacing
+from faircast_ds.checkpoint import FairCastStateError, read_records, state_dir
 from faircast_ds.export.hf import EXPORT_FORMAT, MANIFEST
 from faircast_ds.export.safetensors_stream import read_header, read_tensor
 
@@ -40,12 +41,6 @@ def group_of(name: str, by: str) -> str:
         return re.sub(r"\.\d+(?=\.|$)", ".*", name)
     m = re.match(r"^(.*?\.\d+)(\.|$)", name)
     return m.group(1) if m else name.rsplit(".", 1)[0]
-
-
-def spacing_fp32(x: torch.Tensor) -> torch.Tensor:
-    """The bf16 spacing in the binade of each fp32 value (subnormals: the smallest spacing)."""
-    exponent = ((x.detach().float().contiguous().view(torch.int32).to(torch.int64) >> 23) & 0xFF).clamp(min=1)
-    return torch.ldexp(torch.ones(x.shape, dtype=torch.float64), exponent - 127 - 7)
 
 
 class _Acc:
@@ -89,23 +84,12 @@ def _table(groups: dict[str, _Acc]) -> tuple[dict[str, Any], dict[str, Any]]:
     return rows, summary
 
 
-def _records(tag_dir: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    files = sorted(glob.glob(os.path.join(state_dir(tag_dir), "rank*-of-*.pt")))
-    if not files:
-        raise FileNotFoundError(f"no Fair Cast state under {state_dir(tag_dir)}")
-    for f in files:
-        record = torch.load(f, mmap=True, weights_only=True)
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            raise ValueError(f"{f} is not a {FORMAT} state file")
-        yield f, record
-
-
 def inspect_checkpoint(tag_dir: str, by: str = "type") -> dict[str, Any]:
     """Per group: parameters, elements, and (error_feedback) mean |residual| / spacing(served)."""
     groups: dict[str, _Acc] = defaultdict(_Acc)
     info: dict[str, Any] = {}
     files = 0
-    for _, record in _records(tag_dir):
+    for _, record in read_records(tag_dir):
         files += 1
         info = {k: record[k] for k in ("mode", "seed", "step", "zero_stage", "world_size")}
         residual, served = record["residual"], record["served"]
@@ -118,8 +102,7 @@ def inspect_checkpoint(tag_dir: str, by: str = "type") -> dict[str, Any]:
             if has_values:
                 r = residual.narrow(0, offset, entry["numel"]).double()
                 bits = served.narrow(0, offset, entry["numel"]).to(torch.int64)
-                exponent = ((bits >> 7) & 0xFF).clamp(min=1)
-                sp = torch.ldexp(torch.ones(bits.shape, dtype=torch.float64), exponent - 127 - 7)
+                sp = bf16_spacing(bf16_from_bits(bits)).double()
                 acc.add("mean_abs_residual_spacings", r.abs() / sp)
             offset += entry["numel"]
     rows, total = _table(groups)
@@ -181,7 +164,8 @@ def inspect_export(export_dir: str, checkpoint: str | None = None, by: str = "ty
                 continue
             served = read_tensor(path, start, entry).double().reshape(-1)
             m = master.reshape(-1)
-            acc.add("mean_abs_master_minus_served_spacings", (m.double() - served).abs() / spacing_fp32(m))
+            gap = (m.double() - served).abs() / bf16_spacing(m.float()).double()
+            acc.add("mean_abs_master_minus_served_spacings", gap)
     rows, total = _table(groups)
     report = {"kind": "export", "path": os.path.abspath(export_dir), "files": len(files), "integrity": integrity,
               "version": manifest.get("version") if manifest else None,
@@ -262,7 +246,7 @@ def format_report(report: dict[str, Any]) -> str:
 def main(path: str, checkpoint: str | None, by: str, as_json: bool) -> int:
     try:
         report = inspect_path(path, checkpoint, by)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, FairCastStateError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=1) if as_json else format_report(report))

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from faircast_ds.adapters.base import Adapter, UnsupportedSetupError
-from faircast_ds.adapters.support import check_supported, engine_config
+from faircast_ds.adapter import Adapter, UnsupportedSetupError
 from faircast_ds.shard_caster import ShardCaster
 
 
@@ -13,9 +12,9 @@ def _adapters() -> dict[type, type[Adapter]]:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from faircast_ds.adapters.bf16 import BF16OptimizerAdapter
-    from faircast_ds.adapters.zero3 import Zero3Adapter
-    from faircast_ds.adapters.zero12 import Zero12Adapter
+    from faircast_ds.deepspeed.adapters.bf16 import BF16OptimizerAdapter
+    from faircast_ds.deepspeed.adapters.zero3 import Zero3Adapter
+    from faircast_ds.deepspeed.adapters.zero12 import Zero12Adapter
 
     return {DeepSpeedZeroOptimizer_Stage3: Zero3Adapter, DeepSpeedZeroOptimizer: Zero12Adapter,
             BF16_Optimizer: BF16OptimizerAdapter}
@@ -42,12 +41,9 @@ def adapter_class(optimizer: Any) -> type[Adapter]:
     return cls
 
 
-def adapter_for(engine: Any, caster: ShardCaster) -> Adapter:
-    """Check the engine's setup, then install the adapter for its optimizer."""
-    check_supported(engine_config(engine))
+def make_adapter(engine: Any, caster: ShardCaster) -> Adapter:
+    """The adapter for the engine's optimizer (not installed yet)."""
     if engine.optimizer is None:
         raise UnsupportedSetupError("fair_cast: the engine has no optimizer; Fair Cast replaces the cast that "
                                     "follows the optimizer step, so it needs a training engine")
-    adapter = adapter_class(engine.optimizer)(engine.optimizer, caster, engine.param_names)
-    adapter.install()
-    return adapter
+    return adapter_class(engine.optimizer)(engine.optimizer, caster, engine.param_names)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from faircast_ds.adapters.base import UnsupportedSetupError
+from faircast_ds.adapter import UnsupportedSetupError
 
 VERIFIED_DEEPSPEED = ("0.19.8",)
 

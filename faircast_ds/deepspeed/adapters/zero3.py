@@ -2,7 +2,7 @@
 
 Each parameter is partitioned on its own: rank r holds elements [r*n, (r+1)*n) of it (n =
 ``partition_numel()``), padding only on the last rank. A sub-group's flat shard is those slices
-back to back. Refresh sites routed through the caster (GUIDE.md §1):
+back to back. Refresh sites routed through the caster:
 - ``_reassign_or_swap_out_partitioned_parameters`` after every sub-group's optimizer step (persistent
   parameters are then all-gathered by ``_post_step`` from these same cast shards);
 - ``_rigid_load_state_dict`` (regular checkpoint load);
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 from deepspeed import comm as dist
 
-from faircast_ds.adapters.base import Adapter, UnsupportedSetupError, param_name
+from faircast_ds.adapter import Adapter, UnsupportedSetupError, param_name
 from faircast_ds.shard_caster import ShardSlice, with_padding
 
 LOAD_SITES = (

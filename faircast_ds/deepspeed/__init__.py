@@ -1,0 +1,27 @@
+"""The DeepSpeed integration: everything that reads DeepSpeed's internals lives in this package.
+
+- ``engine``: the runtime route (``install()`` wraps ``DeepSpeedEngine.__init__``; ``attach(engine)``).
+- ``hook``: the route through a patched DeepSpeed's cast hook (``patches/``).
+- ``autoload``: the interpreter-start hook that ``faircast-ds.pth`` loads.
+- ``adapters``: one adapter per DeepSpeed optimizer class; ``support``: setups we refuse;
+  ``compat``: the differences between DeepSpeed releases; ``params``: ZeRO-3 parameter attributes.
+
+Importing this package imports nothing of DeepSpeed (the interpreter-start hook loads it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def install() -> None:
+    """Attach Fair Cast to every DeepSpeed engine built from now on whose config has a ``fair_cast`` section."""
+    from faircast_ds.deepspeed.engine import install as _install
+
+    _install()
+
+
+def attach(engine: Any, config: Any = None) -> Any:
+    """Attach Fair Cast to a built engine (see :func:`faircast_ds.deepspeed.engine.attach`)."""
+    from faircast_ds.deepspeed.engine import attach as _attach
+
+    return _attach(engine, config)

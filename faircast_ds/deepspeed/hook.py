@@ -1,0 +1,104 @@
+"""Fair Cast through DeepSpeed's own cast hook (``patches/deepspeed-0.19.8-fair-cast.patch``).
+
+A DeepSpeed with that patch refreshes every bf16 shard from its fp32 master through
+``deepspeed.runtime.lp_cast.cast_hp_to_lp``: the ZeRO-3 step and load sites, the ZeRO-1/2 step (CPU
+offload included) and ``update_lp_params``, BF16_Optimizer's ``update_lp_params``. Here nothing of
+DeepSpeed's optimizers is wrapped: the adapters only describe the shards (their slices, built exactly
+as on the runtime route) and the hook hands each refresh to the ShardCaster. The engine gets the same
+handle, diagnostics and checkpoint state as on the runtime route (``faircast_ds.deepspeed.engine``).
+
+One route per optimizer, never both (the route registry refuses a second): ``attach`` hands back the
+runtime route's handle for an engine that route already serves.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Mapping
+
+import torch
+
+from faircast_ds.adapter import Adapter, UnsupportedSetupError
+from faircast_ds.config import FairCastConfig
+from faircast_ds.deepspeed import engine as runtime
+from faircast_ds.deepspeed.adapters import make_adapter
+from faircast_ds.deepspeed.support import check_supported, engine_config
+from faircast_ds.handle import FairCast, build, get_fair_cast, resolve
+from faircast_ds.routes import ROUTES
+from faircast_ds.shard_caster import ShardCaster
+
+HOOK_MODULE = "deepspeed.runtime.lp_cast"
+ROUTE = "deepspeed-hook"
+
+_installed: dict[str, Any] = {}  # "previous": the hook that was installed before ours, if any
+
+
+def deepspeed_has_cast_hook() -> bool:
+    """Whether the importable DeepSpeed carries the cast hook (has the patch applied)."""
+    try:
+        return importlib.util.find_spec(HOOK_MODULE) is not None
+    except ModuleNotFoundError:  # no deepspeed at all
+        return False
+
+
+@torch.no_grad()
+def _cast(adapter: Adapter, lp: torch.Tensor, hp: torch.Tensor, context: Any) -> None:
+    caster = adapter.caster
+    if context.after_step and context.group_index == 0:  # DeepSpeed refreshes groups in order after a step
+        caster.begin_step()
+    key = context.group_index
+    slices = adapter.group_slices(key)
+    # ZeRO-1/2 and BF16_Optimizer keep the last served bits aside (lp may be the offload staging buffer)
+    caster.cast_flat(key, hp, lp, slices, previous=adapter.previous(key))
+
+
+def _hook(lp: torch.Tensor, hp: torch.Tensor, context: Any) -> bool:
+    route = ROUTES.get(context.optimizer)
+    if route is None or route.kind != ROUTE:  # not ours: whoever hooked before us, else DeepSpeed's copy
+        previous = _installed.get("previous")
+        return bool(previous(lp, hp, context)) if previous is not None else False
+    _cast(route.adapter, lp, hp, context)
+    return True
+
+
+def _install_hook() -> None:
+    from deepspeed.runtime import lp_cast
+
+    # once per process: a hook installed after ours is expected to hand other optimizers on to ours
+    if "previous" not in _installed:
+        _installed["previous"] = lp_cast.set_lp_cast_hook(_hook)
+
+
+def require_hook() -> None:
+    if not deepspeed_has_cast_hook():
+        raise UnsupportedSetupError("fair_cast: this DeepSpeed has no cast hook (deepspeed.runtime.lp_cast); apply "
+                                    "patches/deepspeed-0.19.8-fair-cast.patch or use the runtime route")
+
+
+def connect(adapter: Adapter) -> None:
+    """Send every refresh of ``adapter.optimizer``'s bf16 shards (its route registered as this route)
+    to its caster through DeepSpeed's cast hook. The adapter is not installed: its runtime wrapping
+    would cast too."""
+    require_hook()
+    _install_hook()
+
+
+def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None) -> FairCast | None:
+    """Serve ``engine``'s bf16 weights by Fair Cast through a patched DeepSpeed's cast hook.
+
+    ``config`` defaults to the engine's ``fair_cast`` section (validated strictly, as on the runtime
+    route). Returns None when the section is absent or disabled, and the runtime route's handle when
+    that route already serves the engine.
+    """
+    existing = get_fair_cast(engine)
+    if existing is not None:
+        return existing
+    config = resolve(runtime.engine_section(engine) if config is None else config)
+    if config is None:
+        return None
+    require_hook()  # before anything is built: say so in seconds
+    check_supported(engine_config(engine))
+    adapter = make_adapter(engine, ShardCaster(config))
+    fair_cast = build(config, [adapter], route=ROUTE, owner=engine, connect=connect, module=engine.module,
+                      model_numel=runtime.model_numel(engine))
+    runtime.wire_engine(engine, fair_cast)
+    return fair_cast

@@ -1,0 +1,61 @@
+"""Which optimizer is served by which Fair Cast route: the one registry every route uses.
+
+A route is stored on the optimizer object itself, so it lives exactly as long as the optimizer (no
+``id()`` that a new object could reuse, nothing that keeps a dead optimizer alive); the registry holds
+the optimizers only weakly, to find one by its buffers. One route per optimizer: a second one would
+cast every refresh twice, so registering it is refused.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from faircast_ds.adapter import Adapter
+
+_ATTR = "_fair_cast_route"
+
+
+@dataclass(frozen=True)
+class Route:
+    """``adapter`` serves its optimizer's refreshes; ``kind`` says how ("deepspeed-runtime", "deepspeed-hook",
+    "megatron-runtime", "megatron-hook")."""
+
+    adapter: Adapter
+    kind: str
+
+
+class RouteRegistry:
+    def __init__(self) -> None:
+        self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def add(self, optimizer: Any, route: Route) -> None:
+        existing = self.get(optimizer)
+        if existing is not None:
+            raise RuntimeError(f"fair_cast: this optimizer is already served by the {existing.kind} route; a second "
+                               f"({route.kind}) route would make every refresh cast twice. Attach Fair Cast once: with "
+                               "a patched framework, FAIRCAST_DS_AUTOLOAD=0 and the hook route, or the runtime "
+                               "route alone.")
+        setattr(optimizer, _ATTR, route)
+        self._optimizers.add(optimizer)
+
+    def get(self, optimizer: Any) -> Route | None:
+        return getattr(optimizer, _ATTR, None) if optimizer is not None else None
+
+    def remove(self, optimizer: Any) -> None:
+        if self.get(optimizer) is not None:
+            delattr(optimizer, _ATTR)
+        self._optimizers.discard(optimizer)
+
+    def routes(self) -> Iterator[Route]:
+        for optimizer in list(self._optimizers):
+            route = self.get(optimizer)
+            if route is not None:
+                yield route
+
+    def find(self, predicate: Callable[[Route], bool]) -> Route | None:
+        """The live route for which ``predicate`` holds, if any."""
+        return next((r for r in self.routes() if predicate(r)), None)
+
+
+ROUTES = RouteRegistry()
