@@ -1,4 +1,4 @@
-"""One short check of Fair Cast on Megatron-Core's DistributedOptimizer, for a session with a CUDA machine.
+"""Time Fair Cast's refresh on Megatron-Core's DistributedOptimizer, for a session with a CUDA machine.
 
     python benchmarks/megatron_gpu_check.py [--hidden 4096] [--layers 3] [--steps 3] [--repeats 20]
     torchrun --nproc_per_node N benchmarks/megatron_gpu_check.py      # N GPUs: shards cut across ranks
@@ -6,19 +6,18 @@
 Needs torch with CUDA (Triton for the fused cast), megatron-core 0.16.1, and this repository. No
 Transformer Engine or Apex is needed. Builds a stack of bf16 ``nn.Linear`` layers (``--hidden``² each;
 the defaults give ~50M parameters) under Megatron's DDP with ``use_distributed_optimizer=True``,
-``get_megatron_optimizer(bf16=True)`` (Adam, fp32 main params), and for each mode:
+``get_megatron_optimizer(bf16=True)`` (Adam, fp32 main params), takes ``--steps`` steps per mode, then
+times the refresh (``_copy_main_params_to_model_params``: the cast of all shards plus nothing else)
+per mode against Megatron's own round-to-nearest copy, median of ``--repeats`` calls.
 
-1. Bits: after every step, each rank's served bf16 shard (in the param buffer, written on the GPU by
-   the Triton kernel) equals ``faircast_ds.cast`` of its fp32 main shard computed on the CPU — the
-   specification, which does not depend on the device; with N > 1, the all-gathered parameters equal
-   the cast of the full fp32 parameter. Mode ``nearest`` serves exactly what Megatron's own copy
-   serves from the same main params.
-2. Time: the refresh (``_copy_main_params_to_model_params``: the cast of all shards plus nothing
-   else) per mode, against Megatron's own round-to-nearest copy, median of ``--repeats`` calls.
+The bits are checked by tests/test_gpu.py (which builds its model with this file's ``build``, ``step``
+and ``set_masters``): every served shard equals ``faircast_ds.cast`` of its fp32 main shard computed
+on the CPU, and ``nearest`` is Megatron's own copy bit for bit. Run it first:
+``python -m pytest -q tests/test_gpu.py``.
 
 Prints a table and writes JSON to benchmarks/results/megatron_gpu_check.json (and to $OUT when set).
-Exits non-zero if any bit differs. ``--allow-cpu`` runs it on the CPU (only to smoke-test the
-script, with tests/dist/megatron_cpu.py's stand-ins enabled by the caller).
+``--allow-cpu`` runs it on the CPU (only to smoke-test the script, with tests/dist/megatron_cpu.py's
+stand-ins enabled by the caller).
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from faircast_ds.casts import MODES, bf16_bits, cast  # noqa: E402
+from faircast_ds.casts import MODES, bf16_bits  # noqa: E402
 
 SEED = 1234
 
@@ -127,39 +126,17 @@ def served_full(model) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
 
 
-def check_mode(mode: str | None, args, device) -> dict:
-    """mode None: Megatron's own copy. Returns bit checks, per-step served bits, refresh timings."""
+def refresh_ms(mode: str | None, args, device) -> dict:
+    """mode None: Megatron's own copy. ``--steps`` steps (the kernels compiled, the state warm), then the
+    median time of the refresh alone."""
     from faircast_ds.megatron import attach
 
     model, optimizer = build(args, device)
-    fc = attach(optimizer, {"mode": mode, "seed": SEED}, route=args.route) if mode else None
+    if mode:
+        attach(optimizer, {"mode": mode, "seed": SEED}, route=args.route)
     set_masters(optimizer)
-    world = torch.distributed.get_world_size()
-    out = {"shard_exact": True, "full_exact": True, "bits": []}
-    residuals: dict = {}
     for n in range(1, args.steps + 1):
         step(model, optimizer, args, device, n)
-        sync()
-        out["bits"].append(served_full(model))
-        if fc is None:
-            continue
-        pieces = []
-        for shard, main, served in shards(optimizer):
-            m = main.detach().float().cpu()
-            res = residuals.setdefault(shard.key, torch.zeros(shard.numel)) if mode == "error_feedback" else None
-            want = bf16_bits(cast(m, mode, seed=SEED, step=n, name=shard.name, start=shard.start, residual=res))
-            out["shard_exact"] &= bool(torch.equal(want, bf16_bits(served.detach()).cpu()))
-            pieces.append((shard.name, shard.start, m))
-        if world > 1 and mode != "error_feedback":
-            everyone = [None] * world
-            torch.distributed.all_gather_object(everyone, pieces)
-            full = {name: torch.empty(bits.numel()) for name, bits in out["bits"][-1].items()}
-            for rank_pieces in everyone:
-                for name, start, m in rank_pieces:
-                    full[name][start:start + m.numel()] = m
-            for name, master in full.items():
-                want = bf16_bits(cast(master, mode, seed=SEED, step=n, name=name, start=0))
-                out["full_exact"] &= bool(torch.equal(want, out["bits"][-1][name]))
     times = []
     for opt in (getattr(optimizer, "chained_optimizers", None) or [optimizer])[:1]:
         for _ in range(args.repeats):
@@ -168,9 +145,7 @@ def check_mode(mode: str | None, args, device) -> dict:
             opt._copy_main_params_to_model_params()
             sync()
             times.append(1e3 * (time.perf_counter() - t0))
-    out["refresh_ms"] = statistics.median(times)
-    out["numel"] = sum(s.numel for s, _, _ in shards(optimizer))
-    return out
+    return {"refresh_ms": statistics.median(times), "numel": sum(s.numel for s, _, _ in shards(optimizer))}
 
 
 def main() -> None:
@@ -186,25 +161,18 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "world": torch.distributed.get_world_size(), "args": vars(args), "modes": {}}
-    baseline = check_mode(None, args, device)
-    failed = False
+    baseline = refresh_ms(None, args, device)
     for mode in MODES:
-        r = check_mode(mode, args, device)
-        same_as_megatron = all(torch.equal(a[k], b[k]) for a, b in zip(r["bits"], baseline["bits"]) for k in a)
-        ok = r["shard_exact"] and r["full_exact"] and (same_as_megatron or mode != "nearest")
-        failed |= not ok
-        results["modes"][mode] = {"shard_exact": r["shard_exact"], "full_exact": r["full_exact"],
-                                  "nearest_is_megatron_copy": same_as_megatron if mode == "nearest" else None,
-                                  "refresh_ms": r["refresh_ms"],
-                                  "vs_megatron_copy": r["refresh_ms"] / baseline["refresh_ms"],
-                                  "local_elements": r["numel"], "ok": ok}
+        r = refresh_ms(mode, args, device)
+        results["modes"][mode] = {"refresh_ms": r["refresh_ms"], "vs_megatron_copy": r["refresh_ms"] / baseline["refresh_ms"],
+                                  "local_elements": r["numel"]}
     results["megatron_copy_ms"] = baseline["refresh_ms"]
     if rank == 0:
         print(f"{results['device']}, world {results['world']}, {baseline['numel']:,} local bf16 elements; "
               f"Megatron's own copy {baseline['refresh_ms']:.3f} ms")
-        print(f"{'mode':16s} {'bits':6s} {'refresh ms':>11s} {'x copy':>7s}")
+        print(f"{'mode':16s} {'refresh ms':>11s} {'x copy':>7s}")
         for mode, r in results["modes"].items():
-            print(f"{mode:16s} {'ok' if r['ok'] else 'DIFF':6s} {r['refresh_ms']:11.3f} {r['vs_megatron_copy']:7.2f}")
+            print(f"{mode:16s} {r['refresh_ms']:11.3f} {r['vs_megatron_copy']:7.2f}")
         folders = [ROOT / "benchmarks" / "results"] if torch.cuda.is_available() else []
         folders += [Path(os.environ["OUT"])] if os.environ.get("OUT") else []
         for folder in folders:
@@ -212,7 +180,6 @@ def main() -> None:
             (folder / "megatron_gpu_check.json").write_text(json.dumps(results, indent=1))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

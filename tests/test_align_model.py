@@ -129,10 +129,19 @@ def test_activation_checkpointing_recomputes_the_aligned_forward(use_reentrant):
     model, ids = alignment_lm("qwen3"), token_ids()
     model.train()  # checkpointing is active in training mode only
     params = list(model.parameters())
+
+    def grads() -> list[torch.Tensor]:  # .backward(): reentrant checkpointing refuses autograd.grad
+        model.zero_grad(set_to_none=True)
+        loss(model(input_ids=ids).logits, ids).backward()
+        return [p.grad.clone() for p in params]
+
     with align_model(model, "sglang"):
-        plain = torch.autograd.grad(loss(model(input_ids=ids).logits, ids), params)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
-        checkpointed = torch.autograd.grad(loss(model(input_ids=ids).logits, ids), params)
+        plain = grads()
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.20's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        checkpointed = grads()
     for a, b in zip(plain, checkpointed, strict=True):
         assert torch.equal(a, b)
 

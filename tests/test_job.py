@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 
 import pytest
 
@@ -31,7 +32,26 @@ def test_outputs_exist_and_are_well_formed(job_run):
     assert len(lines) == 2 + len(MODES)
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert [line.split("|")[1].strip() for line in lines[2:]] == list(MODES)
-    assert "tie" in table
+    # W/T/L against RN, recomputed from steps.csv: per seed, the mean reward over the last 20% of steps
+    # (at least one) minus RN's, |difference| < the tie threshold the legend states is a tie
+    tie = float(re.search(r"\|difference\| < ([0-9.eE+-]+) is a tie", table).group(1))
+    with open(run_dir / "steps.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    n_tail = max(1, round(0.2 * STEPS))
+    final = {m: {} for m in MODES}
+    for r in rows:
+        if int(r["step"]) > STEPS - n_tail:
+            final[r["mode"]].setdefault(int(r["seed"]), []).append(float(r["reward"]))
+    cells = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in lines[2:]}
+    assert cells["nearest"] == "—"
+    for mode in MODES:
+        if mode == "nearest":
+            continue
+        diffs = [sum(v) / len(v) - sum(final["nearest"][seed]) / len(final["nearest"][seed])
+                 for seed, v in final[mode].items()]
+        want = (sum(d >= tie for d in diffs), sum(abs(d) < tie for d in diffs), sum(d <= -tie for d in diffs))
+        assert tuple(int(k) for k in cells[mode].split("/")) == want, (mode, cells[mode], diffs)
+        assert sum(want) == 1  # one seed
     assert "final reward" in (run_dir / "summary.txt").read_text()
     assert "final reward" in log  # the end-of-run screen
     # rank 0 announces Fair Cast once per engine that has it: the four casts, not the fp32 reference

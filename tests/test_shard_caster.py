@@ -1,0 +1,355 @@
+"""faircast_ds.shard_caster in process: slices and padding, the cast of a flat shard, its counts, residuals,
+non-finite handling, the cross-device branch and the observer hook. No DeepSpeed, no launch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faircast_ds import shard_caster
+from faircast_ds.casts import MODES, bf16_bits, cast, fp32_bits
+from faircast_ds.config import FairCastConfig
+from faircast_ds.shard_caster import CastStats, NonFiniteWeightError, ShardCaster, ShardSlice, with_padding
+
+SEED = 1234
+TOTAL = 100
+# two parameters in one flat shard, with alignment padding before, between and after them; the first
+# starts inside its parameter (element 5), as a ZeRO partition that cuts across parameters does
+PARAMS = [ShardSlice("blocks.0.w", 5, 40, 3), ShardSlice("blocks.1.b", 0, 50, 47)]
+
+
+def caster(mode: str, **kw) -> ShardCaster:
+    return ShardCaster(FairCastConfig(mode=mode, seed=SEED, **kw))
+
+
+def values(n: int, seed: int) -> torch.Tensor:
+    """fp32 weights off the bf16 grid, so the modes disagree with round-to-nearest and each other."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def counts(stats: CastStats) -> tuple[int, int, int]:
+    return stats.step, stats.numel, stats.changed
+
+
+def param_mask(slices) -> torch.Tensor:
+    mask = torch.zeros(TOTAL, dtype=torch.bool)
+    for s in slices:
+        if not s.is_padding:
+            mask[s.offset:s.offset + s.numel] = True
+    return mask
+
+
+def expected(master: torch.Tensor, slices, mode: str, step: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """What the served flat shard must hold: ``cast`` of every parameter slice at its own (name, start),
+    DeepSpeed's round-to-nearest copy on padding. ``residual`` (flat, error feedback) is updated."""
+    out = master.to(torch.bfloat16)
+    for s in slices:
+        if s.is_padding:
+            continue
+        res = residual.narrow(0, s.offset, s.numel) if residual is not None else None
+        out[s.offset:s.offset + s.numel] = cast(master[s.offset:s.offset + s.numel], mode, seed=SEED, step=step,
+                                                name=s.name, start=s.start, residual=res)
+    return out
+
+
+# ---- with_padding ---------------------------------------------------------------------------------
+
+def test_with_padding_fills_every_gap_in_offset_order():
+    a, b = ShardSlice("a", 3, 4, 2), ShardSlice("b", 0, 5, 12)
+    got = with_padding([b, a], 20)  # given out of order
+    assert got == [ShardSlice(None, 0, 2, 0), a, ShardSlice(None, 0, 6, 6), b, ShardSlice(None, 0, 3, 17)]
+    assert [s.is_padding for s in got] == [True, False, True, False, True]
+    # contiguous and exactly covering the shard
+    assert all(x.offset + x.numel == y.offset for x, y in zip(got, got[1:]))
+    assert got[0].offset == 0 and got[-1].offset + got[-1].numel == 20
+
+
+def test_with_padding_adds_nothing_where_there_is_no_gap():
+    a, b = ShardSlice("a", 0, 4, 0), ShardSlice("b", 9, 6, 4)
+    assert with_padding([a, b], 10) == [a, b]
+    assert with_padding([], 3) == [ShardSlice(None, 0, 3, 0)]
+
+
+def test_with_padding_refuses_overlaps_and_overruns():
+    with pytest.raises(ValueError, match="overlapping shard slices at offset 3"):
+        with_padding([ShardSlice("a", 0, 4, 0), ShardSlice("b", 0, 4, 3)], 10)
+    with pytest.raises(ValueError, match="overlapping"):
+        with_padding([ShardSlice("a", 0, 4, 2), ShardSlice("b", 0, 1, 2)], 10)  # same offset
+    with pytest.raises(ValueError, match="end at 11, past the flat shard's 10 elements"):
+        with_padding([ShardSlice("a", 0, 4, 0), ShardSlice("b", 0, 5, 6)], 10)
+
+
+# ---- cast_flat ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameter_slices_get_the_cast_padding_keeps_deepspeeds_copy(mode):
+    slices = with_padding(PARAMS, TOTAL)
+    assert [s.is_padding for s in slices] == [True, False, True, False, True]
+    c = caster(mode)
+    c.begin_step()
+    c.begin_step()  # step 2: the noise step is the caster's, not a constant
+    master = values(TOTAL, 0)
+    old = values(TOTAL, 1).to(torch.bfloat16)  # the previous step's served bits
+    served = old.clone()
+    residual = None
+    if mode == "error_feedback":  # a carried residual of about a spacing, so the result is not round-to-nearest
+        residual = values(TOTAL, 2) * 0.01
+        c.residuals["g0"] = residual.clone()
+    c.cast_flat("g0", master, served, slices)
+    want = expected(master, slices, mode, step=2, residual=residual)
+    if residual is not None:
+        assert torch.equal(fp32_bits(c.residuals["g0"]), fp32_bits(residual))
+    assert torch.equal(bf16_bits(served), bf16_bits(want))
+    pad = ~param_mask(slices)
+    assert torch.equal(bf16_bits(served[pad]), bf16_bits(master[pad].to(torch.bfloat16)))  # a plain copy_
+    if mode != "nearest":
+        # the parameter bits really are the mode's own (not a copy_), and keyed by (name, start), not by offset
+        p = PARAMS[1]
+        x = master[p.offset:p.offset + p.numel]
+        assert not torch.equal(bf16_bits(served[p.offset:p.offset + p.numel]), bf16_bits(x.to(torch.bfloat16)))
+        if mode != "error_feedback":
+            shifted = cast(x, mode, seed=SEED, step=2, name=p.name, start=p.offset)
+            assert not torch.equal(bf16_bits(served[p.offset:p.offset + p.numel]), bf16_bits(shifted))
+    # counts: parameter elements only, against what the served buffer held before
+    mask = param_mask(slices)
+    assert counts(c.last) == (2, int(mask.sum()), int((bf16_bits(old)[mask] != bf16_bits(want)[mask]).sum()))
+    assert c.last.changed > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_changes_counted_against_previous_which_is_updated(mode):
+    """Optimizers that overwrite the served shard by round-to-nearest first: the change is counted
+    against ``previous`` (the last served bits), which then holds the new bits, as does ``served``."""
+    slices = with_padding(PARAMS, TOTAL)
+    c = caster(mode)
+    c.begin_step()
+    master = values(TOTAL, 2)
+    served = master.to(torch.bfloat16)  # what the optimizer's own copy_ left there
+    prev_old = values(TOTAL, 3).to(torch.bfloat16)
+    previous = prev_old.clone()
+    c.cast_flat("g0", master, served, slices, previous=previous)
+    want = expected(master, slices, mode, step=1, residual=torch.zeros(TOTAL) if mode == "error_feedback" else None)
+    mask = param_mask(slices)
+    assert torch.equal(bf16_bits(served), bf16_bits(want))
+    assert torch.equal(bf16_bits(previous[mask]), bf16_bits(want[mask]))
+    assert torch.equal(bf16_bits(previous[~mask]), bf16_bits(prev_old[~mask]))  # padding: previous not used
+    vs_previous = int((bf16_bits(prev_old)[mask] != bf16_bits(want)[mask]).sum())
+    vs_served = int((bf16_bits(master.to(torch.bfloat16))[mask] != bf16_bits(want)[mask]).sum())
+    assert c.last.changed == vs_previous
+    assert vs_previous != vs_served  # the two baselines are told apart by this data
+
+
+def test_length_mismatch_is_refused():
+    with pytest.raises(ValueError, match="master has 10 elements, served 9"):
+        caster("stochastic").cast_flat("k", torch.zeros(10), torch.zeros(9, dtype=torch.bfloat16),
+                                       [ShardSlice("w", 0, 9, 0)])
+
+
+# ---- the cross-device branch ------------------------------------------------------------------------
+
+_DEVICE = torch.Tensor.device
+
+
+class OnOtherDevice(torch.Tensor):
+    """A CPU tensor that reports device ``cpu:0``, which compares unequal to a plain CPU tensor's ``cpu``.
+
+    ``cast_flat`` picks its branch by ``target.device == src.device``; on a CPU-only machine this is the
+    only way to make the two differ. Everything else is real: the caster's cross-device code runs on
+    real memory (``.to(target.device)`` is a real transfer to the CPU), only the device label differs."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__self__", None) is _DEVICE:  # the ``device`` property
+            return torch.device("cpu", 0)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(torch.Tensor)
+
+
+@pytest.mark.parametrize("use_previous", (False, True))
+@pytest.mark.parametrize("mode", MODES)
+def test_cross_device_path_gives_the_same_bits_counts_and_residual(monkeypatch, mode, use_previous):
+    """fp32 master on one device, bf16 served on another (e.g. the master offloaded to the CPU)."""
+    slices = with_padding(PARAMS, TOTAL)
+    master = values(TOTAL, 4)
+    old = values(TOTAL, 5).to(torch.bfloat16)
+    same, other = caster(mode), caster(mode)
+    # the reference: both on one device (the fused cast_into path)
+    served_same, prev_same = old.clone(), old.clone()
+    same_counts = []
+    for step in (1, 2):
+        same.begin_step()
+        same.cast_flat("g", master + step * 1e-3, served_same, slices, previous=prev_same if use_previous else None)
+        same_counts.append(counts(same.last))
+    # the cross-device branch: the in-place cast must not be used, ``cast`` must, once per parameter slice
+    calls = []
+
+    def no_cast_into(*a, **k):
+        raise AssertionError("same-device path taken")
+
+    def counting_cast(*a, **k):
+        calls.append(k["name"])
+        return cast(*a, **k)
+
+    monkeypatch.setattr(shard_caster, "cast_into", no_cast_into)
+    monkeypatch.setattr(shard_caster, "cast", counting_cast)
+    served_other = old.clone().as_subclass(OnOtherDevice)
+    prev_other = old.clone().as_subclass(OnOtherDevice)
+    assert served_other.device != master.device
+    stats = []
+    for step in (1, 2):
+        other.begin_step()
+        other.cast_flat("g", master + step * 1e-3, served_other, slices,
+                        previous=prev_other if use_previous else None)
+        stats.append(counts(other.last))
+    assert calls == [p.name for p in PARAMS] * 2
+    assert torch.equal(bf16_bits(plain(served_other)), bf16_bits(served_same))
+    if use_previous:
+        assert torch.equal(bf16_bits(plain(prev_other)), bf16_bits(prev_same))
+    assert stats == same_counts  # per step: step, elements, changed
+    assert same.last.changed > 0
+    if mode == "error_feedback":
+        assert torch.equal(fp32_bits(other.residuals["g"]), fp32_bits(same.residuals["g"]))
+        assert bool(same.residuals["g"].ne(0).any())
+
+
+def test_cross_device_path_raises_on_nonfinite(monkeypatch):
+    slices = with_padding(PARAMS, TOTAL)
+    master = values(TOTAL, 6)
+    master[3 + 9] = float("inf")  # element 5 + 9 of blocks.0.w
+    c = caster("stochastic")
+    c.begin_step()
+    monkeypatch.setattr(shard_caster, "cast_into", lambda *a, **k: pytest.fail("same-device path taken"))
+    with pytest.raises(NonFiniteWeightError, match=r"'blocks\.0\.w' element 14 would be served as inf"):
+        c.cast_flat("g", master, torch.zeros(TOTAL, dtype=torch.bfloat16).as_subclass(OnOtherDevice), slices)
+
+
+# ---- non-finite masters ------------------------------------------------------------------------------
+
+# 3.4e38 is finite in fp32 and beyond bf16's range: round-to-nearest (and error feedback, which serves
+# round-to-nearest of it with no residual) make it Inf; stochastic and dither may serve bf16's max instead
+@pytest.mark.parametrize("mode, bad", [(m, b) for m in MODES for b in (float("nan"), float("-inf"))]
+                         + [("nearest", 3.4e38), ("error_feedback", 3.4e38)])
+def test_nonfinite_error_names_parameter_and_element(mode, bad):
+    slices = with_padding(PARAMS, TOTAL)
+    master = values(TOTAL, 7)
+    master[47 + 12] = bad  # element 12 of blocks.1.b
+    c = caster(mode)
+    c.begin_step()
+    with pytest.raises(NonFiniteWeightError, match=r"parameter 'blocks\.1\.b' element 12 would be served as") as info:
+        c.cast_flat("g", master, torch.zeros(TOTAL, dtype=torch.bfloat16), slices)
+    assert "1 non-finite element(s)" in str(info.value)
+    assert isinstance(info.value, FloatingPointError)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nonfinite_propagate_serves_it(mode):
+    slices = with_padding(PARAMS, TOTAL)
+    master = values(TOTAL, 8)
+    master[47 + 12] = float("nan")
+    master[3 + 1] = float("-inf")
+    c = caster(mode, on_nonfinite="propagate")
+    c.begin_step()
+    served = torch.zeros(TOTAL, dtype=torch.bfloat16)
+    c.cast_flat("g", master, served, slices)
+    assert torch.isnan(served[59].float()) and served[4].float() == float("-inf")
+    assert int((~torch.isfinite(served.float())).sum()) == 2
+    want = expected(master, slices, mode, step=1, residual=torch.zeros(TOTAL) if mode == "error_feedback" else None)
+    assert torch.equal(bf16_bits(served), bf16_bits(want))
+
+
+def test_nonfinite_padding_is_not_an_error():
+    """Padding belongs to no parameter: DeepSpeed's copy of it is kept, whatever it holds."""
+    slices = with_padding(PARAMS, TOTAL)
+    master = values(TOTAL, 9)
+    master[0] = float("nan")
+    master[99] = float("inf")
+    c = caster("stochastic")
+    c.begin_step()
+    served = torch.zeros(TOTAL, dtype=torch.bfloat16)
+    c.cast_flat("g", master, served, slices)
+    assert torch.isnan(served[0].float()) and served[99].float() == float("inf")
+
+
+# ---- error feedback, steps, observer --------------------------------------------------------------
+
+def test_error_feedback_residual_per_key_kept_between_steps():
+    c = caster("error_feedback")
+    slices_a = with_padding(PARAMS, TOTAL)
+    slices_b = with_padding([ShardSlice("blocks.2.w", 100, 30, 0)], 32)
+    masters = {"a": values(TOTAL, 10), "b": values(32, 11)}
+    served = {"a": torch.zeros(TOTAL, dtype=torch.bfloat16), "b": torch.zeros(32, dtype=torch.bfloat16)}
+    layout = {"a": slices_a, "b": slices_b}
+    mine = {k: torch.zeros(m.numel()) for k, m in masters.items()}  # the residual as the definition evolves it
+    first = {}
+    for step in (1, 2, 3):
+        c.begin_step()
+        for k in ("a", "b"):
+            masters[k] += 3e-4  # a small update: the residual carries what the cast leaves behind
+            c.cast_flat(k, masters[k], served[k], layout[k])
+            want = expected(masters[k], layout[k], "error_feedback", step, residual=mine[k])
+            assert torch.equal(bf16_bits(served[k]), bf16_bits(want)), (k, step)
+            assert torch.equal(fp32_bits(c.residuals[k]), fp32_bits(mine[k])), (k, step)
+            first.setdefault(k, c.residuals[k])
+    assert set(c.residuals) == {"a", "b"}
+    assert c.residuals["a"].shape == (TOTAL,) and c.residuals["b"].shape == (32,)
+    assert all(c.residuals[k] is first[k] for k in first)  # one tensor per key, kept, updated in place
+    assert c.residuals["a"].dtype == torch.float32 and bool(c.residuals["a"].ne(0).any())
+    assert bool((c.residuals["a"][~param_mask(slices_a)] == 0).all())  # padding carries no residual
+    # a residual that was not carried would serve something else at step 3
+    fresh = expected(masters["a"], slices_a, "error_feedback", 3, residual=torch.zeros(TOTAL))
+    assert not torch.equal(bf16_bits(served["a"]), bf16_bits(fresh))
+
+
+@pytest.mark.parametrize("mode", ("nearest", "stochastic", "dither"))
+def test_other_modes_keep_no_residual(mode):
+    c = caster(mode)
+    c.begin_step()
+    c.cast_flat("g", values(TOTAL, 12), torch.zeros(TOTAL, dtype=torch.bfloat16), with_padding(PARAMS, TOTAL))
+    assert c.residuals == {} and c.residual_for("g", torch.zeros(3)) is None
+
+
+def test_begin_step_resets_the_counts_which_sum_over_groups():
+    c = caster("stochastic")
+    slices = with_padding(PARAMS, TOTAL)
+    assert c.begin_step() == 1
+    served1, served2 = torch.zeros(TOTAL, dtype=torch.bfloat16), torch.zeros(TOTAL, dtype=torch.bfloat16)
+    c.cast_flat(1, values(TOTAL, 13), served1, slices)
+    after_one = c.last.changed
+    c.cast_flat(2, values(TOTAL, 14), served2, slices)
+    mask = param_mask(slices)
+    assert c.last.numel == 2 * int(mask.sum())
+    assert c.last.changed == after_one + int((bf16_bits(served2)[mask] != 0).sum()) and after_one > 0
+    assert c.begin_step() == 2 and c.step == 2
+    assert c.last == CastStats(step=2, numel=0, changed=0)
+
+
+class Recorder:
+    def __init__(self, served: dict):
+        self.calls = []
+        self.served = served
+
+    def on_cast(self, key, master, slices, step):
+        # called after the group is cast: the served shard already holds this step's bits
+        self.calls.append((key, master, slices, step, bf16_bits(self.served[key]).clone()))
+
+
+def test_observer_called_once_per_flat_group_with_key_master_slices_step():
+    c = caster("dither")
+    slices = {"g0": with_padding(PARAMS, TOTAL), "g1": with_padding([ShardSlice("blocks.2.w", 0, 8, 0)], 8)}
+    masters = {"g0": values(TOTAL, 15).view(4, 25), "g1": values(8, 16)}  # a 2-D master is used flat
+    served = {k: torch.zeros(m.numel(), dtype=torch.bfloat16) for k, m in masters.items()}
+    rec = Recorder(served)
+    c.observer = rec
+    for _ in range(2):
+        c.begin_step()
+        for k in ("g0", "g1"):
+            c.cast_flat(k, masters[k], served[k], slices[k])
+    assert [(key, step) for key, _, _, step, _ in rec.calls] == [("g0", 1), ("g1", 1), ("g0", 2), ("g1", 2)]
+    for key, master, sl, step, bits in rec.calls:
+        assert sl is slices[key]
+        assert master.dim() == 1 and master.numel() == masters[key].numel()
+        assert master.data_ptr() == masters[key].data_ptr()  # the master itself, not a copy
+        want = expected(masters[key].reshape(-1), sl, "dither", step)
+        assert torch.equal(bits, bf16_bits(want))
