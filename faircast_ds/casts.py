@@ -85,6 +85,9 @@ def error_feedback_step(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor
     hi = bf16_from_bits((b >> 16) + 1).float()
     y = torch.where(residual == 0, x, x + residual)  # keeps -0.0 when there is nothing to add
     served = y.to(torch.bfloat16).float().clamp(torch.minimum(lo, hi), torch.maximum(lo, hi))
+    # a zero result is x's zero neighbour, sign included (torch's clamp breaks the +0/-0 tie differently
+    # in its vector loop and its scalar tail, which would make the bits depend on the shard's layout)
+    served = torch.where(served == 0, lo, served)
     served = torch.where(torch.isinf(served) & torch.isfinite(x.to(torch.bfloat16)), lo, served)
     new_residual = y - served
     finite = torch.isfinite(x)

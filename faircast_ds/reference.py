@@ -81,6 +81,8 @@ def error_feedback_element(v: float, e: float) -> tuple[int, float]:
     lo, hi = _neighbours(v)
     candidate = _bf16_value(nearest_bits(y))
     served = min(max(candidate, min(_bf16_value(lo), _bf16_value(hi))), max(_bf16_value(lo), _bf16_value(hi)))
+    if served == 0:  # a zero is x's zero neighbour, sign included (-0.0 == 0.0 in the clamp above)
+        served = _bf16_value(lo)
     if math.isinf(served) and not math.isinf(_bf16_value(nearest_bits(v))):
         served = _bf16_value(lo)
     r = float(np.float32(y) - np.float32(served)) if math.isfinite(y) else math.inf

@@ -1,6 +1,7 @@
 """Export and weight sync without DeepSpeed: the safetensors writer, delta encodings, atomic
 publication under SIGKILL, and the sync channel's refusals and failure handling with real sender
-processes that are killed or stalled mid-update. (DeepSpeed runs: tests/test_export_zero.py.)"""
+processes that are killed or stalled mid-update. (DeepSpeed runs: tests/test_export_zero.py; the
+channel's authentication and hostile input: tests/test_sync_security.py.)"""
 from __future__ import annotations
 
 import hashlib
@@ -449,7 +450,7 @@ def test_the_channel_listens_on_loopback_only(receiver):
     rx = receiver(timeout=30)
     serving = Serving(rx)
     sender = WeightSender(tiny(), port=rx.port, timeout=30)
-    sender.sync(version=1)  # both ends live in this process: the store and both gloo listeners
+    sender.sync(version=1)  # both ends live in this process: the receiver's socket is the only listener
     addresses = listening_addresses(os.getpid())
     sender.close()
     serving.join()

@@ -235,20 +235,24 @@ def test_counts_track_changes_between_steps(fused):
     assert cast_into(out, x, "stochastic", seed=1, step=3, name="w") == (3, 2)
 
 
-def test_signed_zero_ties_follow_torchs_vector_clamp(fused):
+@pytest.mark.parametrize("n", [1, 2, 4, 17, 64])
+def test_signed_zero_ties_serve_the_zero_neighbour(fused, n):
     """Error feedback clamps RN(x + e) between x's neighbours. When RN(x + e) is a zero of the other
-    sign than a zero neighbour, torch's vectorized clamp returns the neighbour (its scalar tail
-    returns the other zero, which is not a neighbour of x). The kernel always takes the neighbour;
-    64 elements keep all of torch's result in its vectorized loop."""
-    x = from_bits([0x80000001, 0x00000001] * 32)  # -/+ 1.4e-45: neighbours (-0, -tiny), (+0, +tiny)
-    e = from_bits([0x00000001, 0x80000001] * 32)  # x + e = +0.0 exactly for both
-    e_want, e_got = e.clone(), e.clone()
+    sign than x's zero neighbour, every path serves the neighbour (sign included), whatever the
+    length: torch's own clamp breaks that tie differently in its vector loop and its scalar tail
+    (n = 1, 2, 4, 17 reach the tail), so the eager path and the reference pick it explicitly."""
+    x = from_bits(([0x80000001, 0x00000001, 0x80000000, 0x00000000] * 16)[:n])  # neighbours (-0, -tiny)...
+    e = from_bits(([0x00000001, 0x80000001, 0x00000001, 0x80000001] * 16)[:n])  # RN(x + e) is the other zero
+    want_bits = ([0x8000, 0x0000, 0x8000, 0x0000] * 16)[:n]
+    e_want, e_got, e_ref = e.clone(), e.clone(), e.clone()
     want = cast(x, "error_feedback", seed=0, step=0, name="w", residual=e_want)
-    out = torch.empty(64, dtype=torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
     cast_into(out, x, "error_feedback", seed=0, step=0, name="w", residual=e_got)
-    assert bf16_bits(out).tolist() == [0x8000, 0x0000] * 32
-    assert_bits_equal(out, want, "signed-zero ties")
-    assert torch.equal(fp32_bits(e_got), fp32_bits(e_want))
+    ref = cast_reference(x, "error_feedback", seed=0, step=0, name="w", residual=e_ref)
+    assert bf16_bits(want).tolist() == want_bits
+    assert_bits_equal(out, want, "signed-zero ties, fused")
+    assert_bits_equal(ref, want, "signed-zero ties, reference")
+    assert torch.equal(fp32_bits(e_got), fp32_bits(e_want)) and torch.equal(fp32_bits(e_ref), fp32_bits(e_want))
 
 
 def test_dispatch_and_arguments(fused, monkeypatch):

@@ -4,17 +4,18 @@
   under ZeRO-3); :func:`served_specs` lists names, shapes and dtypes without gathering.
 - :func:`save_hf` writes a Hugging Face directory (safetensors + config) atomically.
 - :class:`WeightSender` / :class:`WeightReceiver` push the weights to a separate inference process
-  over a gloo group of their own, dense or as sparse deltas, all-or-nothing.
+  over an authenticated TCP channel of their own, dense or as sparse deltas, all-or-nothing.
 - :func:`inspect_path` summarizes a checkpoint's Fair Cast state or an export (``faircast-ds inspect``).
 """
 from __future__ import annotations
 
 from faircast_ds.export.atomic import AtomicDirectory
-from faircast_ds.export.channel import DEFAULT_HOST, ChannelError, WeightSyncError
+from faircast_ds.export.channel import (DEFAULT_HOST, AcceptTimeout, AuthenticationError, ChannelError, ProtocolError,
+                                        Refused, WeightSyncError)
 from faircast_ds.export.hf import ExportError, ExportResult, save_hf
 from faircast_ds.export.served import ParamSpec, local_served_slices, served_specs, served_weights
 from faircast_ds.export.sync import SyncAborted, SyncReport, WeightReceiver, WeightSender
 
-__all__ = ["AtomicDirectory", "ChannelError", "DEFAULT_HOST", "ExportError", "ExportResult", "ParamSpec",
+__all__ = ["AcceptTimeout", "AtomicDirectory", "AuthenticationError", "ChannelError", "ProtocolError", "Refused", "DEFAULT_HOST", "ExportError", "ExportResult", "ParamSpec",
            "SyncAborted", "SyncReport", "WeightReceiver", "WeightSender", "WeightSyncError", "local_served_slices",
            "save_hf", "served_specs", "served_weights"]

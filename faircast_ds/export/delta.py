@@ -13,6 +13,7 @@ DENSE, COO, BITMAP = 0, 1, 2
 ENCODINGS = {DENSE: "dense", COO: "coo", BITMAP: "bitmap"}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.uint8)
 
 
 def bits_view(t: torch.Tensor) -> torch.Tensor:
@@ -76,3 +77,21 @@ def check_indices(indices: torch.Tensor, numel: int) -> None:
 def apply(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
     """Write bit patterns ``values`` at ``indices`` of ``target`` (in place, on the target's device)."""
     bits_view(target)[indices.to(target.device)] = values.to(target.device)
+
+
+def count_bits(bitmap: torch.Tensor, numel: int) -> int:
+    """How many bits a bitmap of ``numel`` elements sets (without listing them: at most one byte per
+    element of scratch); raises ValueError for a wrong size or a bit set past ``numel``."""
+    if bitmap.numel() != (numel + 7) // 8:
+        raise ValueError(f"bitmap of {bitmap.numel()} bytes for {numel} elements")
+    if numel % 8 and int(bitmap[-1]) >> (numel % 8):
+        raise ValueError("bitmap has bits set past the end of the parameter")
+    return int(_POPCOUNT[bitmap.to(torch.int32)].sum(dtype=torch.int64))
+
+
+def apply_bitmap(target: torch.Tensor, bitmap: torch.Tensor, values: torch.Tensor) -> None:
+    """Write bit patterns ``values`` at the set bits of ``bitmap`` of ``target``, in index order (in place,
+    on the target's device; a bool mask of one byte per element is the only scratch)."""
+    flat = bits_view(target)
+    mask = (bitmap.view(-1, 1) & _WEIGHTS).ne(0).view(-1)[:flat.numel()]
+    flat.masked_scatter_(mask.to(target.device), values.to(target.device))

@@ -1,6 +1,9 @@
 """Weight sync from a DeepSpeed trainer to a separate inference process, dense or as sparse deltas.
 
-Trainer side, on every rank (each sync is a collective of the training job)::
+Both ends hold the same secret (``export FAIRCAST_DS_SYNC_SECRET=$(python3 -c 'import secrets;
+print(secrets.token_hex(32))')`` once, in both environments; or a file named by
+``FAIRCAST_DS_SYNC_SECRET_FILE``; or ``secret=``). Trainer side, on every rank (each sync is a
+collective of the training job)::
 
     sender = WeightSender(engine, host="127.0.0.1", port=29600)
     sender.sync()            # after each optimizer step; dense the first time, then deltas
@@ -23,16 +26,24 @@ dropped, the previous weights stay as they were, and :class:`SyncAborted` says s
 its delta baseline only for updates the receiver acknowledged; after any failure the next sync
 reconnects and is dense.
 
-Wire protocol (``PROTOCOL``): hello/welcome JSON (protocol, parameter names/shapes/dtypes,
-versions); per update a JSON header, the receiver's go/no-go, per parameter an int64 triple
-``[index, encoding, count]`` and its payload (see :mod:`faircast_ds.export.delta`), an end triple
-``[-1, 0, parameters sent]``, and the receiver's JSON acknowledgement.
+Message protocol (``PROTOCOL``), inside the framed, authenticated channel of
+:mod:`faircast_ds.export.channel`: hello/welcome JSON (protocol, parameter names/shapes/dtypes,
+versions); per update a JSON header, the receiver's go/no-go, per parameter (in increasing index
+order) an int64 triple ``[index, encoding, count]`` and its payload (see
+:mod:`faircast_ds.export.delta`; a sparse parameter must use the smaller of the two encodings), an
+end triple ``[-1, 0, parameters sent]``, and the receiver's JSON acknowledgement.
 
-The channel is unauthenticated (see :mod:`faircast_ds.export.channel`): listen on loopback or a
-trusted network only.
+Security: both ends must prove the shared secret (``FAIRCAST_DS_SYNC_SECRET``, a file named by
+``FAIRCAST_DS_SYNC_SECRET_FILE``, or ``secret=``) before any message is read, and every frame is
+authenticated and sequenced. Without a secret the channel works on loopback only. Every failure, a
+hostile stream included, raises :class:`WeightSyncError`, closes the session, and leaves the receiver
+serving its previous weights and ready for the next :meth:`WeightReceiver.accept`. See
+docs/security.md for what is and is not guaranteed.
 """
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -41,14 +52,16 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from faircast_ds.export import delta
-from faircast_ds.export._ranks import from_rank0, rank_world
-from faircast_ds.export.channel import DEFAULT_HOST, Channel, ChannelError, Listener, WeightSyncError, connect
+from faircast_ds.dist import from_rank0, rank_world
+from faircast_ds.export import delta as delta_encoding
+from faircast_ds.export.channel import (DEFAULT_HOST, SECRET_ENV, AcceptTimeout, Channel, ChannelError, Limits,
+                                        Listener, WeightSyncError, connect, resolve_secret)
 from faircast_ds.export.served import (LocalSlice, ParamSpec, local_served_slices, module_of, served_specs,
                                        served_weights)
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: the framed, authenticated channel (1 was the gloo channel)
 _END = -1
+logger = logging.getLogger("faircast_ds.export")
 
 
 class SyncAborted(ChannelError):
@@ -103,15 +116,20 @@ class WeightSender:
     ``model`` is a DeepSpeed engine (or an ``nn.Module``, then ``version`` must be given to
     :meth:`sync`). ``delta`` allows sparse updates; under ZeRO-3 they need Fair Cast attached to the
     engine (any mode) to read each rank's served shard in place. ``timeout`` bounds every wait on the
-    channel, in seconds. ``bind`` is the address rank 0's gloo listens on (default ``host``; set it
-    when the receiver is on another machine). Collectives run on the default process group: pure
-    data parallelism is assumed.
+    channel, in seconds. ``secret`` is the shared secret the receiver holds (default:
+    ``FAIRCAST_DS_SYNC_SECRET`` or the file ``FAIRCAST_DS_SYNC_SECRET_FILE`` names, read on rank 0);
+    without one only a loopback receiver that holds none is reached. ``bind`` is the local address
+    rank 0 connects from (default: any). Collectives run on the default process group: pure data
+    parallelism is assumed.
     """
 
     def __init__(self, model: Any, host: str = DEFAULT_HOST, port: int = 29600, *, timeout: float = 60.0,
-                 delta: bool = True, bind: str | None = None) -> None:
+                 delta: bool = True, bind: str | None = None, secret: str | bytes | None = None) -> None:
+        if secret is not None:
+            resolve_secret(secret)  # a short or empty secret= is refused here, on every rank alike
         self.model = model
         self.host, self.port, self.timeout, self.bind = host, port, timeout, bind
+        self._secret = secret  # None: from the environment, when rank 0 connects
         self.specs = served_specs(model)
         self.numel = sum(s.numel for s in self.specs)
         self.rank, self.world = rank_world()
@@ -131,10 +149,12 @@ class WeightSender:
             raise WeightSyncError(error)
 
     def _hello(self) -> None:
-        self.channel = connect(self.host, self.port, self.timeout, self.bind)
+        bound = _json_limit(self.specs) + (1 << 20)  # the receiver's replies quote at most a few parameters
+        self.channel = connect(self.host, self.port, self.timeout, self.bind, secret=self._secret,
+                               limits=Limits(max_json=bound, max_frame=bound))
         self.channel.send_json({"type": "hello", "protocol": PROTOCOL, "params": spec_list(self.specs)})
         reply = self.channel.recv_json()
-        if not reply.get("ok"):
+        if reply.get("ok") is not True:
             self.channel.close()
             raise WeightSyncError(f"the weight receiver at {self.host}:{self.port} refused this sender: "
                                   f"{reply.get('error')}")
@@ -191,7 +211,7 @@ class WeightSender:
             self._baseline = None
             raise WeightSyncError(f"weight sync of version {version} not delivered: {failure}")
         if self.can_delta:
-            self._baseline = {(s.name, s.start): delta.bits_view(s.values).clone()
+            self._baseline = {(s.name, s.start): delta_encoding.bits_view(s.values).clone()
                               for s in local_served_slices(self.model)}
             self._baseline_version = int(version)
         return SyncReport(int(version), "delta" if use_delta else "dense", params, changed, self.numel, sent,
@@ -200,13 +220,13 @@ class WeightSender:
     def _open_update(self, header: dict[str, Any]) -> None:
         self.channel.send_json(header)
         reply = self.channel.recv_json()
-        if not reply.get("ok"):
+        if reply.get("ok") is not True:
             raise WeightSyncError(f"the weight receiver refused update {header['version']}: {reply.get('error')}")
 
     def _finish(self, params: int) -> None:
         self.channel.send_tensor(torch.tensor([_END, 0, params], dtype=torch.int64))
         ack = self.channel.recv_json()
-        if not ack.get("ok"):
+        if ack.get("ok") is not True:
             raise WeightSyncError(f"the weight receiver rejected the update: {ack.get('error')}")
 
     def _send(self, failure: str | None, index: int, encoding: int, count: int,
@@ -226,7 +246,8 @@ class WeightSender:
         failure = None
         for index, (name, tensor) in enumerate(served_weights(self.model)):  # collective under ZeRO-3
             if self.rank == 0:
-                failure = self._send(failure, index, delta.DENSE, tensor.numel(), [delta.bits_view(tensor)])
+                failure = self._send(failure, index, delta_encoding.DENSE, tensor.numel(),
+                                     [delta_encoding.bits_view(tensor)])
         return failure, len(self.specs), self.numel
 
     def _stream_delta(self) -> tuple[str | None, int, int]:
@@ -237,11 +258,11 @@ class WeightSender:
         for index, spec in enumerate(self.specs):
             idx_parts, val_parts = [], []
             for s in by_name.get(spec.name, []):
-                now = delta.bits_view(s.values)
-                d = delta.changed(self._baseline[(s.name, s.start)], now)
+                now = delta_encoding.bits_view(s.values)
+                d = delta_encoding.changed(self._baseline[(s.name, s.start)], now)
                 idx_parts.append(d + s.start)
                 val_parts.append(now[d])
-            vdtype = delta.bits_dtype(spec.dtype)
+            vdtype = delta_encoding.bits_dtype(spec.dtype)
             idx = torch.cat(idx_parts) if idx_parts else torch.zeros(0, dtype=torch.int64)
             vals = torch.cat(val_parts) if val_parts else torch.zeros(0, dtype=vdtype)
             idx, vals = self._gather_to_rank0(idx, vals)
@@ -250,11 +271,11 @@ class WeightSender:
             params += 1
             changed += idx.numel()
             if self.rank == 0:
-                encoding = delta.choose(spec.numel, idx.numel(), vals.element_size())
-                if encoding == delta.COO:
-                    first = idx.to(delta.index_dtype(spec.numel))
+                encoding = delta_encoding.choose(spec.numel, idx.numel(), vals.element_size())
+                if encoding == delta_encoding.COO:
+                    first = idx.to(delta_encoding.index_dtype(spec.numel))
                 else:
-                    first = delta.pack_bits(idx, spec.numel)
+                    first = delta_encoding.pack_bits(idx, spec.numel)
                 failure = self._send(failure, index, encoding, idx.numel(), [first, vals])
         return failure, params, changed
 
@@ -309,19 +330,58 @@ def _can_read_local_shards(model: Any) -> bool:
     return True
 
 
+def _json_limit(specs: list[ParamSpec]) -> int:
+    """The largest JSON message a receiver of these parameters reads: a hello listing parameters like its
+    own, with room for longer names (twice its own list, plus 4 KiB)."""
+    return 4096 + 2 * len(json.dumps(spec_list(specs), separators=(",", ":")))
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _spec_list_problem(params: Any, limit: int) -> str | None:
+    """What is malformed in a hello's parameter list (None when it is a list of [name, shape, dtype])."""
+    if not isinstance(params, list):
+        return f"params is {type(params).__name__}, not a list"
+    if len(params) > limit:
+        return f"{len(params)} parameters listed, more than this receiver could ever match"
+    seen = set()
+    for i, item in enumerate(params):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and isinstance(item[1], list)
+                and isinstance(item[2], str)
+                and all(type(d) is int and 0 <= d < 2**62 for d in item[1])):
+            return f"params[{i}] is {_short(item)}, not [name, [dims...], dtype]"
+        if item[0] in seen:
+            return f"parameter {_short(item[0])} is listed twice"
+        seen.add(item[0])
+    return None
+
+
 class WeightReceiver:
     """The inference process's end: receives updates into ``model``'s parameters (or a mapping of
     name -> tensor), all-or-nothing. Listens on ``host:port`` only (``port`` 0 picks a free one,
-    see :attr:`port`). ``timeout`` bounds each wait inside an update, in seconds.
+    see :attr:`port`). ``timeout`` bounds each wait inside an update, in seconds; a connection must
+    finish its handshake within ``handshake_timeout`` (default ``min(timeout, 10)``).
 
-    Refuses, with a clear error to both sides: another protocol, parameters that differ in names,
-    shapes or dtypes, an update older than the weights served (unless ``allow_rollback``), and a
-    delta against weights this receiver does not hold. Hold :attr:`lock` while reading the weights
-    to never see an update half applied.
+    ``secret``: the shared secret every sender must prove (default: ``FAIRCAST_DS_SYNC_SECRET``, or
+    the file ``FAIRCAST_DS_SYNC_SECRET_FILE`` names). Without one the receiver listens on loopback
+    addresses only (binding elsewhere is refused) and any local process can push weights.
+
+    Refuses, with a clear error to both sides: a sender that does not prove the secret, any frame
+    that breaks the protocol (magic, version, sequence, length, tag), another protocol, parameters
+    that differ in names, shapes or dtypes, an update older than the weights served (unless
+    ``allow_rollback``), a delta against weights this receiver does not hold, and any malformed
+    update. Every refusal raises :class:`WeightSyncError`, is logged, closes the session and leaves
+    the weights as they were; the next :meth:`accept` serves the next sender. No length field makes
+    it allocate more than the parameter the field is for. Hold :attr:`lock` while reading the
+    weights to never see an update half applied.
     """
 
     def __init__(self, model: torch.nn.Module | Mapping[str, torch.Tensor], host: str = DEFAULT_HOST, port: int = 0,
-                 *, timeout: float = 60.0, allow_rollback: bool = False) -> None:
+                 *, timeout: float = 60.0, allow_rollback: bool = False, secret: str | bytes | None = None,
+                 handshake_timeout: float | None = None) -> None:
         if isinstance(model, Mapping):
             self.targets = dict(model)
         else:
@@ -329,14 +389,26 @@ class WeightReceiver:
         self.names = list(self.targets)
         self.specs = [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in self.targets.items()]
         self.numel = sum(s.numel for s in self.specs)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.targets.values())  # the model's own size
         self.timeout = timeout
         self.allow_rollback = allow_rollback
-        self.listener = Listener(host, port, timeout)
+        key = resolve_secret(secret)
+        json_limit = _json_limit(self.specs)
+        largest = max([t.numel() * t.element_size() for t in self.targets.values()], default=0)
+        self.limits = Limits(max_json=json_limit, max_frame=max(largest, json_limit))
+        self.listener = Listener(host, port, timeout, secret=key, limits=self.limits,
+                                 handshake_timeout=handshake_timeout)
+        self.authenticated = key is not None
+        if key is None:
+            logger.warning("faircast-ds weight receiver %s:%d is not authenticated: any local process can push "
+                           "weights; set %s on both ends", self.host, self.port, SECRET_ENV)
         self.lock = threading.Lock()
         self.channel: Channel | None = None
         self.version: int | None = None  # of the weights now served, None before the first update
         self.updates = 0
+        self.refusals = 0  # sessions ended by a refusal or failure
         self.last_error: str | None = None
+        self.peak_staged_bytes = 0  # the most bytes one update held staged (bounded by the model's size)
         self._synced_in_session = False
 
     @property
@@ -351,38 +423,69 @@ class WeightReceiver:
     def connected(self) -> bool:
         return self.channel is not None and not self.channel.closed
 
+    @property
+    def largest_allocation(self) -> int:
+        """The largest buffer a frame made this receiver allocate so far, in bytes."""
+        return self.limits.largest
+
     def accept(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for a sender, then check its hello. Raises WeightSyncError
-        (the sender is told why) for a mismatched sender."""
+        """Wait up to ``timeout`` seconds for a sender, authenticate it, then check its hello. Raises
+        WeightSyncError (the sender is told why, where it can be) for a refused sender; the receiver
+        keeps its weights and the next call waits for the next sender."""
         if self.connected:
             raise WeightSyncError("a sender is already connected")
-        self.channel = self.listener.accept(timeout)
         self._synced_in_session = False
+        self.channel = None
+        try:
+            self.channel = self.listener.accept(timeout)
+        except AcceptTimeout:
+            raise  # nobody came: not a refusal
+        except ChannelError as exc:
+            raise self._fail(SyncAborted(f"the sender vanished during the handshake: {exc}")) from None
+        except WeightSyncError as exc:
+            raise self._fail(WeightSyncError(f"refused a sender: {exc}")) from None
+        except Exception as exc:  # noqa: BLE001 - whatever happens, the receiver stays up and keeps its weights
+            raise self._fail(WeightSyncError(f"refused a sender after an internal error: {type(exc).__name__}: "
+                                             f"{exc}")) from exc
         try:
             hello = self.channel.recv_json()
+            error = self._check_hello(hello)
         except ChannelError as exc:
-            raise self._fail(SyncAborted(f"the sender vanished during the handshake: {exc}"))
-        error = None
-        if hello.get("type") != "hello" or hello.get("protocol") != PROTOCOL:
-            error = (f"protocol mismatch: receiver speaks faircast-ds weight sync protocol {PROTOCOL}, the sender "
-                     f"sent {hello.get('type')!r} protocol {hello.get('protocol')!r}")
-        else:
-            problem = spec_mismatch(spec_list(self.specs), hello.get("params", []))
-            if problem is not None:
-                error = f"model mismatch: {problem}"
+            raise self._fail(SyncAborted(f"the sender vanished during the handshake: {exc}")) from None
+        except WeightSyncError as exc:
+            raise self._fail(WeightSyncError(f"refused a sender: {exc}")) from None
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail(WeightSyncError(f"refused a sender after an internal error: {type(exc).__name__}: "
+                                             f"{exc}")) from exc
         self._reply(error)
         if error is not None:
-            self.channel.close()
             raise self._fail(WeightSyncError(f"refused a sender: {error}"))
 
+    def _check_hello(self, hello: dict[str, Any]) -> str | None:
+        protocol = hello.get("protocol")
+        if hello.get("type") != "hello" or type(protocol) is not int or protocol != PROTOCOL:
+            return (f"protocol mismatch: receiver speaks faircast-ds weight sync protocol {PROTOCOL}, the sender "
+                    f"sent {_short(hello.get('type'))} protocol {_short(protocol)}")
+        params = hello.get("params")
+        problem = _spec_list_problem(params, 4 * len(self.specs) + 64)
+        if problem is not None:
+            return f"malformed hello: {problem}"
+        problem = spec_mismatch(spec_list(self.specs), params)
+        return None if problem is None else f"model mismatch: {problem}"
+
     def _reply(self, error: str | None, **extra: Any) -> None:
+        if not self.connected:
+            return
         try:
             self.channel.send_json({"ok": error is None, "error": error, "version": self.version, **extra})
         except ChannelError:
             pass  # the sender is gone; the next receive reports it
 
     def _fail(self, exc: WeightSyncError) -> WeightSyncError:
+        """Record and log a refusal or failure, close the session; the weights are untouched."""
         self.last_error = str(exc)
+        self.refusals += 1
+        logger.warning("faircast-ds weight receiver %s:%d: %s", self.host, self.port, exc)
         if self.channel is not None:
             self.channel.close()
         return exc
@@ -390,57 +493,84 @@ class WeightReceiver:
     def receive(self, timeout: float) -> SyncReport | None:
         """Wait up to ``timeout`` seconds for the next update and apply it whole. Returns its report,
         or None when the sender ended the session. Raises SyncAborted if the sender vanished or
-        stalled (weights unchanged), WeightSyncError if the update was refused or malformed."""
+        stalled, WeightSyncError if the update or any frame of it was refused or malformed; either way
+        the session is closed and the weights are those of the last complete update."""
         if not self.connected:
             raise WeightSyncError("no sender connected; call accept() first")
+        try:
+            return self._receive(timeout)
+        except WeightSyncError as exc:
+            raise self._fail(exc) from None
+        except Exception as exc:  # noqa: BLE001 - whatever happens, the receiver stays up and keeps its weights
+            raise self._fail(WeightSyncError(
+                f"update discarded after an internal error, still serving version {self.version}: "
+                f"{type(exc).__name__}: {exc}")) from exc
+
+    def _receive(self, timeout: float) -> SyncReport | None:
         began = time.perf_counter()
         received_before = self.channel.received_bytes
         try:
             header = self.channel.recv_json(timeout)
         except ChannelError as exc:
-            raise self._fail(SyncAborted(f"the sender disconnected or went silent between updates ({exc}); "
-                                         f"still serving version {self.version}"))
-        if header.get("type") == "bye":
+            raise SyncAborted(f"the sender disconnected or went silent between updates ({exc}); "
+                              f"still serving version {self.version}") from None
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"refused the sender's message, session closed, still serving version "
+                                  f"{self.version}: {exc}") from None
+        if header.get("type") == "bye" and len(header) == 1:
             self.channel.close()
             return None
         error = self._check_header(header)
         self._reply(error)
         if error is not None:
-            raise self._fail(WeightSyncError(f"refused update: {error}"))
-        is_delta = header["kind"] == "delta"
-        staged: dict[int, Any] = {}
-        changed = 0
+            raise WeightSyncError(f"refused update: {error}")
+        version, is_delta = header["version"], header["kind"] == "delta"
+        staged: dict[int, tuple[int, torch.Tensor | None, torch.Tensor]] = {}
+        changed, staged_bytes, last = 0, 0, -1
         try:
             while True:
                 index, encoding, count = (int(v) for v in self.channel.recv_tensor(3, torch.int64))
                 if index == _END:
-                    if count != len(staged):
-                        raise ValueError(f"end marker says {count} parameters, {len(staged)} received")
+                    if encoding != 0 or count != len(staged):
+                        raise ValueError(f"end marker [{index}, {encoding}, {count}] after {len(staged)} parameters")
                     break
-                staged[index] = self._receive_param(index, encoding, count, is_delta, staged)
+                if not 0 <= index < len(self.specs):
+                    raise ValueError(f"parameter index {index} out of range [0, {len(self.specs)})")
+                if index <= last:
+                    raise ValueError(f"parameter index {index} after {last}: repeated or out of order")
+                last = index
+                item = self._receive_param(index, encoding, count, is_delta)
+                staged[index] = item
+                staged_bytes += sum(t.numel() * t.element_size() for t in item[1:] if t is not None)
+                self.peak_staged_bytes = max(self.peak_staged_bytes, staged_bytes)
                 changed += count
         except ChannelError as exc:
-            raise self._fail(SyncAborted(
-                f"the sender vanished mid-update (version {header['version']}, {len(staged)} of "
+            raise SyncAborted(
+                f"the sender vanished mid-update (version {version}, {len(staged)} of "
                 f"{'?' if is_delta else len(self.specs)} parameters received): the update was discarded, still "
-                f"serving version {self.version} ({exc})"))
+                f"serving version {self.version} ({exc})") from None
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"malformed update {version} discarded, session closed, still serving version "
+                                  f"{self.version}: {exc}") from None
         except ValueError as exc:
             self._reply(f"malformed update: {exc}")
-            raise self._fail(WeightSyncError(f"malformed update {header['version']} discarded, still serving "
-                                             f"version {self.version}: {exc}"))
+            raise WeightSyncError(f"malformed update {version} discarded, still serving "
+                                  f"version {self.version}: {exc}") from None
         if not is_delta and len(staged) != len(self.specs):
             missing = [self.names[i] for i in range(len(self.specs)) if i not in staged]
             self._reply(f"dense update without {missing[:5]}")
-            raise self._fail(WeightSyncError(f"dense update {header['version']} is missing {len(missing)} "
-                                             f"parameter(s), e.g. {missing[:5]}; discarded"))
+            raise WeightSyncError(f"dense update {version} is missing {len(missing)} "
+                                  f"parameter(s), e.g. {missing[:5]}; discarded")
         with self.lock:  # validated in full: nothing below can fail halfway
-            for index, data in staged.items():
+            for index, (encoding, first, values) in staged.items():
                 target = self.targets[self.names[index]]
-                if is_delta and data[0] is not None:
-                    delta.apply(target, data[0], data[1])
+                if encoding == delta_encoding.COO:
+                    delta_encoding.apply(target, first, values)
+                elif encoding == delta_encoding.BITMAP:
+                    delta_encoding.apply_bitmap(target, first, values)
                 else:
-                    delta.bits_view(target).copy_(data[1])
-            self.version = int(header["version"])
+                    delta_encoding.bits_view(target).copy_(values)
+            self.version = int(version)
             self.updates += 1
             self._synced_in_session = True
         self._reply(None)
@@ -450,41 +580,51 @@ class WeightReceiver:
 
     def _check_header(self, header: dict[str, Any]) -> str | None:
         if header.get("type") != "update" or header.get("kind") not in ("dense", "delta"):
-            return f"unexpected message {header!r}"
+            return f"unexpected message {_short(header)}"
         version = header.get("version")
-        if not isinstance(version, int):
-            return f"update without an integer version: {version!r}"
+        if type(version) is not int or not 0 <= version < 2**63:
+            return f"update without an integer version in [0, 2^63): {_short(version)}"
         if self.version is not None and version < self.version:
             first = not self._synced_in_session
             if not (first and self.allow_rollback):
                 return (f"update version {version} is older than the weights served (version {self.version}); "
                         + ("a stale sender? start the receiver with allow_rollback=True to accept a trainer resumed "
                            "from an earlier checkpoint" if first else "versions must not decrease within a session"))
-        if header["kind"] == "delta" and (not self._synced_in_session or header.get("base") != self.version):
-            return (f"delta against version {header.get('base')} but this receiver serves version {self.version}"
+        base = header.get("base")
+        if header["kind"] == "delta" and (not self._synced_in_session or type(base) is not int
+                                          or base != self.version):
+            return (f"delta against version {_short(base)} but this receiver serves version {self.version}"
                     + ("" if self._synced_in_session else " from another session") + "; send a dense update")
         return None
 
-    def _receive_param(self, index: int, encoding: int, count: int, is_delta: bool,
-                       staged: dict[int, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        if not 0 <= index < len(self.specs) or index in staged:
-            raise ValueError(f"parameter index {index} out of range or repeated")
+    def _receive_param(self, index: int, encoding: int, count: int,
+                       is_delta: bool) -> tuple[int, torch.Tensor | None, torch.Tensor]:
+        """One parameter's payload, validated against this receiver's own spec before anything is
+        allocated: (encoding, indices or bitmap or None, values)."""
         spec = self.specs[index]
-        vdtype = delta.bits_dtype(spec.dtype)
-        if encoding == delta.DENSE:
+        vdtype = delta_encoding.bits_dtype(spec.dtype)
+        if encoding == delta_encoding.DENSE:
             if count != spec.numel:
                 raise ValueError(f"{spec.name}: dense payload of {count} elements, expected {spec.numel}")
-            return None, self.channel.recv_tensor(count, vdtype)
-        if not is_delta or encoding not in (delta.COO, delta.BITMAP) or not 0 < count <= spec.numel:
+            return encoding, None, self.channel.recv_tensor(count, vdtype)
+        if not is_delta or encoding not in (delta_encoding.COO, delta_encoding.BITMAP) or not 0 < count <= spec.numel:
             raise ValueError(f"{spec.name}: encoding {encoding} with {count} elements is not valid here")
-        if encoding == delta.COO:
-            indices = self.channel.recv_tensor(count, delta.index_dtype(spec.numel)).to(torch.int64)
-            delta.check_indices(indices, spec.numel)
-        else:
-            indices = delta.unpack_bits(self.channel.recv_tensor((spec.numel + 7) // 8, torch.uint8), spec.numel)
-            if indices.numel() != count:
-                raise ValueError(f"{spec.name}: bitmap has {indices.numel()} bits set, header says {count}")
-        return indices, self.channel.recv_tensor(count, vdtype)
+        element_size = torch.empty((), dtype=vdtype).element_size()
+        if encoding != delta_encoding.choose(spec.numel, count, element_size):
+            raise ValueError(f"{spec.name}: {delta_encoding.ENCODINGS[encoding]} for {count} of {spec.numel} "
+                             "elements, where the other encoding is smaller")
+        try:
+            if encoding == delta_encoding.COO:
+                first = self.channel.recv_tensor(count, delta_encoding.index_dtype(spec.numel))
+                delta_encoding.check_indices(first, spec.numel)
+            else:
+                first = self.channel.recv_tensor((spec.numel + 7) // 8, torch.uint8)
+                found = delta_encoding.count_bits(first, spec.numel)
+                if found != count:
+                    raise ValueError(f"bitmap has {found} bits set, header says {count}")
+        except ValueError as exc:
+            raise ValueError(f"{spec.name}: {exc}") from None
+        return encoding, first, self.channel.recv_tensor(count, vdtype)
 
     def close(self) -> None:
         if self.channel is not None:
