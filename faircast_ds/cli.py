@@ -8,12 +8,10 @@ import subprocess
 import sys
 
 
-def _check() -> int:
-    from faircast_ds.deepspeed import autoload as _autoload
+def _check(args: argparse.Namespace) -> int:
+    from faircast_ds.deepspeed import preflight
 
-    active = any(isinstance(f, _autoload._EngineWatcher) for f in sys.meta_path)
-    print(f"faircast-ds autoload hook: {'active' if active else 'NOT active'}")
-    return 0 if active else 1
+    return preflight.run(args.config)
 
 
 def _to_universal(args: argparse.Namespace) -> int:
@@ -26,7 +24,10 @@ def _to_universal(args: argparse.Namespace) -> int:
         print(f"error: {source} does not exist: {args.input_folder} has no Fair Cast state", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", args.input_folder,
-           "--output_folder", args.output_folder, "--num_extract_workers", "1", "--num_merge_workers", "1"]
+           "--output_folder", args.output_folder, "--num_extract_workers", "1", "--num_merge_workers", "1",
+           # ZeRO-1/2 checkpoints of plain data parallelism carry no universal_checkpoint_info (Megatron-DeepSpeed
+           # writes it); without it ds_to_universal stops, with the default one (no TP patterns) it converts
+           "--inject_missing_state"]
     proc = subprocess.run(cmd)
     if proc.returncode != 0:
         return proc.returncode
@@ -46,7 +47,10 @@ def _inspect(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="faircast-ds", description="Fair Cast for DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="show whether the interpreter-start hook is active")
+    chk = sub.add_parser("check", help="pre-flight before a long job: the interpreter-start hook, the DeepSpeed release, "
+                                       "the fused kernel, where the fair_cast section comes from, and every error "
+                                       "initialize would raise about it; exit status 0 when nothing would stop it")
+    chk.add_argument("config", nargs="?", help="the DeepSpeed JSON config the job will use (optional)")
     uni = sub.add_parser("to-universal", help="convert a checkpoint tag folder to DeepSpeed's universal format, "
                                               "Fair Cast state included (to resume at another world size)")
     uni.add_argument("input_folder", help="a checkpoint tag folder, e.g. ckpt/global_step100")
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      "tensor, eager and fused paths side by side (one table)"))
     args = parser.parse_args(argv)
     if args.command == "check":
-        return _check()
+        return _check(args)
     if args.command == "to-universal":
         return _to_universal(args)
     if args.command == "inspect":

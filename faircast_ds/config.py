@@ -50,7 +50,7 @@ class FairCastConfig(BaseModel):
 
     enabled: bool = Field(default=True, description=(
         "Turn the cast on; `false` keeps DeepSpeed's round-to-nearest, and rank 0 says so."))
-    mode: Mode = Field(default="stochastic", description=(
+    mode: Mode = Field(default="dither", description=(
         "The cast rule: `nearest` (round-to-nearest, DeepSpeed today, the control), `stochastic` "
         "(fresh noise every step), `dither` (a fixed per-element threshold), `error_feedback` "
         "(a carried fp32 residual); see docs/modes.md."))

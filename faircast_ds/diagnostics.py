@@ -8,6 +8,14 @@
   (parameter, index) falls below ``sample / model elements``, so the sample is the same for any
   sharding; memory is ``sample x horizon x 4`` bytes in all, split across ranks. A lag of
   ``horizon - 1`` means "at least that".
+- ``lag_drift_steps``: the lag along the master's recent drift, for regimes where per-step noise makes
+  the L2 search read 0. On the same sample, ``D`` = master now - master ``K`` steps ago (``K`` = the
+  recorded history, up to ``horizon - 1``) is the drift; the served copy sits ``<master - served, D> /
+  |D|^2 x K`` steps of that drift behind the master. Unbiased casts read about 0 (their error is
+  uncorrelated with the drift); a copy stuck at an old master reads its age.
+- ``bias_spacings``: the signed error of the served copy along the drift, in spacings: the
+  ``|D|``-weighted mean over the sample of ``sign(D) x (served - master) / spacing``. Negative: the
+  served copy trails the master; 0 for an unbiased cast.
 
 The observer sees every cast (``on_cast``); ``compute`` is a collective, run every ``every`` steps.
 """
@@ -78,26 +86,39 @@ class Diagnostics:
         gap_sum = torch.zeros((), dtype=torch.float64)
         count = 0
         distances = torch.zeros(horizon, dtype=torch.float64)  # by lag k
+        # along the drift: <master - served, D>, |D|^2, sum of sign(D) (served - master) / spacing x |D|, sum |D|
+        drift = torch.zeros(4, dtype=torch.float64)
+        window = depth - 1  # D spans the whole recorded history
         rows = torch.tensor([(step - k) % horizon for k in range(depth)], dtype=torch.int64)
         for key, master, served, slices in flat_groups:
             m = master.detach().view(-1)
             s = served.detach().view(-1).to(m.device)  # fp32 master offloaded: compare on its device
             mask = self._parameter_mask(key, slices, m.numel()).to(m.device)
             gap = (m - s.float()).abs() / bf16_spacing(s)
-            gap_sum += gap[mask].double().sum().cpu()
+            gap_sum += gap[mask].sum(dtype=torch.float64).cpu()
             count += int(mask.sum())
             if key in self._positions and self._positions[key].numel():
                 current = s[self._positions[key]].float()
                 history = self._history[key].index_select(0, rows.to(m.device))  # (depth, sample), row k = lag k
-                distances[:depth] += ((history - current).double() ** 2).sum(dim=1).cpu()
+                diff = history - current  # squares in fp32, summed in fp64: ample for an argmin, 3x cheaper
+                distances[:depth] += (diff * diff).sum(dim=1, dtype=torch.float64).cpu()
+                if window > 0:
+                    now, old = history[0].double(), history[window].double()
+                    d = now - old
+                    error = now - current.double()  # master - served, at the sampled elements
+                    spacing = bf16_spacing(s[self._positions[key]]).double()
+                    drift += torch.stack([(error * d).sum(), (d * d).sum(), (-error / spacing * d).sum(),
+                                          d.abs().sum()]).cpu()
         totals = torch.cat([torch.tensor([stats.changed, stats.numel, float(gap_sum), count], dtype=torch.float64),
-                            distances])
+                            drift, distances])
         if dist.initialized():
             torch.distributed.all_reduce(totals)
-        changed, numel, gap_total, n = totals[:4].tolist()
-        lag = int(torch.argmin(totals[4:4 + depth]).item()) if depth else 0
+        changed, numel, gap_total, n, along, d2, bias_sum, d1 = totals[:8].tolist()
+        lag = int(torch.argmin(totals[8:8 + depth]).item()) if depth else 0
         self.last = {"step": float(step), "changed_fraction": changed / numel if numel else 0.0,
-                     "gap_spacings": gap_total / n if n else 0.0, "lag_steps": float(lag)}
+                     "gap_spacings": gap_total / n if n else 0.0, "lag_steps": float(lag),
+                     "lag_drift_steps": window * along / d2 if d2 > 0 else float("nan"),
+                     "bias_spacings": bias_sum / d1 if d1 > 0 else float("nan")}
         return self.last
 
     def sample_size(self) -> int:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The main job: GRPO on a tiny Qwen3, ZeRO-3 on 2 CPU ranks under the `deepspeed` runner, one engine per
 # cast mode (fp32 reference, nearest, stochastic, dither, error_feedback) and seed. Options go to the job:
-#   bash launch/main.sh                 # default: 1 seed x 300 steps (3.5 min measured on 2 shared cores)
-#   bash launch/main.sh --full          # 5 seeds (14 min)
+#   bash launch/main.sh                       # the paper regime (default), 1 seed x 500 steps
+#   bash launch/main.sh --full                # the paper regime's committed run: 8 seeds (docs/grpo/paper/)
+#   bash launch/main.sh --regime large-step   # the earlier lr-1e-4 job (--full: its 5 seeds)
 #   bash launch/main.sh --seeds 3 --steps 200 --name mine
+#   bash launch/main.sh --engine vllm   # rollouts from a real vLLM engine fed the served weights (docs/vllm.md)
+# Wall times are in docs/grpo.md.
 # JOB=staleness runs the older served-weights-changed-per-step job instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."

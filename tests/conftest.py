@@ -6,9 +6,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
 
 ROOT = Path(__file__).resolve().parent.parent
 DIST = ROOT / "tests" / "dist"
@@ -66,7 +68,32 @@ def deepspeed_launch(script: Path, ranks: int, out_dir: Path, *, args: list[str]
                      check: bool = True, **env: str) -> subprocess.CompletedProcess:
     """``deepspeed --num_gpus N script`` on CPU ranks; the job's output goes to out_dir/launch.log."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
     cmd = [deepspeed_runner(), "--num_gpus", str(ranks),
-           "--master_port", str(free_port()), str(script), *args]
-    return run_logged(cmd, out_dir / "launch.log", env=cpu_env(OUT_DIR=str(out_dir), **env), timeout=timeout,
-                      check=check)
+           "--master_port", str(port), str(script), *args]
+    try:
+        return run_logged(cmd, out_dir / "launch.log", env=cpu_env(OUT_DIR=str(out_dir), **env), timeout=timeout,
+                          check=check)
+    finally:
+        # DeepSpeed's CPU shared-memory all-reduce (ops/csrc/cpu/comm/shm.cpp) never unlinks its per-rank
+        # /dev/shm buffer (66 MiB each, named after the launch's port): every launch leaked them into RAM
+        for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            leftover.unlink(missing_ok=True)
+
+
+_SESSION_START = time.time()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_deepspeed_shm_buffers():
+    """After each test module: remove the per-rank /dev/shm all-reduce buffers DeepSpeed's CPU backend
+    leaves behind (66 MiB each, never unlinked) by launches that did not go through deepspeed_launch
+    (the job, vLLM, Accelerate and soak launches; a SIGKILLed rank never cleans up either), so that a
+    long suite does not fill the machine's memory with them. Only buffers created during this session."""
+    yield
+    for leftover in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+        try:
+            if leftover.stat().st_mtime >= _SESSION_START:
+                leftover.unlink()
+        except FileNotFoundError:
+            pass

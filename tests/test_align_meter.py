@@ -79,7 +79,7 @@ def test_unaligned_gap_and_region_attribution(model, engine):
 
 def test_vllm_cuda_gap_is_all_rope(model):
     report = measure_mismatch(model, IDS, "vllm-cuda")
-    assert report.region_share == {"rope": 1.0, "swiglu": 0.0, "rmsnorm": 0.0}
+    assert report.region_share == {"rope": 1.0, "swiglu": 0.0, "rmsnorm": 0.0, "attention": 0.0}
     assert report.region_rms["rope"] == pytest.approx(report.rms)
 
 

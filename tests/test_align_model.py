@@ -201,8 +201,8 @@ def test_unknown_engine_or_region_is_a_clear_error():
     model = alignment_lm("qwen3")
     with pytest.raises(ValueError, match="unknown engine 'tensorrt'"):
         align_model(model, "tensorrt")
-    with pytest.raises(ValueError, match=r"unknown region\(s\) \['attention'\]"):
-        align_model(model, "sglang", ["rope", "attention"])
+    with pytest.raises(ValueError, match=r"unknown region\(s\) \['softmax'\]"):
+        align_model(model, "sglang", ["rope", "softmax"])
     assert instance_forwards(model) == []
 
 

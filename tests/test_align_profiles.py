@@ -13,7 +13,8 @@ from faircast_ds.align.profiles import ENGINES, HF, PROFILES, REGIONS, EngineNam
 
 
 def test_every_engine_name_has_a_profile():
-    assert set(get_args(EngineName)) == set(PROFILES) == {"hf", "vllm-cuda", "vllm-inductor", "sglang"}
+    assert set(get_args(EngineName)) == set(PROFILES) == {"hf", "vllm-cuda", "vllm-inductor", "sglang",
+                                                                 "vllm-cpu"}
 
 
 @pytest.mark.parametrize(
@@ -23,6 +24,7 @@ def test_every_engine_name_has_a_profile():
         ("vllm-cuda", {"rope"}),  # its CUDA activation and norm kernels round where HF does
         ("vllm-inductor", {"rope", "swiglu", "rmsnorm"}),
         ("sglang", {"rope", "swiglu", "rmsnorm"}),
+        ("vllm-cpu", {"rope", "rmsnorm", "attention"}),  # fp32 sum into an HF-rounding norm; fp32 attention
     ],
 )
 def test_regions_that_differ_from_hf(engine, differs):
@@ -49,7 +51,8 @@ def test_rounding_table_names_every_region_and_a_source(engine):
     table = get_profile(engine).rounding_table()
     lines = table.splitlines()
     assert len(lines) == 2 + len(REGIONS)
-    for line, title in zip(lines[2:], ("RoPE", "SwiGLU", "residual add + RMSNorm"), strict=True):
+    for line, title in zip(lines[2:], ("RoPE", "SwiGLU", "residual add + RMSNorm", "attention"),
+                           strict=True):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[0] == title and cells[1] and cells[2]
 
@@ -68,7 +71,7 @@ def test_unknown_engine_and_region_errors_list_the_valid_names():
 
 def test_config_defaults_to_all_regions_and_forbids_extra_keys():
     cfg = AlignRoundingConfig.model_validate({"engine": "sglang"})
-    assert cfg.regions == ["rope", "swiglu", "rmsnorm"]
+    assert cfg.regions == ["rope", "swiglu", "rmsnorm", "attention"]
     with pytest.raises(ValidationError, match="extra"):
         AlignRoundingConfig.model_validate({"engine": "sglang", "region": ["rope"]})
     with pytest.raises(ValidationError, match="engine"):

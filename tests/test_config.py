@@ -10,7 +10,7 @@ def test_defaults_and_a_full_section():
     assert find_section({"train_batch_size": 8}) is None
     cfg = find_section({"fair_cast": {"enabled": True, "mode": "error_feedback", "seed": 1234}})
     assert (cfg.enabled, cfg.mode, cfg.seed, cfg.on_nonfinite) == (True, "error_feedback", 1234, "error")
-    assert FairCastConfig.from_section({}) == FairCastConfig(mode="stochastic", seed=0)
+    assert FairCastConfig.from_section({}) == FairCastConfig(mode="dither", seed=0)  # the default (docs/modes.md)
 
 
 @pytest.mark.parametrize("section, words", [

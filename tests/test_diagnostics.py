@@ -1,7 +1,9 @@
-"""Diagnostics: S1, the master-served gap and the lag, checked against the full recorded trajectory."""
+"""Diagnostics: S1, the master-served gap, the lag and the lag along the drift, checked against the full
+recorded trajectory; the lag along the drift also in a noisy regime (lr 1e-4) where the L2 lag reads 0."""
 from __future__ import annotations
 
 import csv
+import re
 
 import pytest
 import torch
@@ -50,6 +52,51 @@ def test_lag_estimate_is_near_zero_for_unbiased_modes(run):
         assert lags[-1] <= 3, (mode, lags)
 
 
+def drift_lag_over_every_element(masters: torch.Tensor, served: torch.Tensor, i: int) -> float:
+    """K <master - served, D> / |D|^2 with D = master now - master K steps ago, over every element."""
+    k = min(i, HORIZON - 1)
+    d = (masters[i] - masters[i - k]).double()
+    error = masters[i].double() - as_float(served[i]).double()
+    return float(k * (error @ d) / (d @ d))
+
+
+def test_drift_lag_matches_brute_force_for_round_to_nearest(run):
+    d = run[1]["nearest"]
+    masters, served = torch.stack(d["masters"]), torch.stack(d["served"])
+    for step, report in d["reports"].items():
+        truth = brute_force_lag(masters, served, step - 1)
+        assert abs(report["lag_drift_steps"] - truth) <= 0.3 * truth + 1, (step, report["lag_drift_steps"], truth)
+        # the sampled estimate is the same formula over every element, up to sampling
+        full = drift_lag_over_every_element(masters, served, step - 1)
+        assert report["lag_drift_steps"] == pytest.approx(full, rel=0.15, abs=1.0), (step, full)
+    biases = [r["bias_spacings"] for r in d["reports"].values()]
+    assert all(b < -0.03 for b in biases), biases  # served behind the master along the drift
+
+
+def test_drift_lag_and_bias_are_near_zero_for_unbiased_modes(run):
+    results = run[1]
+    rn = results["nearest"]["reports"].values()
+    rn_lag = sum(r["lag_drift_steps"] for r in rn) / len(rn)
+    rn_bias = sum(r["bias_spacings"] for r in rn) / len(rn)
+    for mode in ("stochastic", "dither", "error_feedback"):
+        reports = results[mode]["reports"].values()
+        lag = sum(r["lag_drift_steps"] for r in reports) / len(reports)
+        bias = sum(r["bias_spacings"] for r in reports) / len(reports)
+        assert abs(lag) <= 0.15 * rn_lag, (mode, lag, rn_lag)
+        assert abs(bias) <= 0.2 * abs(rn_bias), (mode, bias, rn_bias)
+
+
+def test_drift_lag_sees_round_to_nearest_where_the_l2_lag_reads_zero(run):
+    noisy = run[1]["noisy"]
+    reports = {mode: list(v["reports"].values()) for mode, v in noisy.items()}
+    assert [r["lag_steps"] for r in reports["nearest"][-4:]] == [0, 0, 0, 0]  # the L2 search is blind here
+    mean = {mode: sum(r["lag_drift_steps"] for r in rs) / len(rs) for mode, rs in reports.items()}
+    assert mean["nearest"] > 0.2, mean
+    for mode in ("stochastic", "dither", "error_feedback"):
+        assert mean["nearest"] - mean[mode] >= 0.2, mean
+        assert abs(mean[mode]) < 0.5, mean
+
+
 @pytest.mark.parametrize("mode", ("nearest", "stochastic"))
 def test_changed_fraction_and_gap_are_exact(run, mode):
     d = run[1][mode]
@@ -76,7 +123,7 @@ def test_metrics_reach_deepspeed_monitor_and_the_log(run):
     assert [int(r[0]) for r in rows[1:]] == [5, 10, 15, 20, 25, 30, 35, 40]
     reports = run[1]["nearest"]["reports"]  # the worker writes the csv monitor for nearest only
     assert sorted(reports) == [5, 10, 15, 20, 25, 30, 35, 40]
-    for name in ("changed_fraction", "gap_spacings"):
+    for name in ("changed_fraction", "gap_spacings", "lag_drift_steps", "bias_spacings"):
         path = out / "csv" / "fc" / f"fair_cast_{name}.csv"
         assert path.is_file(), f"DeepSpeed's csv monitor got no {name}"
         rows = list(csv.reader(open(path)))
@@ -85,3 +132,4 @@ def test_metrics_reach_deepspeed_monitor_and_the_log(run):
         assert [(int(r[0]), float(r[1])) for r in rows[1:]] == [(step, reports[step][name]) for step in sorted(reports)]
     log = (out / "launch.log").read_text()
     assert "[fair_cast] step 40: served changed" in log and "lag 39 steps" in log
+    assert re.search(r"step 40: .*lag along drift 3\d\.\d steps \| bias -0\.0\d\d spacings", log)

@@ -19,7 +19,6 @@ The timing of the same paths is in benchmarks/gpu_check.py and benchmarks/megatr
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

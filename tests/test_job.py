@@ -1,7 +1,9 @@
-"""The GRPO job end to end under the `deepspeed` runner: 2 CPU ranks, every mode, a few steps."""
+"""The GRPO job end to end under the `deepspeed` runner: 2 CPU ranks, every mode, a few steps of the
+paper regime (the default), a smaller model."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 
@@ -9,8 +11,10 @@ import pytest
 
 from conftest import ROOT, cpu_env, deepspeed_runner, free_port, run_logged
 
+pytestmark = pytest.mark.slow
 MODES = ("fp32", "nearest", "stochastic", "dither", "error_feedback")
-STEPS = 3
+STEPS = 4
+EVAL_EVERY = 2
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +22,16 @@ def job_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo")
     cmd = [deepspeed_runner(), "--num_gpus", "2", "--master_port", str(free_port()),
            "--module", "faircast_ds.jobs.grpo", "--steps", str(STEPS), "--seeds", "1", "--hidden", "64",
-           "--rollouts", "16", "--horizon", "8", "--out", str(out), "--name", "t"]
+           "--rollouts", "32", "--horizon", "8", "--eval-every", str(EVAL_EVERY), "--out", str(out), "--name", "t"]
     run_logged(cmd, out / "launch.log", env=cpu_env(), timeout=300, cwd=ROOT)
     return out / "t", (out / "launch.log").read_text()
+
+
+def first_table(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
 
 
 def test_outputs_exist_and_are_well_formed(job_run):
@@ -28,7 +39,7 @@ def test_outputs_exist_and_are_well_formed(job_run):
     png = (run_dir / "reward.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     table = (run_dir / "results.md").read_text()
-    lines = [line for line in table.splitlines() if line.startswith("|")]
+    lines = first_table(table)
     assert len(lines) == 2 + len(MODES)
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert [line.split("|")[1].strip() for line in lines[2:]] == list(MODES)
@@ -84,12 +95,60 @@ def test_steps_csv(job_run):
             assert 2 * int(r["changed"]) <= int(r["sync_bytes"]) <= 6 * int(r["changed"])
 
 
+def test_paper_regime_settings_and_new_columns(job_run):
+    run_dir, _ = job_run
+    config = json.loads((run_dir / "run.json").read_text())["config"]
+    assert config["regime"] == "paper" and config["lr"] == 1.5e-6 and config["prompt_vocab"] == 1
+    with open(run_dir / "steps.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    by_mode = {m: [r for r in rows if r["mode"] == m] for m in MODES}
+    # the regime's point: round-to-nearest changes at most 1% of served weights per step
+    assert all(float(r["changed_fraction"]) <= 0.01 for r in by_mode["nearest"])
+    for mode, mine in by_mode.items():
+        evaluated = [int(r["step"]) for r in mine if not math.isnan(float(r["master_eval"]))]
+        assert evaluated == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)), mode
+        for r in mine:
+            assert float(r["kl_step"]) >= 0 and math.isfinite(float(r["kl_step"]))
+            if int(r["step"]) in evaluated:
+                assert 0 <= float(r["master_eval"]) <= 1 and 0 <= float(r["served_eval"]) <= 1
+            assert all(float(r[k]) >= 0 for k in ("fwd_bwd_ms", "opt_ms", "extra_ms"))
+    # fp32 serves its master: the two policies are one
+    assert all(r["master_eval"] == r["served_eval"] for r in by_mode["fp32"])
+    # the lag along the drift needs two recorded steps; RN's served copy is still the initial one
+    # (its lag grows with the step), the unbiased casts' errors are not aligned with the drift
+    for mode in MODES[1:]:
+        assert math.isnan(float(by_mode[mode][0]["lag_drift_steps"]))
+        assert all(math.isfinite(float(r["lag_drift_steps"])) for r in by_mode[mode][1:])
+    rn_lag = float(by_mode["nearest"][-1]["lag_drift_steps"])
+    assert rn_lag >= STEPS / 2
+    assert float(by_mode["nearest"][-1]["bias_spacings"]) < 0
+    for mode in ("stochastic", "dither"):
+        assert abs(float(by_mode[mode][-1]["lag_drift_steps"])) < rn_lag / 2, mode
+    # the first table states the paired statistics against RN and fp32; the second, consistency and KL
+    table = (run_dir / "results.md").read_text()
+    assert "− RN: mean [95% CI], W/T/L, signs, sign p" in table and "master − served reward" in table
+
+
+def test_regime_presets_parse():
+    from faircast_ds.jobs.grpo import FULL_SEEDS, JobConfig, REGIMES, parse
+
+    cfg = parse(["--name", "x"])
+    assert cfg.regime == "paper" and cfg == JobConfig(name="x")
+    big = parse(["--regime", "large-step", "--steps", "7", "--name", "x"])
+    assert (big.lr, big.hidden, big.prompt_vocab, big.steps) == (1e-4, 256, 0, 7)  # flags override the regime
+    assert parse(["--full", "--name", "x"]).seeds == FULL_SEEDS["paper"] >= 8
+    assert set(REGIMES) == set(FULL_SEEDS)
+    with pytest.raises(SystemExit):
+        parse(["--regime", "bogus"])
+
+
 def test_changed_fractions_follow_the_modes(job_run):
     run_dir, _ = job_run
     with open(run_dir / "steps.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     mean = {m: sum(float(r["changed_fraction"]) for r in rows if r["mode"] == m) / STEPS for m in MODES}
-    assert mean["fp32"] > 0.9  # an fp32 update moves nearly every element
+    # an fp32 update moves every element with a gradient (embedding rows of tokens never seen get none)
+    assert mean["fp32"] > 0.8
     # fresh noise every step flips far more served weights than round-to-nearest
     assert mean["stochastic"] > 1.5 * mean["nearest"]
     assert mean["error_feedback"] > mean["nearest"]

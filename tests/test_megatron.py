@@ -278,3 +278,22 @@ def test_megatron_routes_agree_and_nearest_is_megatrons_own_copy(megatron_runs):
     losses = {route: {m: c["losses"] for m, c in _reports(megatron_runs, route)[0]["cases"].items()}
               for route in ("runtime", "hook")}
     assert losses["runtime"] == losses["hook"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stochastic", "error_feedback"])
+def test_megatron_checkpoint_resumes_bitwise(megatron_runs, mode):
+    """Fair Cast's entry in Megatron-Core's dist_checkpointing (faircast_ds.megatron.checkpoint): fresh objects
+    loading the step-3 checkpoint serve the saved bits and take steps 4-6 exactly as the run that never
+    stopped (served copy, main params, residual, on both ranks); without the entry error_feedback is refused
+    and stochastic recovers from (mode, seed, step); with the residual back at zero the run diverges."""
+    for rank in (0, 1):
+        case = json.loads((megatron_runs["runtime"] / f"checkpoint_rank{rank}.json").read_text())[mode]
+        assert case["restored_equal_saved"], (rank, case)
+        assert case["continued_equal"] == [True, True, True], (rank, case)
+        if mode == "error_feedback":
+            assert case["residual_nonzero"] > 500, case  # the comparison covers a real residual
+            assert not case["without_entry"]["ok"] and "on_missing_state" in case["without_entry"]["message"]
+            assert not case["zero_residual_continued_equal"], "a zero residual must show: the test would not see a loss"
+        else:
+            assert case["without_entry"] == {"ok": True, "continued_equal": True}, case

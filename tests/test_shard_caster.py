@@ -167,33 +167,49 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.as_subclass(torch.Tensor)
 
 
+def fused_only(monkeypatch):
+    """Fail if a cast falls back to the eager torch path (the staged route must use the fused kernel), and
+    record every ``cast_into`` the caster makes: (output tensor, name)."""
+    from faircast_ds import casts, kernels
+
+    if kernels.backend_for(torch.device("cpu")) != "cpp":
+        pytest.skip("the fused CPU kernel cannot be built here")
+    monkeypatch.setattr(casts, "cast", lambda *a, **k: pytest.fail("eager path taken"))
+    calls = []
+    real = shard_caster.cast_into
+
+    def recording(out, x, *a, **k):
+        calls.append((out, k["name"]))
+        return real(out, x, *a, **k)
+
+    monkeypatch.setattr(shard_caster, "cast_into", recording)
+    return calls
+
+
+def reference_run(mode, master, old, slices, use_previous):
+    """Two steps on one device (the direct fused path): served, previous, per-step counts, the caster."""
+    same = caster(mode)
+    served, prev = old.clone(), old.clone()
+    got = []
+    for step in (1, 2):
+        same.begin_step()
+        same.cast_flat("g", master + step * 1e-3, served, slices, previous=prev if use_previous else None)
+        got.append(counts(same.last))
+    return served, prev, got, same
+
+
 @pytest.mark.parametrize("use_previous", (False, True))
 @pytest.mark.parametrize("mode", MODES)
 def test_cross_device_path_gives_the_same_bits_counts_and_residual(monkeypatch, mode, use_previous):
-    """fp32 master on one device, bf16 served on another (e.g. the master offloaded to the CPU)."""
+    """fp32 master on one device, bf16 served on another (e.g. the master offloaded to the CPU): the fused
+    kernel casts on the master's device into a staging buffer there, then one copy goes to the served
+    device; never the eager path, never a cast into the other device's tensor."""
     slices = with_padding(PARAMS, TOTAL)
     master = values(TOTAL, 4)
     old = values(TOTAL, 5).to(torch.bfloat16)
-    same, other = caster(mode), caster(mode)
-    # the reference: both on one device (the fused cast_into path)
-    served_same, prev_same = old.clone(), old.clone()
-    same_counts = []
-    for step in (1, 2):
-        same.begin_step()
-        same.cast_flat("g", master + step * 1e-3, served_same, slices, previous=prev_same if use_previous else None)
-        same_counts.append(counts(same.last))
-    # the cross-device branch: the in-place cast must not be used, ``cast`` must, once per parameter slice
-    calls = []
-
-    def no_cast_into(*a, **k):
-        raise AssertionError("same-device path taken")
-
-    def counting_cast(*a, **k):
-        calls.append(k["name"])
-        return cast(*a, **k)
-
-    monkeypatch.setattr(shard_caster, "cast_into", no_cast_into)
-    monkeypatch.setattr(shard_caster, "cast", counting_cast)
+    served_same, prev_same, same_counts, same = reference_run(mode, master, old, slices, use_previous)
+    calls = fused_only(monkeypatch)
+    other = caster(mode)
     served_other = old.clone().as_subclass(OnOtherDevice)
     prev_other = old.clone().as_subclass(OnOtherDevice)
     assert served_other.device != master.device
@@ -203,15 +219,84 @@ def test_cross_device_path_gives_the_same_bits_counts_and_residual(monkeypatch, 
         other.cast_flat("g", master + step * 1e-3, served_other, slices,
                         previous=prev_other if use_previous else None)
         stats.append(counts(other.last))
-    assert calls == [p.name for p in PARAMS] * 2
+    assert [name for _, name in calls] == [p.name for p in PARAMS] * 2
+    assert all(type(out) is torch.Tensor and out.device == master.device for out, _ in calls)
+    stage = other.stages["g"]  # the caster's own staging buffer, made once and kept
+    assert all(out.untyped_storage().data_ptr() == stage.untyped_storage().data_ptr() for out, _ in calls)
     assert torch.equal(bf16_bits(plain(served_other)), bf16_bits(served_same))
-    if use_previous:
-        assert torch.equal(bf16_bits(plain(prev_other)), bf16_bits(prev_same))
+    if use_previous:  # previous: the served bits on every parameter element (its padding is never read)
+        mask = param_mask(slices)
+        assert torch.equal(bf16_bits(plain(prev_other))[mask], bf16_bits(prev_same)[mask])
     assert stats == same_counts  # per step: step, elements, changed
     assert same.last.changed > 0
     if mode == "error_feedback":
         assert torch.equal(fp32_bits(other.residuals["g"]), fp32_bits(same.residuals["g"]))
         assert bool(same.residuals["g"].ne(0).any())
+
+
+@pytest.mark.parametrize("use_previous", (False, True))
+@pytest.mark.parametrize("mode", MODES)
+def test_forced_staging_route_on_one_device(monkeypatch, mode, use_previous):
+    """``FAIRCAST_DS_STAGING=always`` takes the staging route on the CPU alone (how CI tests it): the same
+    bits, counts and residual as the direct path, the cast written into the caster's staging buffer."""
+    slices = with_padding(PARAMS, TOTAL)
+    master = values(TOTAL, 8)
+    old = values(TOTAL, 9).to(torch.bfloat16)
+    served_same, prev_same, same_counts, same = reference_run(mode, master, old, slices, use_previous)
+    calls = fused_only(monkeypatch)
+    monkeypatch.setenv(shard_caster.STAGING_ENV, "always")
+    forced = caster(mode)
+    assert forced.force_staging
+    served, prev = old.clone(), old.clone()
+    stats = []
+    for step in (1, 2):
+        forced.begin_step()
+        forced.cast_flat("g", master + step * 1e-3, served, slices, previous=prev if use_previous else None)
+        stats.append(counts(forced.last))
+    stage = forced.stages["g"]
+    assert stage.data_ptr() not in (served.data_ptr(), prev.data_ptr())
+    assert all(out.untyped_storage().data_ptr() == stage.untyped_storage().data_ptr() for out, _ in calls)
+    assert torch.equal(bf16_bits(served), bf16_bits(served_same)) and stats == same_counts
+    assert torch.equal(bf16_bits(stage), bf16_bits(served))  # what went to the served shard, in one copy
+    if use_previous:
+        mask = param_mask(slices)
+        assert torch.equal(bf16_bits(prev)[mask], bf16_bits(prev_same)[mask])
+    if mode == "error_feedback":
+        assert torch.equal(fp32_bits(forced.residuals["g"]), fp32_bits(same.residuals["g"]))
+
+
+def test_given_staging_buffer_is_used_and_checked(monkeypatch):
+    """An adapter's staging buffer (DeepSpeed's own pinned one for ZeRO-1/2 offload) is written in place of
+    the caster's own; a buffer of the wrong dtype, length or device is refused."""
+    slices = with_padding(PARAMS, TOTAL)
+    master = values(TOTAL, 10)
+    served_same, _, same_counts, _ = reference_run("stochastic", master, values(TOTAL, 11).to(torch.bfloat16),
+                                                   slices, True)
+    calls = fused_only(monkeypatch)
+    c = caster("stochastic")
+    c.force_staging = True
+    theirs = torch.full((TOTAL,), 7.0, dtype=torch.bfloat16)  # DeepSpeed left its round-to-nearest copy here
+    served, prev = values(TOTAL, 11).to(torch.bfloat16), values(TOTAL, 11).to(torch.bfloat16)
+    stats = []
+    for step in (1, 2):
+        c.begin_step()
+        c.cast_flat("g", master + step * 1e-3, served, slices, previous=prev, staging=theirs)
+        stats.append(counts(c.last))
+    assert c.stages == {}  # none of its own
+    assert all(out.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr() for out, _ in calls)
+    assert torch.equal(bf16_bits(served), bf16_bits(served_same)) and stats == same_counts
+    for bad, words in ((torch.zeros(TOTAL), "torch.float32"), (torch.zeros(TOTAL - 1, dtype=torch.bfloat16), "99"),
+                       (torch.zeros(TOTAL, dtype=torch.bfloat16, device="meta"), "meta")):
+        with pytest.raises(ValueError, match=f"staging buffer must be bf16 with {TOTAL} elements on cpu, got .*{words}"):
+            c.cast_flat("g", master, served, slices, staging=bad)
+
+
+def test_staging_switch_is_validated(monkeypatch):
+    monkeypatch.setenv(shard_caster.STAGING_ENV, "sometimes")
+    with pytest.raises(ValueError, match="FAIRCAST_DS_STAGING='sometimes'; accepted: auto, always"):
+        caster("dither")
+    monkeypatch.setenv(shard_caster.STAGING_ENV, "")
+    assert not caster("dither").force_staging
 
 
 def test_cross_device_path_raises_on_nonfinite(monkeypatch):
@@ -220,9 +305,11 @@ def test_cross_device_path_raises_on_nonfinite(monkeypatch):
     master[3 + 9] = float("inf")  # element 5 + 9 of blocks.0.w
     c = caster("stochastic")
     c.begin_step()
-    monkeypatch.setattr(shard_caster, "cast_into", lambda *a, **k: pytest.fail("same-device path taken"))
+    calls = fused_only(monkeypatch)
     with pytest.raises(NonFiniteWeightError, match=r"'blocks\.0\.w' element 14 would be served as inf"):
         c.cast_flat("g", master, torch.zeros(TOTAL, dtype=torch.bfloat16).as_subclass(OnOtherDevice), slices)
+    # raised once the whole flat shard is cast: every slice went through the staged route
+    assert [name for _, name in calls] == ["blocks.0.w", "blocks.1.b"]
 
 
 # ---- non-finite masters ------------------------------------------------------------------------------
@@ -270,6 +357,93 @@ def test_nonfinite_padding_is_not_an_error():
     served = torch.zeros(TOTAL, dtype=torch.bfloat16)
     c.cast_flat("g", master, served, slices)
     assert torch.isnan(served[0].float()) and served[99].float() == float("inf")
+
+
+class TwoShards:
+    """A rank with two flat shards (an optimizer with two parameter groups): the step's cast of the first
+    raises, the second is never reached by it."""
+
+    def __init__(self, c: ShardCaster, bad: bool = True):
+        from faircast_ds.adapter import Adapter
+
+        class _Adapter(Adapter):
+            zero_stage = 2
+
+            def install(self):
+                pass
+
+            def publish(self):
+                pass
+
+            def flat_groups(inner):
+                yield from ((k, self.masters[k], self.served[k], self.slices[k]) for k in ("a", "b"))
+
+        self.slices = {"a": with_padding(PARAMS, TOTAL), "b": with_padding([ShardSlice("blocks.2.w", 0, 30, 0)], 30)}
+        self.masters = {"a": values(TOTAL, 21), "b": values(30, 22)}
+        if bad:
+            self.masters["a"][3 + 2] = float("nan")  # element 7 of blocks.0.w
+        self.served = {k: torch.full((m.numel(),), 9.0).to(torch.bfloat16) for k, m in self.masters.items()}
+        self.adapter = _Adapter(optimizer=None, caster=c, names={})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nonfinite_cast_finishes_the_flat_shard_before_raising(mode):
+    """Raised once every slice of the flat shard is cast (residual included): never half of one step and
+    half of the last in a shard; the caster keeps the error as ``failed`` until the next step."""
+    slices = with_padding(PARAMS, TOTAL)
+    master = values(TOTAL, 20)
+    master[3 + 2] = float("nan")  # in the first slice
+    c = caster(mode)
+    c.begin_step()
+    served = torch.zeros(TOTAL, dtype=torch.bfloat16)
+    with pytest.raises(NonFiniteWeightError, match=r"'blocks\.0\.w' element 7 would be served as nan .* at step 1"):
+        c.cast_flat("g", master, served, slices)
+    residual = torch.zeros(TOTAL) if mode == "error_feedback" else None
+    want = expected(master, slices, mode, step=1, residual=residual)
+    assert torch.equal(bf16_bits(served), bf16_bits(want))  # the second slice too
+    if mode == "error_feedback":
+        assert torch.equal(c.residuals["g"].view(torch.int32), residual.view(torch.int32))
+    assert isinstance(c.failed, NonFiniteWeightError) and c.cast_keys == {"g"}
+    c.begin_step()
+    assert c.failed is None and c.cast_keys == set()
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "error_feedback"])
+def test_complete_step_casts_the_shards_a_failed_step_did_not_reach(mode, tmp_path):
+    """The step raises in shard "a"; shard "b" still holds the last step's bits until complete_step (which
+    save_state calls) casts it at the same step, without raising, so a checkpoint holds one step."""
+    from faircast_ds import checkpoint
+
+    c = caster(mode)
+    rank = TwoShards(c)
+    c.begin_step()
+    with pytest.raises(NonFiniteWeightError):
+        rank.adapter.cast_all()
+    assert c.cast_keys == {"a"} and bool((rank.served["b"].float() == 9.0).all())  # not reached
+    assert checkpoint.complete_step(rank.adapter, c) is True
+    want = expected(rank.masters["b"], rank.slices["b"], mode, step=1,
+                    residual=torch.zeros(30) if mode == "error_feedback" else None)
+    assert torch.equal(bf16_bits(rank.served["b"]), bf16_bits(want))
+    assert c.cast_keys == {"a", "b"} and checkpoint.complete_step(rank.adapter, c) is False  # nothing left
+    checkpoint.save_state(rank.adapter, c, str(tmp_path), rank=0, world=1, engine_step=0)
+    (_, record), = checkpoint.read_records(str(tmp_path))
+    assert record["step"] == 1 and record["engine_step"] == 0
+    healthy = TwoShards(caster(mode), bad=False)
+    assert checkpoint.complete_step(healthy.adapter, healthy.adapter.caster) is False  # no failed step: no-op
+
+
+def test_unchecked_casts_note_nonfinite_weights_instead_of_raising():
+    """What a checkpoint load uses to reproduce a served copy saved after a failed step."""
+    slices = with_padding(PARAMS, TOTAL)
+    master = values(TOTAL, 23)
+    master[47 + 1] = float("inf")
+    c = caster("dither")
+    with c.unchecked():
+        c.cast_flat("g", master, torch.zeros(TOTAL, dtype=torch.bfloat16), slices)
+    assert isinstance(c.suppressed, NonFiniteWeightError) and "'blocks.1.b' element 1" in str(c.suppressed)
+    assert c.failed is None and c.checking
+    with pytest.raises(NonFiniteWeightError):  # checked again afterwards
+        c.cast_flat("g", master, torch.zeros(TOTAL, dtype=torch.bfloat16), slices)
 
 
 # ---- error feedback, steps, observer --------------------------------------------------------------
@@ -353,3 +527,15 @@ def test_observer_called_once_per_flat_group_with_key_master_slices_step():
         assert master.data_ptr() == masters[key].data_ptr()  # the master itself, not a copy
         want = expected(masters[key].reshape(-1), sl, "dither", step)
         assert torch.equal(bits, bf16_bits(want))
+
+
+def test_bench_times_the_offload_route():
+    """`faircast-ds bench --offload`: the staged route against DeepSpeed's cross-device copy and the eager
+    route it replaced (forced on the CPU here); the staged route really served the cast."""
+    from faircast_ds.kernels import bench
+
+    rows = bench.run_offload((4096,), modes=("stochastic", "error_feedback"), repeats=1)
+    assert [(r.size, r.mode) for r in rows] == [(4096, "stochastic"), (4096, "error_feedback")]
+    assert all(r.rn_ms > 0 and r.staged_ms > 0 and r.eager_ms > 0 for r in rows)
+    text = bench.format_offload(rows)
+    assert "staged/RN" in text and "eager/staged" in text and ("cuda" in text or "staging forced" in text)

@@ -19,10 +19,11 @@ class AlignRoundingConfig(BaseModel):
 
     engine: EngineName = Field(description=(
         "The engine profile to match: `hf` (transformers eager; alignment is a no-op), `vllm-cuda` "
-        "(vLLM custom ops), `vllm-inductor` (vLLM compiled `forward_native`), `sglang` (FlashInfer)."))
+        "(vLLM custom ops), `vllm-inductor` (vLLM compiled `forward_native`), `sglang` (FlashInfer), `vllm-cpu` "
+        "(vLLM's CPU build, eager)."))
     regions: list[RegionName] = Field(default_factory=lambda: list(REGIONS), description=(
-        "Which regions to align, each at most once: `rope`, `swiglu` and `rmsnorm` (residual add + "
-        "RMSNorm); default all three."))
+        "Which regions to align, each at most once: `rope`, `swiglu`, `rmsnorm` (residual add + "
+        "RMSNorm) and `attention`; default all four."))
 
     @field_validator("regions")
     @classmethod

@@ -15,7 +15,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from faircast_ds.align.fused import fused_rmsnorm, fused_swiglu
 from faircast_ds.align.profiles import Rounding
-from faircast_ds.align.regions import rope, wide
+from faircast_ds.align.regions import attention as attention_region
+from faircast_ds.align.regions import rms_rstd, rope, wide
 
 
 def fp32_table_rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, *args: Any, **kw: Any):
@@ -26,8 +27,10 @@ def fp32_table_rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, 
     return type(self).forward(self, probe, position_ids, *args, **kw)
 
 
-def attention_forward(rounding: Rounding) -> Callable[..., tuple[Tensor, Tensor | None]]:
-    """Attention: HF's forward with RoPE rounded per ``rounding``; projections and kernel unchanged."""
+def attention_forward(rounding: Rounding, kernel: Rounding | None = None) -> Callable[..., tuple[Tensor, Tensor | None]]:
+    """Attention: HF's forward with RoPE rounded per ``rounding``; projections unchanged. The attention
+    kernel is HF's (whatever ``attn_implementation`` says) unless ``kernel`` is a fused rounding: then
+    scores, softmax and ``P·V`` are computed in fp32 and rounded once (``regions.attention``)."""
 
     def forward(
         self: nn.Module,
@@ -52,6 +55,9 @@ def attention_forward(rounding: Rounding) -> Callable[..., tuple[Tensor, Tensor 
 
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
+        if kernel is not None and kernel.fused:
+            out = _fused_attention(self, query, key, value, attention_mask, kernel)
+            return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
         eager = sys.modules[type(self).__module__].eager_attention_forward
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
         if hasattr(self, "sliding_window"):  # Qwen2/Qwen3 pass it; Llama does not
@@ -71,6 +77,19 @@ def attention_forward(rounding: Rounding) -> Callable[..., tuple[Tensor, Tensor 
     return forward
 
 
+def _fused_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                     kernel: Rounding) -> Tensor:
+    """fp32 attention of ``[B, H, T, D]`` heads, GQA expanded as HF's eager path does; ``[B, T, H, D]`` out."""
+    if module.training and module.attention_dropout:
+        raise NotImplementedError("fp32 attention alignment has no attention dropout; set attention_dropout=0")
+    groups = module.num_key_value_groups
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if mask is not None:
+        mask = mask[:, :, :, : key.shape[-2]]
+    return attention_region(query, key, value, mask, module.scaling, kernel).transpose(1, 2).contiguous()
+
+
 def fused_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
     """MLP: fp32 ``silu(gate)·up``, one rounding."""
     return self.down_proj(fused_swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -79,6 +98,12 @@ def fused_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
 def fused_norm_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
     """RMSNorm: fp32 ``x·rms·w``, one rounding; accepts the fp32 residual sum."""
     return fused_rmsnorm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def wide_input_norm_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
+    """RMSNorm rounding as HF's (``x·rms`` rounded, ``·w`` rounded), also for the fp32 residual sum."""
+    xw = hidden_states.to(torch.float32)
+    return self.weight * (xw * rms_rstd(xw, self.variance_epsilon)).to(self.weight.dtype)
 
 
 def fused_residual_layer_forward(

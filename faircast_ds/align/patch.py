@@ -11,9 +11,12 @@ Per region, for a profile whose rounding differs from HF eager:
 - ``swiglu``: each MLP computes ``silu(gate)·up`` in fp32 with one rounding.
 - ``rmsnorm``: each decoder layer hands the *fp32* residual sum to the next norm, as the engines'
   fused add+norm kernels do, and keeps the residual itself in bf16; every RMSNorm (including
-  Qwen3's per-head q/k norms) computes ``x·rms·w`` in fp32 with one rounding. Consequence: with
-  this region aligned, decoder layers return fp32 hidden states (``output_hidden_states`` shows
-  them); the final norm still returns the model dtype.
+  Qwen3's per-head q/k norms) computes ``x·rms·w`` in fp32 with one rounding (or, for a profile
+  that rounds inside the norm like HF, HF's two roundings applied to the fp32 sum). Consequence:
+  with this region aligned, decoder layers return fp32 hidden states (``output_hidden_states``
+  shows them); the final norm still returns the model dtype.
+- ``attention``: each attention module computes scores, softmax and ``P·V`` in fp32 and rounds
+  its output once, instead of calling the configured attention kernel.
 """
 from __future__ import annotations
 
@@ -92,8 +95,8 @@ def align_model(model: nn.Module, engine: str, regions: Sequence[str] = REGIONS)
     Args:
         model: an HF Qwen3, Qwen2 or Llama model (``*ForCausalLM``, the base model, or anything
             holding their decoder layers), from transformers 5.x.
-        engine: one of ``hf``, ``vllm-cuda``, ``vllm-inductor``, ``sglang``.
-        regions: any of ``rope``, ``swiglu``, ``rmsnorm``; default all three.
+        engine: one of ``hf``, ``vllm-cuda``, ``vllm-inductor``, ``sglang``, ``vllm-cpu``.
+        regions: any of ``rope``, ``swiglu``, ``rmsnorm``, ``attention``; default all four.
 
     Returns:
         An :class:`AlignmentHandle`; call ``remove()`` to restore HF eager.
@@ -130,18 +133,24 @@ def _plan(model: nn.Module, profile: EngineProfile, regions: tuple[str, ...]) ->
     """(module, forward) pairs for the regions whose rounding differs from HF eager."""
     layers = decoder_layers(model)
     plan: list[tuple[nn.Module, Callable]] = []
+    differs = {r for r in regions if profile.differs_from_hf(r)}
+    if differs & {"rope", "attention"}:  # one attention forward carries both
+        rope_rounding = profile.rope if "rope" in differs else profile.restricted_to(()).rope
+        kernel = profile.attention if "attention" in differs else None
+        attention = forwards.attention_forward(rope_rounding, kernel)
+        plan += [(checked(layer.self_attn, ATTENTIONS), attention) for layer in layers]
     for region in regions:
-        if not profile.differs_from_hf(region):
+        if region not in differs:
             continue
         if region == "rope":
-            attention = forwards.attention_forward(profile.rope)
-            plan += [(checked(layer.self_attn, ATTENTIONS), attention) for layer in layers]
             plan += [(m, forwards.fp32_table_rotary_forward) for m in model.modules() if type(m) in ROTARIES]
         elif region == "swiglu":
             for layer in layers:
                 check_silu(checked(layer.mlp, MLPS).config)
                 plan.append((layer.mlp, forwards.fused_mlp_forward))
         elif region == "rmsnorm":
-            plan += [(layer, forwards.fused_residual_layer_forward) for layer in layers]
-            plan += [(m, forwards.fused_norm_forward) for m in model.modules() if type(m) in RMS_NORMS]
+            if profile.rmsnorm.fp32_sum:
+                plan += [(layer, forwards.fused_residual_layer_forward) for layer in layers]
+            norm = forwards.fused_norm_forward if profile.rmsnorm.fused else forwards.wide_input_norm_forward
+            plan += [(m, norm) for m in model.modules() if type(m) in RMS_NORMS]
     return plan

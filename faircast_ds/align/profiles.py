@@ -1,8 +1,8 @@
 """Engine numerics profiles: where each inference engine rounds to bf16, region by region.
 
-A profile is data, not code. Each of the three regions (RoPE, SwiGLU, residual-add + RMSNorm)
-is described by a :class:`Rounding`: two switches that the implementations in ``regions.py``
-read, plus the human-readable story and the kernel source it was read from.
+A profile is data, not code. Each of the four regions (RoPE, SwiGLU, residual-add + RMSNorm,
+attention) is described by a :class:`Rounding`: a few switches that the implementations in
+``regions.py`` read, plus the human-readable story and the kernel source it was read from.
 
 This module imports neither torch nor transformers, so configuration code can use the names.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-EngineName = Literal["hf", "vllm-cuda", "vllm-inductor", "sglang"]
-RegionName = Literal["rope", "swiglu", "rmsnorm"]
+EngineName = Literal["hf", "vllm-cuda", "vllm-inductor", "sglang", "vllm-cpu"]
+RegionName = Literal["rope", "swiglu", "rmsnorm", "attention"]
 
 ENGINES: tuple[str, ...] = get_args(EngineName)
 REGIONS: tuple[str, ...] = get_args(RegionName)
@@ -28,16 +28,25 @@ class Rounding:
         where: where the bf16 roundings happen, in words.
         source: the kernel or module the ``where`` was read from.
         fp32_table: RoPE only: cos/sin stay fp32 instead of being cast to the model dtype.
+        fp32_sum: residual add + RMSNorm only: the norm reads the unrounded fp32 sum of the
+            residual add (only the stored residual is rounded), whether or not the norm itself
+            is fused. Every engine that fuses the norm also keeps the sum, so it defaults to
+            ``fused``; vLLM's CPU build keeps the sum but rounds inside the norm like HF.
     """
 
     fused: bool
     where: str
     source: str
     fp32_table: bool = False
+    fp32_sum: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.fp32_sum is None:
+            object.__setattr__(self, "fp32_sum", self.fused)
 
     def same_numerics(self, other: Rounding) -> bool:
         """True when both round in the same places (the prose may differ)."""
-        return (self.fused, self.fp32_table) == (other.fused, other.fp32_table)
+        return (self.fused, self.fp32_table, self.fp32_sum) == (other.fused, other.fp32_table, other.fp32_sum)
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,7 @@ class EngineProfile:
     rope: Rounding
     swiglu: Rounding
     rmsnorm: Rounding
+    attention: Rounding
 
     def region(self, name: str) -> Rounding:
         """The rounding of region ``name`` (one of :data:`REGIONS`)."""
@@ -76,9 +86,10 @@ class EngineProfile:
         return "\n".join(rows)
 
 
-_REGION_TITLES = {"rope": "RoPE", "swiglu": "SwiGLU", "rmsnorm": "residual add + RMSNorm"}
+_REGION_TITLES = {"rope": "RoPE", "swiglu": "SwiGLU", "rmsnorm": "residual add + RMSNorm",
+                  "attention": "attention"}
 
-# --- the four profiles -------------------------------------------------------------------------
+# --- the five profiles -------------------------------------------------------------------------
 # Read from the sources named in each `source`; file paths are in the upstream repositories.
 
 _HF_FILE = "transformers `models/qwen3/modeling_qwen3.py` (qwen2, llama identical)"
@@ -100,6 +111,20 @@ HF = EngineProfile(
         where="residual add rounded; fp32 norm of the rounded sum, `.to(bf16)`, then `weight·` rounded again",
         source=f"{_HF_FILE}: `DecoderLayer.forward` (`residual + hidden_states`), `RMSNorm.forward`",
     ),
+    attention=Rounding(
+        fused=False,
+        where="bf16 scores `q·kᵀ` rounded, `·scaling` rounded, fp32 softmax rounded to bf16, bf16 `P·V`",
+        source=f"{_HF_FILE}: `eager_attention_forward`",
+    ),
+)
+
+# The GPU engines' attention kernels (FlashAttention, FlashInfer) keep the scores in fp32 with a
+# blockwise online softmax and round P to bf16 for the P·V matrix multiply: neither HF eager nor a
+# single rounding. That is not modelled; their profiles leave attention as HF eager computes it.
+_GPU_ATTENTION = Rounding(
+    fused=False,
+    where="not modelled (fp32 online softmax, P rounded to bf16 for `P·V`): the trainer keeps HF eager attention",
+    source="vLLM `v1/attention/backends/flash_attn.py`, FlashInfer `include/flashinfer/attention/`",
 )
 
 VLLM_CUDA = EngineProfile(
@@ -118,8 +143,10 @@ VLLM_CUDA = EngineProfile(
     rmsnorm=Rounding(
         fused=False,
         where="same places as HF: bf16 add, fp32 norm of the rounded sum, `(bf16)(x·rms)`, `·weight` rounded",
-        source="vLLM `csrc/layernorm_kernels.cu` (`fused_add_rms_norm_kernel`, `rms_norm_kernel`)",
+        source="vLLM `csrc/layernorm_kernels.cu` (`fused_add_rms_norm_kernel`, `rms_norm_kernel`; "
+        "`kernels/vllm_c.py` registers them first when not compiling with Inductor, `platforms/cuda.py`)",
     ),
+    attention=_GPU_ATTENTION,
 )
 
 # Inductor keeps bf16 pointwise intermediates in fp32 inside a fused kernel. Uncompiled, or with
@@ -144,6 +171,7 @@ VLLM_INDUCTOR = EngineProfile(
         where="fp32 sum feeds the norm, residual stored bf16; `.to(bf16)·weight` fused: fp32 `x·rms·w`, one rounding",
         source="vLLM `model_executor/layers/layernorm.py` (`RMSNorm.forward_static`)",
     ),
+    attention=_GPU_ATTENTION,
 )
 
 SGLANG = EngineProfile(
@@ -165,9 +193,40 @@ SGLANG = EngineProfile(
         where="fp32 sum kept for the norm, residual stored bf16; fp32 `x·rms·w`, one rounding",
         source="FlashInfer `include/flashinfer/norm.cuh` (`FusedAddRMSNormKernel`, `RMSNormKernel`)",
     ),
+    attention=_GPU_ATTENTION,
 )
 
-PROFILES: dict[str, EngineProfile] = {p.name: p for p in (HF, VLLM_CUDA, VLLM_INDUCTOR, SGLANG)}
+# vLLM's CPU build (vllm-cpu 0.32, eager), read from the installed sources and checked against the
+# running engine in tests/test_vllm.py: the aligned trainer reproduces its log-probs bit for bit on
+# most tokens; what remains is inside the attention kernel (docs/alignment.md).
+VLLM_CPU = EngineProfile(
+    name="vllm-cpu",
+    rope=Rounding(
+        fused=True,
+        where="cos/sin cache cast to bf16 (query dtype); fp32 `x·cos − y·sin` (FP32Vec8), one rounding",
+        source="vLLM `model_executor/layers/rotary_embedding/base.py` (`forward_cpu` → `_C.rotary_embedding`, "
+        "`_match_cos_sin_cache_dtype`), `csrc/cpu/pos_encoding.cpp`",
+    ),
+    swiglu=Rounding(
+        fused=False,
+        where="same places as HF: x86 runs `SiluAndMul.forward_native`, `F.silu(g)` rounded, `·u` rounded",
+        source="vLLM `model_executor/layers/activation.py` (`SiluAndMul.forward_cpu`)",
+    ),
+    rmsnorm=Rounding(
+        fused=False,
+        fp32_sum=True,
+        where="fp32 sum feeds the norm, residual stored bf16; inside the norm as HF: `(x·rms)` rounded, `·w` rounded",
+        source="vLLM `ir/ops/layernorm.py` (`fused_add_rms_norm`, `rms_norm`: the native implementations, the only "
+        "ones registered for CPU; `kernels/vllm_c.py` is GPU-only)",
+    ),
+    attention=Rounding(
+        fused=True,
+        where="fp32 scores `q·kᵀ·scale`, fp32 softmax, fp32 `P·V`, one rounding of the output",
+        source="vLLM `v1/attention/backends/cpu_attn.py` (`cpu_attention_with_kv_cache`), `csrc/cpu/cpu_attn_impl.hpp`",
+    ),
+)
+
+PROFILES: dict[str, EngineProfile] = {p.name: p for p in (HF, VLLM_CUDA, VLLM_INDUCTOR, SGLANG, VLLM_CPU)}
 
 
 def get_profile(engine: str) -> EngineProfile:

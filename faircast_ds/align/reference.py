@@ -2,8 +2,8 @@
 
 Written from scratch as plain torch on the model's parameters, in the engines' dataflow
 (``hidden, residual = add_rmsnorm(...)`` between blocks). The three regions come from
-``regions.py`` with the profile's rounding; everything else (embedding, projections, eager
-attention, logits) performs the same ops as transformers' eager path, so with the ``hf``
+``regions.py`` with the profile's rounding; everything else (embedding, projections, the causal
+mask, logits) performs the same ops as transformers' eager path, so with the ``hf``
 profile this reproduces the HF model bit for bit. It does not touch the model's modules, so it
 is a check on :func:`align_model`, not a second copy of it.
 
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from faircast_ds.align.families import SILU_NAMES, UnsupportedModelError, decoder_layers
 from faircast_ds.align.profiles import REGIONS, EngineProfile, get_profile
-from faircast_ds.align.regions import add_rmsnorm, rmsnorm, rope, swiglu
+from faircast_ds.align.regions import add_rmsnorm, attention, rmsnorm, rope, swiglu
 
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -103,13 +103,11 @@ def _attention(attn: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, mask: Tenso
     query = rope(query.transpose(1, 2), cos, sin, profile.rope)
     key = rope(key.transpose(1, 2), cos, sin, profile.rope)
 
-    # Eager attention as transformers runs it: bf16 scores, fp32 softmax rounded back, bf16 PV.
+    # HF eager (bf16 scores, fp32 softmax rounded back, bf16 PV) or the profile's fused kernel
     groups = attn.num_key_value_groups
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * attn.scaling + mask
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    out = attention(query, key, value, mask, attn.scaling, profile.attention).transpose(1, 2).contiguous()
     return _linear(attn.o_proj, out.reshape(batch, length, -1).contiguous())
 
 

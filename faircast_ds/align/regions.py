@@ -1,4 +1,4 @@
-"""Reference implementations of the three regions, parameterised by a :class:`Rounding`.
+"""Reference implementations of the four regions, parameterised by a :class:`Rounding`.
 
 Pure functions on tensors, differentiable by plain autograd. ``fused=False`` reproduces HF eager
 op by op (each bf16 op rounds); ``fused=True`` keeps intermediates in fp32 and rounds once, the
@@ -67,13 +67,14 @@ def rmsnorm_one_rounding(xw: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, rounding: Rounding) -> Tensor:
     """RMSNorm of ``x`` over its last dim.
 
-    Unfused (HF eager): fp32 norm, ``.to(x.dtype)``, then ``weight *`` rounds again.
-    Fused: fp32 norm and weight product, one rounding; ``x`` may be a bf16 tensor or the fp32
-    residual sum that a fused add+norm kernel keeps in registers.
+    Unfused (HF eager): fp32 norm, rounded to the weight dtype, then ``weight *`` rounds again.
+    Fused: fp32 norm and weight product, one rounding. Either way ``x`` may be a bf16 tensor or
+    the fp32 residual sum that a fused add+norm kernel keeps in registers (for a bf16 ``x`` the
+    unfused form is HF's ``weight * x.to(input_dtype)``).
     """
     if not rounding.fused:
         xw = x.to(torch.float32)  # HF casts to fp32 exactly (even from fp64)
-        return weight * (xw * rms_rstd(xw, eps)).to(x.dtype)
+        return weight * (xw * rms_rstd(xw, eps)).to(weight.dtype)
     xw = wide(x)
     return rmsnorm_one_rounding(xw, rms_rstd(xw, eps), weight)
 
@@ -84,13 +85,32 @@ def add_rmsnorm(
     """``residual += x; return norm(residual), residual``, the engines' fused add+norm interface.
 
     With ``residual=None`` (the first layer) ``x`` itself is normed and becomes the residual.
-    Unfused, the sum is a bf16 add and the norm sees the rounded sum. Fused, the norm sees the
-    fp32 sum and only the stored residual is rounded.
+    Without ``rounding.fp32_sum`` (HF) the sum is a bf16 add and the norm sees the rounded sum;
+    with it the norm sees the fp32 sum and only the stored residual is rounded.
     """
     if residual is None:
         return rmsnorm(x, weight, eps, rounding), x
-    if not rounding.fused:
+    if not rounding.fp32_sum:
         total = residual + x
         return rmsnorm(total, weight, eps, rounding), total
     total = wide(x) + wide(residual)
     return rmsnorm(total, weight, eps, rounding), total.to(x.dtype)
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float,
+              rounding: Rounding) -> Tensor:
+    """Causal attention ``[B, H, T, D]`` of already repeated (GQA) heads; ``mask`` is additive.
+
+    Unfused (HF eager): bf16 scores, scaled in bf16, fp32 softmax rounded to bf16, bf16 ``P·V``.
+    Fused: scores, softmax and ``P·V`` in fp32, one rounding of the output (vLLM's CPU kernel).
+    """
+    if not rounding.fused:
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+        if mask is not None:
+            scores = scores + mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(probs, value)
+    scores = torch.matmul(wide(query), wide(key).transpose(2, 3)) * scaling
+    if mask is not None:
+        scores = scores + wide(mask)
+    return torch.matmul(F.softmax(scores, dim=-1), wide(value)).to(query.dtype)

@@ -9,13 +9,16 @@ refresh sites; this module adds periodic diagnostics after ``engine.step``, and
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+import json
+from typing import Any, Callable, Mapping
 
-from faircast_ds import dist
-from faircast_ds.config import FairCastConfig, find_section
+from faircast_ds import config_source, dist
+from faircast_ds.config import FairCastConfig
+from faircast_ds.config_source import Source
 from faircast_ds.deepspeed.adapters import make_adapter
+from faircast_ds.deepspeed.adapters.registry import stand_in, will_train
 from faircast_ds.deepspeed.support import check_supported, engine_config, raw_config
-from faircast_ds.handle import FairCast, build, get_fair_cast, resolve
+from faircast_ds.handle import ATTR, FairCast, build, get_fair_cast, resolve
 from faircast_ds.shard_caster import ShardCaster
 
 ROUTE = "deepspeed-runtime"
@@ -23,47 +26,142 @@ ROUTE = "deepspeed-runtime"
 __all__ = ["FairCast", "attach", "get_fair_cast", "install"]
 
 
+def engine_source(engine: Any) -> Source | None:
+    """The section the engine gets and where from: its own config's ``fair_cast`` section, else
+    ``FAIRCAST_DS_CONFIG`` (see faircast_ds.config_source); None when neither has one."""
+    return config_source.resolve(raw_config(engine_config(engine)))
+
+
 def engine_section(engine: Any) -> FairCastConfig | None:
-    """The engine's own ``fair_cast`` section, validated (None when absent)."""
-    return find_section(raw_config(engine_config(engine)))
+    """The engine's ``fair_cast`` section, validated (None when absent), from its config or ``FAIRCAST_DS_CONFIG``."""
+    source = engine_source(engine)
+    return source.config if source is not None else None
 
 
 def model_numel(engine: Any) -> int:
-    """Elements of the whole model (ZeRO-3 parameters counted at full size)."""
+    """Elements of the model's trainable parameters, the ones the cast serves (ZeRO-3 parameters
+    counted at full size; frozen ones, e.g. a LoRA base model, have no master and are left out, so the
+    diagnostics' sample lands on cast elements)."""
     from faircast_ds.deepspeed.params import full_numel
 
-    return sum(full_numel(p) for p in engine.module.parameters())
+    return sum(full_numel(p) for p in engine.module.parameters() if p.requires_grad)
 
 
-def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None) -> FairCast | None:
+def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | None = None) -> FairCast | None:
     """Attach Fair Cast to a built DeepSpeed engine.
 
-    ``config`` defaults to the engine's own ``fair_cast`` section. Returns None when there is no
-    section or it says ``enabled: false``. Raises FairCastConfigError for a malformed section and
-    UnsupportedSetupError for a setup we cannot route through the cast.
+    ``config`` defaults to the engine's own ``fair_cast`` section, else ``FAIRCAST_DS_CONFIG``.
+    Returns None when there is no section or it says ``enabled: false``, and for an engine without a
+    training optimizer (a reference or evaluation copy: rank 0 says so in one line). Raises
+    FairCastConfigError for a malformed section and UnsupportedSetupError for a setup we cannot route
+    through the cast.
     """
     existing = get_fair_cast(engine)
     if existing is not None:
         return existing
-    config = resolve(engine_section(engine) if config is None else config)
+    return attach_route(engine, to_source(engine, config), route=ROUTE, connect=lambda a: a.install())
+
+
+def to_source(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | None) -> Source | None:
+    """The section ``attach`` was given, or the engine's own (its config, else ``FAIRCAST_DS_CONFIG``)."""
+    if isinstance(config, Source):
+        return config
+    if config is None:
+        return engine_source(engine)
+    return Source(config if isinstance(config, FairCastConfig) else FairCastConfig.from_section(config),
+                  config_source.FROM_ARGUMENT)
+
+
+def attach_route(engine: Any, source: Source | None, *, route: str, connect: Callable[[Any], None],
+                 before_build: Callable[[], None] | None = None) -> FairCast | None:
+    """The DeepSpeed half of the attach pipeline, shared by the runtime and the cast-hook route: skip
+    engines without a training optimizer, agree on the section across ranks, check the setup, make the
+    adapter, build the handle (faircast_ds.handle.build), and wire diagnostics, checkpoints and the guard."""
+    why = stand_in(engine)
+    if why is not None:  # never steps: no cast to replace, never an error
+        if source is not None and source.config.enabled:
+            dist.log_rank0(f"[fair_cast] not attached to this engine: it has no training optimizer ({why}), as a "
+                           f"reference, evaluation or inference engine; its bf16 weights are left as DeepSpeed "
+                           f"builds them (section from {config_source.describe(source)})")
+        return None
+    _agree_across_ranks(source, _shard_group(engine))
+    config = resolve(source.config if source is not None else None)
     if config is None:
         return None
+    if before_build is not None:
+        before_build()
     check_supported(engine_config(engine))
     adapter = make_adapter(engine, ShardCaster(config))
-    fair_cast = build(config, [adapter], route=ROUTE, owner=engine, connect=lambda a: a.install(),
-                      module=engine.module, model_numel=model_numel(engine))
+    fair_cast = build(config, [adapter], route=route, owner=engine, connect=connect,
+                      module=engine.module, model_numel=model_numel(engine), source=source.origin)
+    setattr(engine.module, ATTR, fair_cast)  # for callers that hold the model, not the engine
+    _report_frozen(engine, fair_cast)
     wire_engine(engine, fair_cast)
     return fair_cast
+
+
+def handle_for_module(module: Any) -> FairCast | None:
+    """The Fair Cast of the engine that wraps ``module`` (for callers that hold the model, not the
+    engine, e.g. a transformers TrainerCallback)."""
+    return get_fair_cast(module)
+
+
+def _shard_group(engine: Any) -> Any:
+    """The process group the engine's optimizer shards over (every rank that builds this engine):
+    the sequence-data-parallel group where there is one, else the data-parallel group."""
+    return getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
+
+
+def _agree_across_ranks(source: Source | None, group: Any) -> None:
+    """Every rank of a training engine must have the same section (or none): an environment variable
+    set on one node only would otherwise cast some shards and not others. A collective over the
+    ranks that build this engine (``group``; the default group when None); nothing to do with one."""
+    if not dist.initialized():
+        return
+    import torch.distributed as tdist
+
+    world = tdist.get_world_size(group=group)
+    if world == 1:
+        return
+    mine = json.dumps(source.config.model_dump(mode="json"), sort_keys=True) if source is not None else None
+    everyone: list[Any] = [None] * world
+    tdist.all_gather_object(everyone, (mine, source.origin if source is not None else None), group=group)
+    if len({s for s, _ in everyone}) > 1:
+        lines = [f"rank {r}: {s} (source={o})" if s else f"rank {r}: no fair_cast section"
+                 for r, (s, o) in enumerate(everyone)]
+        from faircast_ds.config import FairCastConfigError
+
+        raise FairCastConfigError("the ranks of this engine disagree on the fair_cast section (is "
+                                  f"{config_source.ENV} set on every node? see docs/integrations.md):\n  "
+                                  + "\n  ".join(lines))
+
+
+def _report_frozen(engine: Any, fair_cast: FairCast) -> None:
+    """With frozen parameters (LoRA, a frozen tower) only the trainable ones have fp32 masters and are
+    cast; say how many elements are under Fair Cast (a collective)."""
+    from faircast_ds.deepspeed.params import full_numel
+
+    params = list(engine.module.parameters())
+    frozen = [p for p in params if not p.requires_grad]
+    if not frozen:
+        return
+    under, = dist.all_reduce_sum([float(fair_cast.local_numel())])
+    total = sum(full_numel(p) for p in params)
+    dist.log_rank0(f"[fair_cast] frozen parameters: {int(under):,} of {total:,} elements ({100 * under / total:.2f}%) "
+                   f"are trainable and under Fair Cast; {sum(full_numel(p) for p in frozen):,} elements in "
+                   f"{len(frozen)} frozen tensors are served as loaded")
 
 
 def wire_engine(engine: Any, fair_cast: FairCast) -> None:
     """What every DeepSpeed route adds to the engine: periodic diagnostics after ``engine.step`` and
     Fair Cast's state in its checkpoints."""
+    from faircast_ds.deepspeed import guard
     from faircast_ds.deepspeed.checkpointing import wrap_checkpointing
 
     if fair_cast.diagnostics is not None:
         _wrap_step_for_diagnostics(engine, fair_cast)
     wrap_checkpointing(engine, fair_cast)
+    guard.install(engine, fair_cast)  # after the first step and every load: served bits == what we cast
 
 
 def _wrap_step_for_diagnostics(engine: Any, fair_cast: FairCast) -> None:
@@ -81,7 +179,9 @@ def _wrap_step_for_diagnostics(engine: Any, fair_cast: FairCast) -> None:
             figures = fair_cast.report()
             if fair_cast.config.diagnostics.log:
                 dist.log_rank0(f"[fair_cast] step {now}: served changed {100 * figures['changed_fraction']:.3f}% | "
-                               f"gap {figures['gap_spacings']:.3f} spacings | lag {figures['lag_steps']:.0f} steps")
+                               f"gap {figures['gap_spacings']:.3f} spacings | lag {figures['lag_steps']:.0f} steps | "
+                               f"lag along drift {figures['lag_drift_steps']:.1f} steps | "
+                               f"bias {figures['bias_spacings']:+.3f} spacings")
             monitor = getattr(engine, "monitor", None)
             if monitor is not None and getattr(monitor, "enabled", False):
                 monitor.write_events([(f"fair_cast/{k}", v, now) for k, v in figures.items() if k != "step"])
@@ -101,14 +201,16 @@ def install() -> None:
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        config = None
+        source = None
         parsed = kwargs.get("config_class")  # deepspeed.initialize parses the config before the engine
         if parsed is not None:
-            config = find_section(raw_config(parsed))  # a malformed section fails here, in seconds
-            if config is not None and config.enabled:
-                check_supported(parsed)
+            # the config's section or FAIRCAST_DS_CONFIG: a malformed section or two that differ fail here, in seconds
+            source = config_source.resolve(raw_config(parsed))
+            optimizer = kwargs.get("optimizer", args[2] if len(args) > 2 else None)
+            if source is not None and source.config.enabled and will_train(optimizer, parsed):
+                check_supported(parsed)  # an engine without an optimizer is left alone: never refused
         original(self, *args, **kwargs)
-        attach(self, config)
+        attach(self, source)  # None: resolved from the built engine's config
 
     __init__._faircast_wrapped = True  # type: ignore[attr-defined]
     DeepSpeedEngine.__init__ = __init__  # type: ignore[method-assign]

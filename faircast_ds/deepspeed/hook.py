@@ -20,11 +20,8 @@ import torch
 from faircast_ds.adapter import Adapter, UnsupportedSetupError
 from faircast_ds.config import FairCastConfig
 from faircast_ds.deepspeed import engine as runtime
-from faircast_ds.deepspeed.adapters import make_adapter
-from faircast_ds.deepspeed.support import check_supported, engine_config
-from faircast_ds.handle import FairCast, build, get_fair_cast, resolve
+from faircast_ds.handle import FairCast, get_fair_cast
 from faircast_ds.routes import ROUTES
-from faircast_ds.shard_caster import ShardCaster
 
 HOOK_MODULE = "deepspeed.runtime.lp_cast"
 ROUTE = "deepspeed-hook"
@@ -85,20 +82,14 @@ def connect(adapter: Adapter) -> None:
 def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None) -> FairCast | None:
     """Serve ``engine``'s bf16 weights by Fair Cast through a patched DeepSpeed's cast hook.
 
-    ``config`` defaults to the engine's ``fair_cast`` section (validated strictly, as on the runtime
-    route). Returns None when the section is absent or disabled, and the runtime route's handle when
-    that route already serves the engine.
+    ``config`` defaults to the engine's section (its config, else ``FAIRCAST_DS_CONFIG``), validated
+    strictly as on the runtime route. Returns None when the section is absent or disabled and for an
+    engine without a training optimizer, and the runtime route's handle when that route already
+    serves the engine.
     """
     existing = get_fair_cast(engine)
     if existing is not None:
         return existing
-    config = resolve(runtime.engine_section(engine) if config is None else config)
-    if config is None:
-        return None
-    require_hook()  # before anything is built: say so in seconds
-    check_supported(engine_config(engine))
-    adapter = make_adapter(engine, ShardCaster(config))
-    fair_cast = build(config, [adapter], route=ROUTE, owner=engine, connect=connect, module=engine.module,
-                      model_numel=runtime.model_numel(engine))
-    runtime.wire_engine(engine, fair_cast)
-    return fair_cast
+    # no hook: say so before anything is built
+    return runtime.attach_route(engine, runtime.to_source(engine, config), route=ROUTE, connect=connect,
+                                before_build=require_hook)

@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from faircast_ds.adapter import UnsupportedSetupError
-
-VERIFIED_DEEPSPEED = ("0.19.8",)
+from faircast_ds.deepspeed import compat
 
 
 def engine_config(engine: Any) -> Any:
@@ -38,27 +37,33 @@ def _device(offload_cfg: Any) -> str:
 
 
 def _problems(cfg: Any) -> Iterator[str]:
-    import deepspeed  # here, not at import: importing deepspeed runs our engine hook, which imports us
-
-    if deepspeed.__version__ not in VERIFIED_DEEPSPEED:
-        yield (f"DeepSpeed {deepspeed.__version__} is not verified (verified: {', '.join(VERIFIED_DEEPSPEED)}); "
-               "its fp32->bf16 cast sites may have moved. Install a verified version.")
+    # every release difference is read through compat (feature detection; the range is its one
+    # version comparison)
+    outside = compat.release_problem()
+    if outside is not None:
+        yield outside
         return
-    if cfg.float16_config.enabled:
+    precision = compat.precision(cfg)
+    if precision.fp16:
         yield "fp16.enabled: Fair Cast serves bf16; use \"bf16\": {\"enabled\": true} instead"
-    elif not cfg.bfloat16_config.enabled:
+    elif not precision.bf16:
         yield "bf16 is not enabled: set \"bf16\": {\"enabled\": true} (the served copy must be bf16)"
-    if getattr(cfg, "torch_autocast_enabled", False):
+    if compat.bf16_optimizer_config(cfg) and not compat.bf16_optimizer_buildable():
+        yield ("bf16 + zero_optimization.stage 1 + data_types.grad_accum_dtype fp32: this DeepSpeed names its DDP "
+               "bf16 wrapper like BF16_Optimizer's and builds FP16_UnfusedOptimizer (no ZeRO) instead, which Fair "
+               "Cast does not route; drop data_types.grad_accum_dtype (ZeRO-1 then runs DeepSpeedZeroOptimizer) "
+               "or use a release without the clash (0.18.9 and later, or 0.17.x and earlier)")
+    if compat.torch_autocast_enabled(cfg):
         yield "torch_autocast: parameters stay fp32, there is no bf16 copy to cast"
     zero = cfg.zero_config
     for what in ("offload_param", "offload_optimizer"):
         if _device(getattr(zero, what, None)) == "nvme":
             yield f"zero_optimization.{what}.device nvme: NVMe offload casts inside the swapper, not supported"
-    if getattr(getattr(zero, "offload_optimizer", None), "super_offload", False):
+    if compat.super_offload_enabled(zero):
         yield "zero_optimization.offload_optimizer.super_offload: SuperOffload has its own cast, not supported"
-    if getattr(zero, "zenflow", None) is not None:
+    if compat.zenflow_enabled(zero):
         yield "zero_optimization.zenflow: ZenFlow has its own cast, not supported"
-    if cfg.bfloat16_config.bf16_master_weights_and_grads or cfg.float16_config.fp16_master_weights_and_grads:
+    if precision.low_precision_masters:
         yield "low-precision master weights: there is no fp32 master to cast from"
     if zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights:
         yield "zero_optimization.zero_quantized_weights: the quantized all-gather changes the served bits"

@@ -1,6 +1,7 @@
 """Export the served weights as a Hugging Face model directory, atomically.
 
-The directory holds ``config.json`` (from the model's own config), ``generation_config.json`` when
+The directory holds ``config.json`` (from the model's own config, with ``architectures`` naming the
+model's class when the config has none), ``generation_config.json`` when
 the model has one, the weights as safetensors (one file, or shards plus
 ``model.safetensors.index.json``), and ``faircast_export.json``: the training step, the Fair Cast
 settings, and a SHA-256 per weight file. It appears under its final name only when complete.
@@ -61,6 +62,10 @@ def _write_config(module: torch.nn.Module, directory: Path, dtype: torch.dtype) 
         return
     config = copy.deepcopy(config)
     config.dtype = dtype  # what the weights are stored as, so from_pretrained(dtype="auto") picks it
+    if not getattr(config, "architectures", None) and getattr(type(module), "config_class", None) is not None:
+        # a model built from a config (not loaded) has none; without it an engine guesses the architecture
+        # (vLLM loads a Qwen3 without it as the embedding model Qwen3Model, not the causal LM trained here)
+        config.architectures = [type(module).__name__]
     config.save_pretrained(directory)
     generation = getattr(module, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):

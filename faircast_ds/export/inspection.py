@@ -22,7 +22,7 @@ import os
 import re
 import sys
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 

@@ -36,37 +36,56 @@ REFERENCE = "fp32"  # served = master: no rounding at all
 
 @dataclass(frozen=True)
 class JobConfig:
-    """Settings of one invocation. ``rollouts`` counts rollouts per step over all ranks."""
+    """Settings of one invocation. ``rollouts`` counts rollouts per step over all ranks. The defaults are
+    the paper regime (``REGIMES``)."""
 
-    steps: int = 300
+    steps: int = 500
     seeds: int = 1
-    lr: float = 1e-4
-    hidden: int = 256
+    first_seed: int = 0  # seeds first_seed .. first_seed + seeds - 1 (to split a run across launches)
+    lr: float = 1.5e-6
+    hidden: int = 128
     layers: int = 2
     vocab: int = 256
     init_std: float = 0.1
-    rollouts: int = 64
+    rollouts: int = 256
     group: int = 8
-    prompt_len: int = 4
-    gen_len: int = 8
+    prompt_len: int = 2
+    gen_len: int = 2
+    prompt_vocab: int = 1  # prompt tokens drawn from [0, prompt_vocab); 0: the whole vocabulary (tasks.py)
     modes: tuple[str, ...] = MODES
     tie: float = 0.01  # |reward difference| below this is a tie in the per-seed comparison with nearest
     diag_every: int = 1
     horizon: int = 128
+    sample: int = 16384  # diagnostics: sampled elements for the lags (at most the model's size)
+    # checkpoint consistency: every ``eval_every`` steps and at the end, the reward of the fp32 master
+    # policy and of the served policy on one fixed evaluation batch (0: off)
+    eval_every: int = 100
+    kl_every: int = 1  # KL(served before step || served after step) on the step's rollouts (0: off)
     # ZeRO-3 keeps parameters up to this size gathered after each step (DeepSpeed's default is 1e5); 1e6
     # keeps this tiny model's (<= 65k elements each) so that rollouts do not all-gather per forward
     persist_threshold: int = 1_000_000
     # "view": sample from the persistent served tensors through a plain model (same bits, no ZeRO-3 hooks);
     # "module": through the engine's module (ZeRO-3 hooks gather what is not persistent)
     rollout_via: str = "view"
+    # where rollouts come from: "hf" (the trainer's forward on the served copy) or "vllm" (a vLLM engine
+    # on rank 0, pushed the served weights after every step; faircast_ds/jobs/engines.py)
+    engine: str = "hf"
+    regime: str = "paper"
     out: str = "runs"
     name: str = ""
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "default": {},  # 1 seed x 300 steps: 3.5 minutes on 2 shared CPU cores (see README)
-    "full": {"seeds": 5},  # same steps: the gap is a delay of the reward's climb, which more steps would outrun
+# Named settings (``--regime``); flags given on the command line override them.
+REGIMES: dict[str, dict[str, Any]] = {
+    # RN changes <= 1% of served weights per step and its served copy trails the master by tens of
+    # steps (as reported for Qwen3-1.7B: 0.4-0.5%, 50-150 steps): lr 1.5e-6 on init std 0.1; one fixed
+    # prompt so every rollout pushes the weights the same way and the fp32 policy learns within the run
+    "paper": {},
+    # the earlier main job: lr 1e-4, random prompts; RN changes ~12% per step, the lag reads ~0
+    "large-step": {"steps": 300, "lr": 1e-4, "hidden": 256, "rollouts": 64, "prompt_len": 4, "gen_len": 8,
+                   "prompt_vocab": 0, "eval_every": 60},
 }
+FULL_SEEDS = {"paper": 8, "large-step": 5}  # --full: the seeds of the committed run of each regime
 
 
 def build_model(cfg: JobConfig, seed: int, fp32: bool) -> torch.nn.Module:
@@ -93,7 +112,8 @@ def ds_config(mode: str, seed: int, cfg: JobConfig, per_rank: int) -> dict[str, 
     if mode != REFERENCE:
         config["bf16"] = {"enabled": True}
         config["fair_cast"] = {"enabled": True, "mode": mode, "seed": seed,
-                               "diagnostics": {"every": cfg.diag_every, "horizon": cfg.horizon, "log": False}}
+                               "diagnostics": {"every": cfg.diag_every, "horizon": cfg.horizon,
+                                               "sample": cfg.sample, "log": False}}
     return config
 
 
@@ -189,6 +209,39 @@ class DeltaSyncBytes:
         return total
 
 
+class MasterView:
+    """The fp32 master policy: every rank gathers the full fp32 master of each parameter
+    (``deepspeed.utils.safe_get_full_fp32_param``, a collective) into a plain fp32 model."""
+
+    def __init__(self, engine: Any, cfg: JobConfig, seed: int) -> None:
+        self.model = build_model(cfg, seed, fp32=True).eval()
+        self.targets = dict(self.model.named_parameters())
+        self.params = list(engine.module.named_parameters())
+
+    def policy(self) -> torch.nn.Module:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        with torch.no_grad():
+            for name, param in self.params:
+                self.targets[name].data.copy_(safe_get_full_fp32_param(param).view_as(self.targets[name]))
+        return self.model
+
+
+def evaluate(policy: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], task: LowTokenTask) -> float:
+    """Mean reward of ``policy`` on a fixed batch of prompts and sampling uniforms (this rank's share)."""
+    prompts, uniforms = batch
+    return float(task.reward(rollout(policy, prompts, uniforms)[:, prompts.shape[1]:]).mean())
+
+
+@torch.no_grad()
+def step_kl(before: torch.Tensor, policy: torch.nn.Module, seqs: torch.Tensor, prompt_len: int) -> float:
+    """Mean per-token KL(served before the step || served after it) on the step's rollouts: ``before``
+    are the logits the loss was computed from, the new served copy's are computed here."""
+    after = policy(input_ids=seqs, use_cache=False).logits[:, prompt_len - 1:-1].float()
+    old, new = torch.log_softmax(before, dim=-1), torch.log_softmax(after, dim=-1)
+    return float((old.exp() * (old - new)).sum(dim=-1).mean())
+
+
 def served_copy(engine: Any, cfg: JobConfig, seed: int, rank: int) -> torch.nn.Module | None:
     """The served weights gathered into a plain HF model on rank 0 (a collective; None elsewhere)."""
     from faircast_ds.export import served_weights
@@ -233,13 +286,20 @@ def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: 
     sync_meter = DeltaSyncBytes(view) if view is not None and fair_cast is not None else None
     counter = ReferenceChangeCounter(engine) if fair_cast is None else None
     served_bytes = 4 if fair_cast is None else 2
+    # checkpoint consistency: the fp32 master policy against the served one, on one fixed batch (training
+    # steps start at 1, so step 0's draw is never trained on); the fp32 reference serves its master
+    master_view = MasterView(engine, cfg, seed) if fair_cast is not None and cfg.eval_every else None
+    eval_batch = task.draw(per_rank, task.generator(seed, 0, rank))
+    from faircast_ds.jobs import engines
+
+    source = engines.make(cfg.engine, sample=rollout, ds_engine=engine, view=view, fp32=(mode == REFERENCE),
+                          seed=seed, max_len=cfg.prompt_len + cfg.gen_len + 8, run_dir=os.path.join(cfg.out, cfg.name))
     rows: list[dict] = []
     seqs = torch.zeros(0, dtype=torch.long)
     for step in range(1, cfg.steps + 1):
         prompts, uniforms = task.draw(per_rank, task.generator(seed, step, rank))
         t0 = time.perf_counter()
-        policy = view.policy() if view is not None else None
-        seqs = rollout(policy if policy is not None else engine.module, prompts, uniforms)
+        seqs, engine_logp = source.rollout(task, seed, step, prompts, uniforms)
         if sync_meter is not None and sync_meter.previous is None:
             sync_meter.step()  # the baseline: the weights these rollouts were sampled from
         completions = seqs[:, cfg.prompt_len:]
@@ -249,34 +309,53 @@ def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: 
         logits = engine(input_ids=seqs, use_cache=False).logits[:, cfg.prompt_len - 1:-1].float()
         logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
         loss = -(advantages * logp.mean(dim=1)).mean()
+        engine_columns = source.measure(logp.detach(), engine_logp, seqs, cfg.prompt_len)  # pre-step weights
         engine.backward(loss)
+        t2 = time.perf_counter()
         engine.step()
         t3 = time.perf_counter()
+        engine_columns.update(source.after_step())  # the engine gets the new served weights
+        policy = view.policy() if view is not None else None
+        policy = policy if policy is not None else engine.module
+        kl = step_kl(logits.detach(), policy, seqs, cfg.prompt_len) if cfg.kl_every and step % cfg.kl_every == 0 \
+            else math.nan
+        served_eval = master_eval = math.nan
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            with torch.no_grad():
+                served_eval = evaluate(policy, eval_batch, task)
+                master_eval = evaluate(master_view.policy(), eval_batch, task) if master_view is not None \
+                    else served_eval
         if fair_cast is not None:
             cast = fair_cast.caster.last  # this step's counts and cast time, from the caster itself
             changed, numel, cast_s = cast.changed, cast.numel, cast.seconds
             figures = fair_cast.diagnostics.last
             fresh = bool(figures) and int(figures["step"]) == cast.step
-            gap, lag = (figures["gap_spacings"], figures["lag_steps"]) if fresh else (math.nan, math.nan)
+            keys = ("gap_spacings", "lag_steps", "lag_drift_steps", "bias_spacings")
+            gap, lag, lag_drift, bias = (figures[k] for k in keys) if fresh else (math.nan,) * 4
         else:
             changed, numel = counter.count()
-            gap, lag, cast_s = math.nan, math.nan, math.nan
+            gap, lag, lag_drift, bias, cast_s = (math.nan,) * 5
         # what a weight sync would send now: a delta per the export's encodings (every rank holds the full
         # persistent tensors, so rank 0's count is the count), else 6 bytes per changed element (COO)
         delta_bytes = sync_meter.step() if sync_meter is not None else None
+        t4 = time.perf_counter()
         totals = torch.tensor([float(rewards.sum()), rewards.numel(), changed, numel, cast_s,
-                               t1 - t0, t3 - t1], dtype=torch.float64)
+                               t1 - t0, t3 - t1, t2 - t1, t3 - t2, t4 - t3, kl, served_eval, master_eval],
+                              dtype=torch.float64)
         dist.all_reduce(totals)
-        r_sum, r_n, changed, numel, cast_s, rollout_s, train_s = totals.tolist()
+        r_sum, r_n, changed, numel, cast_s, rollout_s, train_s, fwd_bwd_s, opt_s, extra_s = totals.tolist()[:10]
+        kl, served_eval, master_eval = (v / world for v in totals.tolist()[10:])
         rows.append({
             "mode": mode, "seed": seed, "step": step, "reward": r_sum / r_n, "loss": float(loss.detach()),
             "changed": int(changed), "numel": int(numel), "changed_fraction": changed / numel,
-            "gap_spacings": gap, "lag_steps": lag,
+            "gap_spacings": gap, "lag_steps": lag, "lag_drift_steps": lag_drift, "bias_spacings": bias,
+            "kl_step": kl, "served_eval": served_eval, "master_eval": master_eval,
             "sync_bytes": (int(numel) * served_bytes if fair_cast is None  # no delta sync of fp32 weights
                            else delta_bytes if delta_bytes is not None else int(changed) * (4 + served_bytes)),
             "sync_bytes_dense": int(numel) * served_bytes,
             "cast_ms": 1e3 * cast_s / world, "rollout_ms": 1e3 * rollout_s / world,
-            "train_ms": 1e3 * train_s / world,
+            "train_ms": 1e3 * train_s / world, "fwd_bwd_ms": 1e3 * fwd_bwd_s / world,
+            "opt_ms": 1e3 * opt_s / world, "extra_ms": 1e3 * extra_s / world, **engine_columns,
         })
         if progress is not None:
             progress.set_postfix_str(f"{mode} seed {seed} reward {rows[-1]['reward']:.3f} "
@@ -287,6 +366,7 @@ def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: 
         copy = served_copy(engine, cfg, seed, rank)
         if copy is not None:
             final.update(mismatch(copy, seqs))
+    source.close()
     engine.destroy()
     del engine, opt, model
     gc.collect()
@@ -295,16 +375,22 @@ def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: 
 
 def parse(argv: list[str] | None) -> JobConfig:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help=f"the longer preset: {PRESETS['full']}")
+    parser.add_argument("--full", action="store_true",
+                        help=f"the regime's committed number of seeds: {FULL_SEEDS}")
     for f in fields(JobConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "modes":
             parser.add_argument(flag, default=None, help=f"comma-separated subset of {','.join(MODES)}")
+        elif f.name == "regime":
+            parser.add_argument(flag, default=None, choices=sorted(REGIMES), help=f"default {f.default!r}")
         else:
             parser.add_argument(flag, type=type(f.default), default=None, help=f"default {f.default!r}")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    cfg = replace(JobConfig(), **PRESETS["full" if args.full else "default"])
+    regime = args.regime or JobConfig.regime
+    cfg = replace(JobConfig(), regime=regime, **REGIMES[regime])
+    if args.full:
+        cfg = replace(cfg, seeds=FULL_SEEDS[regime])
     given = {f.name: getattr(args, f.name) for f in fields(JobConfig) if getattr(args, f.name) is not None}
     if "modes" in given:
         given["modes"] = tuple(m.strip() for m in given["modes"].split(",") if m.strip())
@@ -312,8 +398,12 @@ def parse(argv: list[str] | None) -> JobConfig:
         if unknown:
             parser.error(f"unknown mode(s) {unknown}; choose from {','.join(MODES)}")
     cfg = replace(cfg, **given)
+    from faircast_ds.jobs.engines import ENGINES
+
+    if cfg.engine not in ENGINES:
+        parser.error(f"unknown --engine {cfg.engine!r}; choose from {', '.join(ENGINES)}")
     if not cfg.name:
-        cfg = replace(cfg, name=("full-" if args.full else "") + time.strftime("%Y%m%d-%H%M%S"))
+        cfg = replace(cfg, name=f"{regime}-" + ("full-" if args.full else "") + time.strftime("%Y%m%d-%H%M%S"))
     return cfg
 
 
@@ -348,7 +438,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.broadcast_object_list(name, src=0)
     cfg = replace(cfg, name=name[0])
     run_dir = os.path.join(cfg.out, cfg.name)
-    task = LowTokenTask(vocab=cfg.vocab, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, group=cfg.group)
+    task = LowTokenTask(vocab=cfg.vocab, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, group=cfg.group,
+                        prompt_vocab=cfg.prompt_vocab)
     progress = None
     if rank == 0:
         from tqdm import tqdm
@@ -361,19 +452,22 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     finals: list[dict] = []
     csv_path = os.path.join(run_dir, "steps.csv")
-    for seed in range(cfg.seeds):
+    for seed in range(cfg.first_seed, cfg.first_seed + cfg.seeds):
         for mode in cfg.modes:
             run_rows, final = run_one(mode, seed, cfg, task, progress)
             rows += run_rows
             finals.append(final)
             if rank == 0:  # written as runs finish, so an interrupted job keeps what it did
                 report.write_csv(csv_path, rows)
+    from faircast_ds.jobs import engines
+
+    engines.shutdown()  # the vLLM engine, if one served the rollouts
     if rank == 0:
         progress.close()
         wall = time.time() - started
         summaries = report.summarize(rows, finals, cfg.modes, tie=cfg.tie)
         plots.plot_run(rows, os.path.join(run_dir, "reward.png"), title=report.headline(cfg, world))
-        table = report.markdown(summaries, cfg, world, wall)
+        table = report.markdown(summaries, cfg, world, wall) + report.engine_table(rows, cfg.modes)
         with open(os.path.join(run_dir, "results.md"), "w") as f:
             f.write(table)
         with open(os.path.join(run_dir, "run.json"), "w") as f:

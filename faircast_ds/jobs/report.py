@@ -7,7 +7,8 @@ Definitions used in the table:
 - wins/ties/losses against nearest (RN): per seed, the mode's final reward minus RN's with the same
   seed (same init, prompts and sampling noise); |difference| < ``tie`` is a tie.
 - changed: mean share of served elements whose bits the step's cast changed (all steps).
-- gap, lag: Fair Cast's diagnostics (faircast_ds/diagnostics.py), mean over the last 20% of steps.
+- gap: Fair Cast's diagnostics (faircast_ds/diagnostics.py), mean over the last 20% of steps; lag (L2)
+  and lag along drift: mean over all steps.
 - bytes per sync: the payload a delta weight sync (``faircast_ds.export.WeightSender``) would send
   after the step: per changed parameter the smaller of its COO (int32 index + bf16 value, 6 bytes per
   changed element) and bitmap (1 bit per element + 2 bytes per changed element) encodings, computed with
@@ -17,6 +18,14 @@ Definitions used in the table:
 - mismatch: ``faircast_ds.align.measure_mismatch`` on the final served weights against the
   SGLang profile, on the last step's rollouts: RMS of the per-token log-prob gap, unaligned and with
   the trainer aligned on every region where SGLang rounds differently from HF.
+- paired statistics (``stats.py``): per seed a mode's final reward minus RN's (or fp32's) on the same
+  seed; the mean with a percentile-bootstrap 95% interval and the exact sign test on wins vs losses.
+  The final reward's own 95% interval is Student-t over seeds.
+- lag along drift, bias: ``lag_drift_steps`` and ``bias_spacings`` of the diagnostics; the table shows
+  their mean over all steps and the share of steps whose lag along drift is at least 20.
+- checkpoint consistency: the reward of the fp32 master policy minus that of the served policy on one
+  fixed evaluation batch, at the last step and averaged over the evaluation points.
+- KL per step: mean per-token KL(served before the step || served after it) on the step's rollouts.
 """
 from __future__ import annotations
 
@@ -27,7 +36,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from faircast_ds.jobs import stats
+
 CONTROL = "nearest"
+REFERENCE = "fp32"
+LAG_MIN = 20  # "the served copy lags": lag along drift at least this many steps
 
 
 def write_csv(path: str, rows: Sequence[dict]) -> None:
@@ -46,8 +59,11 @@ def read_csv(path: str) -> list[dict]:
     for row in rows:
         for key, value in row.items():
             if key != "mode":
-                row[key] = float(value) if value not in ("", "nan") else math.nan
+                row[key] = _BOOLS[value] if value in _BOOLS else float(value) if value not in ("", "nan") else math.nan
     return rows
+
+
+_BOOLS = {"True": 1.0, "False": 0.0}  # engine_weights_equal
 
 
 def tail(rows: Sequence[dict], fraction: float = 0.2) -> list[dict]:
@@ -81,6 +97,16 @@ class ModeSummary:
     ties: int = 0
     losses: int = 0
     mismatch: dict[str, float] = field(default_factory=dict)
+    final_ci: tuple[float, float] = (math.nan, math.nan)  # Student-t 95% over seeds
+    lag_drift: float = math.nan  # mean over all steps
+    lag_drift_share: float = math.nan  # share of steps with lag_drift_steps >= LAG_MIN
+    bias: float = math.nan  # mean over all steps
+    kl_step: float = math.nan  # mean per step
+    consistency_end: dict[int, float] = field(default_factory=dict)  # per seed: master - served at the last eval
+    consistency_mean: float = math.nan  # master - served, mean over eval points and seeds
+    times: dict[str, float] = field(default_factory=dict)  # ms per step by phase
+    vs_control: stats.Paired | None = None
+    vs_reference: stats.Paired | None = None
 
 
 def summarize(rows: Sequence[dict], finals: Sequence[dict], modes: Sequence[str], tie: float) -> list[ModeSummary]:
@@ -100,16 +126,28 @@ def summarize(rows: Sequence[dict], finals: Sequence[dict], modes: Sequence[str]
             spread, kind = (statistics.stdev(rewards) if len(rewards) > 1 else 0.0), "steps"
         all_tail = [r for t in tails.values() for r in t]
         mm = [f for f in finals if f["mode"] == mode and "mismatch_rms" in f]
+        lags = [r["lag_drift_steps"] for r in mine if not math.isnan(r.get("lag_drift_steps", math.nan))]
+        evals = [r for r in mine if not math.isnan(r.get("master_eval", math.nan))]
+        end = {s: max((r for r in evals if int(r["seed"]) == s), key=lambda r: r["step"]) for s in seeds
+               if any(int(r["seed"]) == s for r in evals)}
         out.append(ModeSummary(
             mode=mode, final_by_seed=final, final_mean=_mean(list(final.values())), final_spread=spread,
             spread_kind=kind, changed=_mean([r["changed_fraction"] for r in mine]),
-            gap=_mean([r["gap_spacings"] for r in all_tail]), lag=_mean([r["lag_steps"] for r in all_tail]),
+            gap=_mean([r["gap_spacings"] for r in all_tail]), lag=_mean([r["lag_steps"] for r in mine]),
             sync_bytes=_mean([r["sync_bytes"] for r in mine]),
             sync_dense=_mean([r["sync_bytes_dense"] for r in mine]),
             bf16_dense=_mean([2 * r["numel"] for r in mine]),
             cast_ms=_mean([r["cast_ms"] for r in mine]),
             step_ms=_mean([r["rollout_ms"] + r["train_ms"] for r in mine]),
             mismatch={k: _mean([f[k] for f in mm]) for k in (mm[0] if mm else {}) if k.startswith("mismatch")},
+            final_ci=stats.mean_ci(list(final.values()))[1:] if len(seeds) > 1 else (math.nan, math.nan),
+            lag_drift=_mean(lags), lag_drift_share=(sum(v >= LAG_MIN for v in lags) / len(lags)) if lags else math.nan,
+            bias=_mean([r.get("bias_spacings", math.nan) for r in mine]),
+            kl_step=_mean([r.get("kl_step", math.nan) for r in mine]),
+            consistency_end={s: r["master_eval"] - r["served_eval"] for s, r in end.items()},
+            consistency_mean=_mean([r["master_eval"] - r["served_eval"] for r in evals]),
+            times={k: _mean([r.get(k, math.nan) for r in mine])
+                   for k in ("rollout_ms", "fwd_bwd_ms", "opt_ms", "cast_ms", "extra_ms")},
         ))
     control = next((s for s in out if s.mode == CONTROL), None)
     if control is not None:
@@ -126,13 +164,20 @@ def summarize(rows: Sequence[dict], finals: Sequence[dict], modes: Sequence[str]
                     s.wins += 1
                 else:
                     s.losses += 1
+    reference = next((s for s in out if s.mode == REFERENCE), None)
+    for s in out:
+        for other, attr in ((control, "vs_control"), (reference, "vs_reference")):
+            if other is not None and other is not s and set(s.final_by_seed) & set(other.final_by_seed):
+                setattr(s, attr, stats.paired(s.final_by_seed, other.final_by_seed, tie, (s.mode, other.mode)))
     return out
 
 
 def headline(cfg: Any, world: int) -> str:
     return (f"GRPO, tiny Qwen3 (hidden {cfg.hidden}, {cfg.layers} layers, init std {cfg.init_std}), ZeRO-3 on "
             f"{world} ranks, AdamW lr {cfg.lr:g}, {cfg.rollouts} rollouts x {cfg.gen_len} tokens/step, "
-            f"{cfg.steps} steps, {cfg.seeds} seed(s)")
+            f"{cfg.steps} steps, {cfg.seeds} seed(s)"
+            + (f", regime {cfg.regime}" if getattr(cfg, "regime", "") else "")
+            + (" (one fixed prompt)" if getattr(cfg, "prompt_vocab", 0) == 1 else ""))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -143,57 +188,208 @@ def _fmt(x: float, spec: str, empty: str = "—") -> str:
     return empty if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _interval(lo: float, hi: float, spec: str = "+.3f") -> str:
+    return "—" if math.isnan(lo) else f"[{lo:{spec}}, {hi:{spec}}]"
+
+
+def _paired_cell(p: stats.Paired | None) -> str:
+    if p is None:
+        return "—"
+    return f"{p.mean:+.4f} {_interval(*p.ci_boot, '+.4f')}, {p.wins}/{p.ties}/{p.losses}, +{p.positive}/−{p.negative} p={p.p_sign:.2g}"
+
+
 def markdown(summaries: Sequence[ModeSummary], cfg: Any, world: int, wall: float) -> str:
+    many = len(summaries[0].final_by_seed) > 1 if summaries else False
     lines = [
         f"{headline(cfg, world)}; wall {wall / 60:.1f} min.",
         "",
-        "| mode | final reward (last 20%) | vs RN W/T/L | served changed/step | gap (spacings) | lag (steps) "
-        "| bytes per sync (of dense bf16) | mismatch RMS vs SGLang: unaligned | aligned | cast ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | final reward (last 20%) | vs RN W/T/L | − RN: mean [95% CI], W/T/L, signs, sign p | − fp32: mean [95% CI], "
+        "W/T/L, signs, sign p | served changed/step | lag along drift (steps; share ≥ 20) | bias (spacings) | lag L2 (steps) "
+        "| gap (spacings) | bytes per sync (of dense bf16) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
-        ref = s.mode == "fp32"
+        ref = s.mode == REFERENCE
         wtl = "—" if s.mode == CONTROL else f"{s.wins}/{s.ties}/{s.losses}"
-        gap = "0 (served = master)" if ref else _fmt(s.gap, ".3f")
-        lag = "0 (served = master)" if ref else _fmt(s.lag, ".1f")
+        final = (f"{s.final_mean:.3f} {_interval(*s.final_ci, '.3f')}" if many
+                 else f"{s.final_mean:.3f} ± {s.final_spread:.3f}")
+        served_is_master = "0 (served = master)"
+        lag_drift = served_is_master if ref else f"{_fmt(s.lag_drift, '.1f')} ({_fmt(100 * s.lag_drift_share, '.0f')}%)"
         sync = f"{_fmt_bytes(s.sync_bytes)} ({100 * s.sync_bytes / s.bf16_dense:.1f}%)"
-        mm_plain = _fmt(s.mismatch.get("mismatch_rms", math.nan), ".2e", "n/a (fp32 served)" if ref else "—")
-        mm_aligned = _fmt(s.mismatch.get("mismatch_rms_aligned", math.nan), ".2e", "n/a" if ref else "—")
         lines.append(
-            f"| {s.mode} | {s.final_mean:.3f} ± {s.final_spread:.3f} | {wtl} | {100 * s.changed:.2f}% | {gap} | {lag} "
-            f"| {sync} | {mm_plain} | {mm_aligned} | {_fmt(s.cast_ms, '.1f')} |")
-    spread = summaries[0].spread_kind if summaries else "seeds"
-    spread_note = (f"the sd across {cfg.seeds} seeds" if spread == "seeds"
-                   else "the sd of the step rewards in that window (one seed)")
+            f"| {s.mode} | {final} | {wtl} | {_paired_cell(s.vs_control)} | {_paired_cell(s.vs_reference)} "
+            f"| {100 * s.changed:.2f}% | {lag_drift} | {served_is_master if ref else _fmt(s.bias, '+.3f')} "
+            f"| {served_is_master if ref else _fmt(s.lag, '.1f')} | {served_is_master if ref else _fmt(s.gap, '.3f')} "
+            f"| {sync} |")
     lines += [
         "",
-        f"Final reward: mean over the last 20% of steps per seed; ± is {spread_note}. "
+        "| mode | master − served reward, last step: mean [95% CI] | same, mean over evaluation points | KL per step "
+        "(served → served) | sd of final reward over seeds | mismatch RMS vs SGLang: unaligned | aligned "
+        "| ms/step: rollout | fwd+bwd | optimizer step (cast) | extras |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        ref = s.mode == REFERENCE
+        end = list(s.consistency_end.values())
+        if not end:
+            cons = "—"
+        elif len(end) > 1:
+            m, lo, hi = stats.mean_ci(end)
+            cons = f"{m:+.4f} {_interval(lo, hi, '+.4f')}"
+        else:
+            cons = f"{end[0]:+.4f}"
+        t = s.times
+        lines.append(
+            f"| {s.mode} | {'0 (served = master)' if ref else cons} "
+            f"| {'0' if ref else _fmt(s.consistency_mean, '+.4f')} | {_fmt(s.kl_step, '.2e')} "
+            f"| {_fmt(s.final_spread, '.3f') if many else '—'} "
+            f"| {_fmt(s.mismatch.get('mismatch_rms', math.nan), '.2e', 'n/a (fp32 served)' if ref else '—')} "
+            f"| {_fmt(s.mismatch.get('mismatch_rms_aligned', math.nan), '.2e', 'n/a' if ref else '—')} "
+            f"| {_fmt(t.get('rollout_ms', math.nan), '.1f')} | {_fmt(t.get('fwd_bwd_ms', math.nan), '.1f')} "
+            f"| {_fmt(t.get('opt_ms', math.nan), '.1f')} ({_fmt(t.get('cast_ms', math.nan), '.1f')}) "
+            f"| {_fmt(t.get('extra_ms', math.nan), '.1f')} |")
+    spread_note = (f"95% Student-t interval over {len(summaries[0].final_by_seed)} seeds" if many
+                   else "± the sd of the step rewards in that window (one seed)")
+    lines += [
+        "",
+        f"Final reward: mean over the last 20% of steps per seed, then the mean over seeds with a {spread_note}. "
         f"W/T/L: per seed against nearest (RN) with the same seed; |difference| < {cfg.tie} is a tie. "
-        "Changed: share of served elements whose bits changed, mean over all steps. Gap, lag: Fair Cast "
-        "diagnostics, mean over the last 20% of steps. Bytes per sync: the payload of a delta sync after each step "
-        "with faircast_ds.export's encodings (per changed parameter the smaller of COO, 6 bytes per changed "
-        "element, and bitmap, 1 bit per element + 2 bytes per changed one; headers left out), computed from "
-        "the served tensors (no channel ran); fp32 reference: a dense fp32 sync (4 bytes per element); the "
-        "percentage is of a dense bf16 sync. Mismatch: measure_mismatch (engine 'sglang') on the final served "
-        "weights and the last step's rollouts, mean over seeds; aligned = trainer rounding aligned on every "
-        "region SGLang rounds differently. Cast ms: Fair Cast's cast per step and rank.",
+        "− RN, − fp32: per seed the mode's final reward minus that mode's on the same seed; mean over seeds, "
+        "percentile-bootstrap 95% interval (10,000 resamples), W/T/L (same tie band), the signs (+ seeds above, "
+        "− below) and the exact two-sided sign test on those signs. "
+        "Changed: share of served elements whose bits changed, mean over all steps. Lag along drift: the served "
+        "copy's distance behind the master along the master's drift over the recorded history (up to "
+        f"{cfg.horizon - 1} steps), in steps of that drift, mean over all steps (share of steps with at least "
+        f"{LAG_MIN}); bias: the served copy's |drift|-weighted signed error along the drift, in bf16 spacings "
+        "(negative: behind), mean over all steps; lag L2: the past step whose master is closest to the served "
+        "copy, mean over all steps; gap: mean |master − served| in spacings, last 20% of steps. Bytes per sync: "
+        "the payload of a delta sync after each step with faircast_ds.export's encodings (per changed parameter "
+        "the smaller of COO, 6 bytes per changed element, and bitmap, 1 bit per element + 2 bytes per changed "
+        "one; headers left out), computed from the served tensors (no channel ran); fp32 reference: a dense "
+        "fp32 sync (4 bytes per element); the percentage is of a dense bf16 sync. "
+        f"Master − served: the fp32 master policy's reward minus the served policy's on one fixed evaluation "
+        f"batch (same prompts and sampling noise), every {cfg.eval_every} steps and at the last. KL per step: "
+        "mean per-token KL(served before the step || after it) on the step's rollouts, mean over steps. "
+        "Mismatch: measure_mismatch (engine 'sglang') on the final served weights and the last step's rollouts, "
+        "mean over seeds; aligned = trainer rounding aligned on every region SGLang rounds differently. ms/step: "
+        "per rank; optimizer step = engine.step (Fair Cast's cast, the all-gather, the diagnostics); extras = "
+        "the KL forward, the evaluations and the sync-bytes count.",
         "",
     ]
     return "\n".join(lines)
+
+
+def verdicts(summaries: Sequence[ModeSummary]) -> list[str]:
+    """One line per paired comparison: separates (bootstrap interval excludes 0 and sign p < 0.05) or not."""
+    out = []
+    for s in summaries:
+        for p in (s.vs_control, s.vs_reference):
+            if p is None or p.n < 2 or (s.mode == CONTROL and p.b == REFERENCE):  # fp32 − RN says it
+                continue
+            word = "separates" if p.separates else "does not separate"
+            out.append(f"{p.a} − {p.b}: {p.mean:+.4f} {_interval(*p.ci_boot, '+.4f')}, W/T/L {p.wins}/{p.ties}/"
+                       f"{p.losses}, signs +{p.positive}/−{p.negative}, sign p={p.p_sign:.2g}: {word}")
+    return out
 
 
 def summary_text(summaries: Sequence[ModeSummary], cfg: Any, world: int, wall: float, run_dir: str) -> str:
     lines = [headline(cfg, world), f"wall {wall:.0f} s", "",
-             f"{'mode':<15} {'final reward':>15} {'W/T/L vs RN':>12} {'changed':>9} {'lag':>6} "
-             f"{'sync/step':>11} {'mismatch rms':>13} {'aligned':>8}"]
+             f"{'mode':<15} {'final reward [95% CI]':>24} {'W/T/L vs RN':>12} {'changed':>9} {'lag drift':>10} "
+             f"{'bias':>7} {'lag L2':>7} {'master-served':>14} {'KL/step':>9} {'sync/step':>11}"]
     for s in summaries:
         wtl = "—" if s.mode == CONTROL else f"{s.wins}/{s.ties}/{s.losses}"
+        ci = "" if math.isnan(s.final_ci[0]) else f" [{s.final_ci[0]:.3f}, {s.final_ci[1]:.3f}]"
+        end = list(s.consistency_end.values())
+        cons = _fmt(sum(end) / len(end), "+14.4f", "             —") if end else "             —"
         lines.append(
-            f"{s.mode:<15} {s.final_mean:7.3f} ± {s.final_spread:.3f} {wtl:>12} {100 * s.changed:8.2f}% "
-            f"{_fmt(s.lag, '6.1f', '     —')} {_fmt_bytes(s.sync_bytes):>11} "
-            f"{_fmt(s.mismatch.get('mismatch_rms', math.nan), '13.2e', '            —')} "
-            f"{_fmt(s.mismatch.get('mismatch_rms_aligned', math.nan), '8.1e', '       —')}")
-    lines += ["", f"tie threshold {cfg.tie}; final reward = mean of the last 20% of steps, ± sd over seeds",
+            f"{s.mode:<15} {s.final_mean:>8.3f}{ci:>16} {wtl:>12} {100 * s.changed:8.2f}% "
+            f"{_fmt(s.lag_drift, '10.1f', '         —')} {_fmt(s.bias, '+7.3f', '      —')} "
+            f"{_fmt(s.lag, '7.1f', '      —')} {cons} {_fmt(s.kl_step, '9.2e', '        —')} "
+            f"{_fmt_bytes(s.sync_bytes):>11}")
+    lines += [""] + verdicts(summaries)
+    lines += ["", f"tie threshold {cfg.tie}; final reward = mean of the last 20% of steps per seed; "
+              "paired differences: bootstrap 95% CI, sign test",
               f"table: {os.path.join(run_dir, 'results.md')}   plot: {os.path.join(run_dir, 'reward.png')}   "
               f"steps: {os.path.join(run_dir, 'steps.csv')}"]
     return "\n".join(lines)
+
+
+def engine_table(rows: Sequence[dict], modes: Sequence[str]) -> str:
+    """With ``--engine vllm``: per mode, the real engine's side of the run (empty string otherwise).
+
+    Push: what :class:`faircast_ds.vllm.WeightPush` handed the engine after each step (whole changed
+    groups: a changed element ships its parameter and the parameters fused with it) and its wall time,
+    read-back check included. Mismatch: over every step's own rollouts, the RMS and K3 KL of
+    ``logp_trainer − logp_vllm`` per generated token, for the trainer as it trains (HF eager) and for
+    the same served weights aligned to the ``vllm-cpu`` profile; "bit-equal" is the share of tokens
+    whose two log-probs are the same float.
+    """
+    mine = [r for r in rows if "engine_weights_equal" in r]
+    if not mine:
+        return ""
+    lines = [
+        "",
+        "Rollouts from vLLM (`--engine vllm`): the engine receives the served weights after every step.",
+        "",
+        "| mode | final reward (last 20%) | served changed/step | delta sync bytes/step | engine push/step: params, "
+        "bytes | push ms/step (load + read-back) | engine_weights_equal | mismatch RMS vs vLLM: unaligned "
+        "| aligned (`vllm-cpu`) | K3 KL: unaligned | aligned | bit-equal tokens: unaligned | aligned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in modes:
+        rs = [r for r in mine if r["mode"] == mode]
+        if not rs:
+            continue
+        seeds = sorted({int(r["seed"]) for r in rs})
+        final = _mean([_mean([r["reward"] for r in tail([r for r in rs if int(r["seed"]) == s])]) for s in seeds])
+        equal = sum(1 for r in rs if r["engine_weights_equal"] in (True, 1.0))
+        params = _mean([r["engine_sync_params"] for r in rs])
+        lines.append(
+            f"| {mode} | {final:.3f} | {100 * _mean([r['changed_fraction'] for r in rs]):.2f}% "
+            f"| {_fmt_bytes(_mean([r['sync_bytes'] for r in rs]))} | {params:.1f}, {_fmt_bytes(_mean([r['engine_sync_bytes'] for r in rs]))} "
+            f"| {_mean([r['engine_sync_ms'] for r in rs]):.1f} ({_mean([r['engine_load_ms'] for r in rs]):.1f} + "
+            f"{_mean([r['engine_verify_ms'] for r in rs]):.1f}) | {equal}/{len(rs)} steps "
+            f"| {_fmt(_mean([r['engine_mismatch_rms'] for r in rs]), '.2e')} "
+            f"| {_fmt(_mean([r['engine_mismatch_rms_aligned'] for r in rs]), '.2e', 'n/a (fp32)')} "
+            f"| {_fmt(_mean([r['engine_mismatch_k3'] for r in rs]), '.2e')} "
+            f"| {_fmt(_mean([r['engine_mismatch_k3_aligned'] for r in rs]), '.2e', 'n/a (fp32)')} "
+            f"| {100 * _mean([r['engine_equal_tokens'] for r in rs]):.1f}% "
+            f"| {_fmt(100 * _mean([r['engine_equal_tokens_aligned'] for r in rs]), '.1f', 'n/a')}{'' if mode == 'fp32' else '%'} |")
+    lines += ["", "Delta sync bytes: what the weight sync to a separate engine process sends per step (changed "
+              "elements only; as in the table above). Push: parameters and bytes handed to the engine per step (a changed element ships its whole "
+              "parameter and those fused with it in vLLM), wall time with the engine's read-back of every "
+              "parameter. engine_weights_equal: steps after whose push the engine's kernels computed with exactly "
+              "the served bits (-0.0 and subnormals count as +0). Mismatch: per generated token of every step's "
+              "rollouts, logp_trainer − logp_vLLM; unaligned = the loss's own forward (HF eager), aligned = the same "
+              "served weights with the trainer aligned to the vllm-cpu profile; means over steps.", ""]
+    return "\n".join(lines)
+
+
+def rebuild(run_dir: str) -> str:
+    """Rewrite a finished run's results.md, summary.txt and reward.png from its steps.csv and run.json
+    (``python3 -m faircast_ds.jobs.report runs/<name>``); returns the summary text."""
+    import json
+
+    from faircast_ds.jobs import plots
+    from faircast_ds.jobs.grpo import JobConfig
+
+    with open(os.path.join(run_dir, "run.json")) as f:
+        meta = json.load(f)
+    known = set(JobConfig.__dataclass_fields__)
+    config = {k: (tuple(v) if k == "modes" else v) for k, v in meta["config"].items() if k in known}
+    cfg = JobConfig(**config)
+    rows = read_csv(os.path.join(run_dir, "steps.csv"))
+    summaries = summarize(rows, meta.get("finals", []), cfg.modes, tie=cfg.tie)
+    plots.plot_run(rows, os.path.join(run_dir, "reward.png"), title=headline(cfg, meta["world_size"]))
+    with open(os.path.join(run_dir, "results.md"), "w") as f:
+        f.write(markdown(summaries, cfg, meta["world_size"], meta["wall_s"]) + engine_table(rows, cfg.modes))
+    text = summary_text(summaries, cfg, meta["world_size"], meta["wall_s"], run_dir)
+    with open(os.path.join(run_dir, "summary.txt"), "w") as f:
+        f.write(text + "\n")
+    return text
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(rebuild(sys.argv[1]))

@@ -21,6 +21,14 @@ class LowTokenTask:
     prompt_len: int = 4
     gen_len: int = 8
     group: int = 8  # completions per prompt (the GRPO group)
+    # prompt tokens are drawn from ids [0, prompt_vocab) (0: the whole vocabulary). A small prompt
+    # vocabulary makes the contexts alike, so every rollout pushes the weights the same way and the
+    # reward moves more per unit of weight change
+    prompt_vocab: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prompt_vocab <= self.vocab:
+            raise ValueError(f"prompt_vocab must be in [0, vocab={self.vocab}], got {self.prompt_vocab}")
 
     def generator(self, seed: int, step: int, rank: int) -> torch.Generator:
         return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
@@ -30,7 +38,8 @@ class LowTokenTask:
         and the uniforms ``[rollouts, gen_len]`` that pick the sampled tokens."""
         if rollouts % self.group:
             raise ValueError(f"rollouts per rank ({rollouts}) must be a multiple of the group size ({self.group})")
-        prompts = torch.randint(0, self.vocab, (rollouts // self.group, self.prompt_len), generator=generator)
+        prompts = torch.randint(0, self.prompt_vocab or self.vocab, (rollouts // self.group, self.prompt_len),
+                                generator=generator)
         uniforms = torch.rand(rollouts, self.gen_len, generator=generator, dtype=torch.float64)
         return prompts.repeat_interleave(self.group, dim=0), uniforms
 

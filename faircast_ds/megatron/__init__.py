@@ -13,8 +13,10 @@ either framework at any data-parallel size. ``route`` picks how: ``"runtime"`` r
 optimizer's ``_copy_main_params_to_model_params``; ``"hook"`` registers with a Megatron-Core that
 carries ``patches/megatron-core-0.16.1-fair-cast.patch``; ``"auto"`` (default) takes the hook when
 the patch is there. The handle is the same :class:`faircast_ds.handle.FairCast` every route returns,
-kept on the optimizer (``faircast_ds.get_fair_cast(optimizer)``). Fair Cast state is not part of
-Megatron checkpoints: ``error_feedback``'s residual restarts at zero after a resume.
+kept on the optimizer (``faircast_ds.get_fair_cast(optimizer)``). Fair Cast's state goes into Megatron's
+distributed checkpoints as one more entry of the state dict (``faircast_ds.megatron.checkpoint``:
+``sharded_state_dict(fc)`` beside the model's and the optimizer's, ``load_state_dict(fc, loaded["fair_cast"])``
+after the load), so a resume is bit for bit, ``error_feedback``'s residual included.
 """
 from __future__ import annotations
 

@@ -6,6 +6,11 @@ Every case starts from the same model and deterministic fp32 main values and tak
 rank checks its own shards against ``faircast_ds.cast`` of its main shards; rank 0 checks the
 all-gathered parameters against the cast of the full fp32 parameter (the bits do not depend on where
 the shards were cut) and saves every parameter's served bits for the cross-route comparison.
+
+On the runtime route it also checkpoints: 3 steps, ``dist_checkpointing.save`` of the model, the optimizer
+and Fair Cast's entry (``faircast_ds.megatron.checkpoint``), 3 more steps; then fresh objects load the
+checkpoint and take the same 3 steps, which must give the same served bits, main params and residual,
+bit for bit (``checkpoint_rank<r>.json``).
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ class Tiny(torch.nn.Module):
         return self.down(torch.relu(self.up(x)) * self.norm).float() * self.scale
 
 
-def build(mode: str):
+def build(mode: str, module_cls=None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
@@ -59,7 +64,8 @@ def build(mode: str):
                                params_dtype=torch.bfloat16, use_cpu_initialization=True)
     torch.manual_seed(0)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                                          grad_reduce_in_fp32=True), Tiny(config))
+                                                                          grad_reduce_in_fp32=True),
+                                    (module_cls or Tiny)(config))
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-5, bf16=True,
                                                        use_distributed_optimizer=True), [model])
     fc = None
@@ -145,6 +151,116 @@ def count_hook_calls(hook_calls: list) -> None:
     param_cast.set_main_param_cast_hook(counting)
 
 
+class TinyBf16(torch.nn.Module):
+    """Tiny without its fp32 parameter, for the checkpoint case: Megatron-Core 0.16.1's ``dp_reshardable``
+    optimizer format asserts on a bucket a rank owns nothing of ("empty bucket encountered",
+    ``distrib_optimizer.py:1610``), which Tiny's 11-element fp32 buffer is for rank 1."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.up = torch.nn.Linear(40, 37, dtype=torch.bfloat16)
+        self.down = torch.nn.Linear(37, 11, dtype=torch.bfloat16)
+        self.norm = torch.nn.Parameter(torch.ones(37, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)) * self.norm).float()
+
+
+CHECKPOINT_MODES = ["stochastic", "error_feedback"]
+
+
+def checkpoint_state(model, optimizer, fc, loading: bool) -> dict:
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    from faircast_ds.megatron import checkpoint as fair_cast_checkpoint
+
+    model_sd = sharded_state_dict_default(model.module, "", (), None)
+    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading,
+                                            metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    return {"model": model_sd, "optimizer": optim_sd, "fair_cast": fair_cast_checkpoint.sharded_state_dict(fc)}
+
+
+def state_of(model, fc) -> dict:
+    """This rank's view: every served parameter (gathered) and its own main and residual pieces."""
+    out = {f"served/{n}": bf16_bits(p.detach().reshape(-1)).clone() for n, p in model.named_parameters()}
+    for adapter in fc.adapters:
+        for key, main, _, _ in adapter.flat_groups():
+            out[f"main/{key}"] = main.detach().clone().view(torch.int32)
+            res = adapter.caster.residuals.get(key)
+            if res is not None:
+                out[f"residual/{key}"] = res.clone().view(torch.int32)
+    out["step"] = fc.adapters[0].caster.step
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+
+
+def checkpoint_case(mode: str, ckpt_dir: str) -> dict:
+    """Save after step 3, run to step 6; fresh objects load and run to step 6: bitwise the same."""
+    from megatron.core import dist_checkpointing
+
+    from faircast_ds.checkpoint import MissingStateError
+    from faircast_ds.megatron import checkpoint as fair_cast_checkpoint
+    from faircast_ds.megatron.adapter import distributed_optimizers
+
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        os.makedirs(ckpt_dir)
+    torch.distributed.barrier()
+    model, optimizer, fc = build(mode, TinyBf16)
+    for step in range(1, 4):
+        train_step(model, optimizer, step, rank)
+    dist_checkpointing.save(checkpoint_state(model, optimizer, fc, loading=False), ckpt_dir)
+    saved, straight = state_of(model, fc), []
+    for step in range(4, 7):
+        train_step(model, optimizer, step, rank)
+        straight.append(state_of(model, fc))
+
+    def fresh():
+        model, optimizer, fc = build(mode, TinyBf16)
+        for opt in distributed_optimizers(optimizer):  # a fresh torch Adam has no state to load into yet
+            opt._init_optimizer_states_with_dummy_values()
+        loaded = dist_checkpointing.load(checkpoint_state(model, optimizer, fc, loading=True), ckpt_dir)
+        model.module.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        # Megatron-Core 0.16.1 without Apex/TE: after a dp_reshardable load every parameter's torch Adam
+        # state holds one shared step tensor with the dummy initialization's value, 1 (the checkpoint's
+        # step is only in the param groups), so Adam's bias correction would differ from the run that never
+        # stopped whatever Fair Cast does; put the saved step back, one tensor per parameter
+        for opt in distributed_optimizers(optimizer):
+            for group in opt.optimizer.param_groups:
+                for param in group["params"]:
+                    opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
+        return model, optimizer, fc, loaded
+
+    model, optimizer, fc, loaded = fresh()
+    fair_cast_checkpoint.load_state_dict(fc, loaded["fair_cast"])
+    report = {"restored_equal_saved": same(state_of(model, fc), saved), "continued_equal": []}
+    for i, step in enumerate(range(4, 7)):
+        train_step(model, optimizer, step, rank)
+        report["continued_equal"].append(same(state_of(model, fc), straight[i]))
+    report["residual_nonzero"] = sum(int((v != 0).sum()) for k, v in saved.items() if k.startswith("residual/"))
+    # the same checkpoint read as if it had no Fair Cast entry
+    model, optimizer, fc, _ = fresh()
+    try:
+        fair_cast_checkpoint.load_state_dict(fc, None, step=3)
+        train_step(model, optimizer, 4, rank)
+        report["without_entry"] = {"ok": True, "continued_equal": same(state_of(model, fc), straight[0])}
+    except MissingStateError as exc:
+        report["without_entry"] = {"ok": False, "message": str(exc)}
+    # the control: what a resume did before Fair Cast's entry existed (step kept, residual back at zero)
+    model, optimizer, fc, _ = fresh()
+    for adapter in fc.adapters:  # (the load fills the residual buffers in place: empty them)
+        adapter.caster.step = 3
+        adapter.caster.residuals.clear()
+    train_step(model, optimizer, 4, rank)
+    report["zero_residual_continued_equal"] = same(state_of(model, fc), straight[0])
+    return report
+
+
 def main() -> None:
     torch.distributed.init_process_group("gloo")
     from megatron.core import parallel_state
@@ -167,6 +283,12 @@ def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, f"report_rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)
+    if ROUTE == "runtime":
+        if not torch.cuda.is_available():  # the async writer's staging sync (filesystem_async.py:230), a no-op on CPU
+            torch.cuda.synchronize = lambda *args, **kwargs: None
+        checkpoints = {mode: checkpoint_case(mode, os.path.join(OUT, f"ckpt_{mode}")) for mode in CHECKPOINT_MODES}
+        with open(os.path.join(OUT, f"checkpoint_rank{rank}.json"), "w") as f:
+            json.dump(checkpoints, f, indent=1)
     if rank == 0:
         torch.save(all_bits, os.path.join(OUT, "bits.pt"))
     torch.distributed.barrier()

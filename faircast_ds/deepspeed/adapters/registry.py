@@ -41,6 +41,39 @@ def adapter_class(optimizer: Any) -> type[Adapter]:
     return cls
 
 
+def will_train(optimizer: Any, ds_config: Any) -> bool:
+    """Whether ``deepspeed.initialize`` is about to build a training optimizer: a client optimizer (or
+    callable) was passed, or the config names one (DeepSpeed's own test, before the engine exists)."""
+    return bool(optimizer) or bool(getattr(ds_config, "optimizer_name", None))
+
+
+def stand_in(engine: Any) -> str | None:
+    """Why a built engine has no training optimizer (a reference, evaluation or inference engine),
+    or None when it has one. Such an engine never steps, so nothing refreshes its bf16 weights from an
+    fp32 master: there is no cast to replace, and it is left as DeepSpeed builds it.
+
+    Without an optimizer DeepSpeed still puts something in ``engine.optimizer``: ZeRO-3's
+    ``DeepSpeedZeRoOffload`` (parameter partitioning only), or a ``BF16_Optimizer`` around a
+    ``DummyOptim`` (bf16 without ZeRO); in both cases ``engine.basic_optimizer`` stays None.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None:
+        return "no optimizer"
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    if isinstance(optimizer, DeepSpeedZeRoOffload):
+        return "DeepSpeedZeRoOffload: ZeRO-3 parameter partitioning without an optimizer"
+    try:
+        from deepspeed.runtime.utils import DummyOptim
+    except ImportError:  # pragma: no cover - every supported release has it
+        DummyOptim = ()  # type: ignore[assignment,misc]
+    if DummyOptim and isinstance(getattr(optimizer, "optimizer", None), DummyOptim):
+        return f"{type(optimizer).__name__} around DeepSpeed's DummyOptim (no optimizer was given)"
+    if getattr(engine, "basic_optimizer", optimizer) is None and not getattr(engine, "client_optimizer", None):
+        return f"{type(optimizer).__name__} without a basic optimizer (no optimizer was given)"
+    return None
+
+
 def make_adapter(engine: Any, caster: ShardCaster) -> Adapter:
     """The adapter for the engine's optimizer (not installed yet)."""
     if engine.optimizer is None:

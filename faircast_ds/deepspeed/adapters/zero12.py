@@ -6,6 +6,11 @@ bf16 model. No method wraps the cast, so we wrap the all-gather in the module's 
 before it runs, this rank's bf16 partition is rewritten by the caster from its fp32 partition.
 ``update_lp_params`` (universal checkpoint load) goes through the same all-gather. The flat
 partitions cut across parameters; DeepSpeed's fragment mapping gives (parameter, index) per slice.
+
+With CPU optimizer offload on an accelerator the fp32 partition is on the host and the served one on
+the device: the caster casts on the host with the fused kernel, into DeepSpeed's own pinned bf16
+buffer where the release has one (0.17.0+, ``compat.zero12_offload_staging``) or into its own, then
+copies once to the device.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 from deepspeed import comm as dist
 
 from faircast_ds.adapter import Adapter, param_name
+from faircast_ds.deepspeed import compat
 from faircast_ds.routes import ROUTES
 from faircast_ds.shard_caster import ShardSlice, with_padding
 
@@ -39,7 +45,13 @@ class GatherSiteAdapter(Adapter):
 
     module: Any  # the DeepSpeed module whose global ``all_gather_dp_groups`` we wrap
 
+    @property
+    def cast_sites(self) -> str:
+        """Where the cast is routed, for the guard's messages."""
+        return f"{self.module.__name__}.all_gather_dp_groups, before it gathers"
+
     def __init__(self, optimizer: Any, caster: Any, names: dict) -> None:
+        compat.require_internals(optimizer, module=self.module)
         super().__init__(optimizer, caster, names)
         self._in_step = False
         self._publishing = False
@@ -73,6 +85,23 @@ class GatherSiteAdapter(Adapter):
 
     def previous(self, key: int) -> torch.Tensor | None:
         return self._previous[key]
+
+    def staging(self, key: int) -> torch.Tensor | None:
+        """A host bf16 buffer of the partition's size that the caster may use when the fp32 master is
+        on the host and the served partition on the device (None: the caster keeps its own)."""
+        return None
+
+    @torch.no_grad()
+    def cast_all(self) -> None:
+        for key, master, served, slices in self.flat_groups():
+            self.caster.cast_flat(key, master, served, slices, previous=self.previous(key), staging=self.staging(key))
+
+    def served_views(self, key: int) -> Iterator[tuple[ShardSlice, torch.Tensor]]:
+        """What DeepSpeed all-gathers and serves from group ``key``: this rank's bf16 partition."""
+        served = self.served(key).detach()
+        for s in self._slices[key]:
+            if not s.is_padding:
+                yield s, served.narrow(0, s.offset, s.numel)
 
     def install(self) -> None:
         _wrap_gather(self.module)
@@ -151,3 +180,6 @@ class Zero12Adapter(GatherSiteAdapter):
 
     def groups_flat(self) -> list[torch.Tensor]:
         return self.optimizer.bit16_groups_flat
+
+    def staging(self, key: int) -> torch.Tensor | None:
+        return compat.zero12_offload_staging(self.optimizer, key)

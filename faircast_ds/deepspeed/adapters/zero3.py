@@ -6,8 +6,10 @@ back to back. Refresh sites routed through the caster:
 - ``_reassign_or_swap_out_partitioned_parameters`` after every sub-group's optimizer step (persistent
   parameters are then all-gathered by ``_post_step`` from these same cast shards);
 - ``_rigid_load_state_dict`` (regular checkpoint load);
-- ``load_hp_checkpoint_state_from_checkpoint_dir_stage3`` (universal checkpoint);
-- ``load_module_checkpoint_state_from_checkpoint_dir_stage3`` (universal, module only).
+- ``load_hp_checkpoint_state_from_checkpoint_dir_stage3`` (universal checkpoint; its signature
+  differs before 0.18.0, the wrapper passes every argument through);
+- ``load_module_checkpoint_state_from_checkpoint_dir_stage3`` (universal, module only; 0.19.3+).
+Which of them a release has, and its partition group, come from ``faircast_ds.deepspeed.compat``.
 """
 from __future__ import annotations
 
@@ -18,25 +20,23 @@ import torch
 from deepspeed import comm as dist
 
 from faircast_ds.adapter import Adapter, UnsupportedSetupError, param_name
+from faircast_ds.deepspeed import compat
 from faircast_ds.shard_caster import ShardSlice, with_padding
-
-LOAD_SITES = (
-    "_rigid_load_state_dict",
-    "load_hp_checkpoint_state_from_checkpoint_dir_stage3",
-    "load_module_checkpoint_state_from_checkpoint_dir_stage3",
-)
 
 
 class Zero3Adapter(Adapter):
     zero_stage = 3
+    cast_sites = ("stage3 _reassign_or_swap_out_partitioned_parameters, _rigid_load_state_dict, "
+                  "load_hp/load_module_checkpoint_state_from_checkpoint_dir_stage3")
 
     def __init__(self, optimizer: Any, caster: Any, names: dict) -> None:
+        compat.require_internals(optimizer)
         super().__init__(optimizer, caster, names)
         self._slices = [self._group_slices(i) for i in range(len(optimizer.fp16_groups))]
 
     def _group_slices(self, i: int) -> list[ShardSlice]:
         opt = self.optimizer
-        rank = dist.get_rank(group=opt.sub_group_process_groups[i])
+        rank = dist.get_rank(group=compat.zero3_partition_group(opt, i))
         slices, offset = [], 0
         for param in opt.fp16_groups[i]:
             n = param.partition_numel()
@@ -57,7 +57,7 @@ class Zero3Adapter(Adapter):
         if any(flat is None for flat in opt.fp16_partitioned_groups_flat):
             raise UnsupportedSetupError("fair_cast: ZeRO-3 parameters swapped to NVMe are not supported")
         opt._reassign_or_swap_out_partitioned_parameters = self._refresh_sub_group
-        for site in LOAD_SITES:
+        for site in compat.zero3_load_sites(opt):
             setattr(opt, site, self._recast_after(getattr(opt, site)))
 
     def _refresh_sub_group(self, sub_group_id: int) -> None:
@@ -88,3 +88,14 @@ class Zero3Adapter(Adapter):
         if opt.persistent_parameters:  # kept gathered: release (the shard stays), then gather the new shards
             opt.persistent_parameters[0].partition(opt.persistent_parameters)
             opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+
+    def served_views(self, key: int) -> Iterator[tuple[ShardSlice, torch.Tensor]]:
+        """What DeepSpeed gathers and serves from sub-group ``key``: each parameter's ``ds_tensor``
+        (its elements of this rank's partition), beside the slice of the flat shard it came from."""
+        at, offset = {}, 0
+        for param in self.optimizer.fp16_groups[key]:
+            at[offset] = param
+            offset += param.partition_numel()
+        for s in self._slices[key]:
+            if not s.is_padding:
+                yield s, at[s.offset].ds_tensor.detach().view(-1).narrow(0, 0, s.numel)

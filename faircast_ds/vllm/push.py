@@ -1,0 +1,212 @@
+"""Push the served weights into a vLLM engine the trainer holds, and check what the engine computes with.
+
+:class:`WeightPush` walks the served weights one parameter at a time
+(:func:`faircast_ds.export.served_weights`; under ZeRO-3 a collective, gathered in bf16, never
+fp32) and hands the engine only the parameters whose bits changed since the last acknowledged
+push — as whole packed groups, since vLLM rebuilds a fused layer (``qkv_proj``, ``gate_up_proj``)
+from all of its parts. After the push it reads every parameter back from the engine's kernels
+(:mod:`faircast_ds.vllm.worker`) and compares digests of the canonical bits
+(:mod:`faircast_ds.vllm.bits`) with the served ones; any difference raises
+:class:`EngineWeightsMismatch` on every rank.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from faircast_ds.dist import from_rank0, rank_world
+from faircast_ds.export.served import served_specs, served_weights
+from faircast_ds.vllm.bits import digest
+
+
+class EngineWeightsMismatch(RuntimeError):
+    """After a push the engine computes with bits other than the served ones (the message lists them)."""
+
+    def __init__(self, message: str, mismatched: list[str]) -> None:
+        super().__init__(message)
+        self.mismatched = mismatched
+
+
+@dataclass(frozen=True)
+class PushReport:
+    """One push, as rank 0 made it (every rank gets the same report)."""
+
+    version: int | None
+    kind: str  # "dense" (every parameter) or "delta" (the changed groups only)
+    params: int  # parameters handed to the engine
+    params_total: int
+    elements: int  # elements handed to the engine
+    bytes: int  # bytes handed to the engine
+    seconds: float  # the whole push, verification included
+    load_seconds: float  # inside the engine's reload
+    verify_seconds: float
+    verified: bool | None  # None: not checked
+    mismatched: list[str] = field(default_factory=list)
+
+
+def packed_groups(names: list[str], packed: dict[str, list[str]]) -> dict[str, tuple[str, ...]]:
+    """For each HF tensor name, the names that one vLLM layer is rebuilt from together (itself alone,
+    or e.g. ``q_proj``/``k_proj``/``v_proj`` for ``qkv_proj``), as far as they exist in ``names``."""
+    present = set(names)
+    groups: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        path, _, attr = name.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        group: tuple[str, ...] = (name,)
+        for parts in packed.values():
+            if leaf in parts:
+                members = tuple(f"{parent}.{p}.{attr}" if parent else f"{p}.{attr}" for p in parts)
+                group = tuple(m for m in members if m in present)
+                break
+        groups[name] = group
+    return groups
+
+
+class WeightPush:
+    """The trainer's end of a colocated engine. Construct and :meth:`push` on every rank; ``engine``
+    is the :class:`~faircast_ds.vllm.engine.VllmEngine` on rank 0 and None elsewhere.
+
+    ``delta``: after the first push, hand over only changed groups. ``verify``: read everything
+    back after each push and raise :class:`EngineWeightsMismatch` unless it equals the served bits.
+    ``batch_bytes``: how many bytes of served tensors rank 0 stages per engine call (whole groups).
+    """
+
+    def __init__(self, model: Any, engine: Any | None, *, delta: bool = True, verify: bool = True,
+                 batch_bytes: int = 64 << 20) -> None:
+        self.model = model
+        self.rank, self.world = rank_world()
+        if self.rank == 0 and engine is None:
+            raise ValueError("WeightPush needs the engine on rank 0")
+        self.engine = engine if self.rank == 0 else None
+        self.delta, self.verify, self.batch_bytes = delta, verify, int(batch_bytes)
+        self.specs = served_specs(model)
+        names = [s.name for s in self.specs]
+        self.groups = packed_groups(names, self.engine.info["packed"]) if self.engine is not None else {}
+        self._pushed: dict[str, str] | None = None  # rank 0: raw digests of what the engine last acknowledged
+        self._acked = False  # every rank: whether the last push succeeded (a delta is possible)
+        self.pushes = 0
+
+    def push(self, version: int | None = None, *, verify: bool | None = None, kind: str = "auto") -> PushReport:
+        """Hand the served weights to the engine (a collective under ZeRO-3). ``kind``: ``auto`` (delta
+        when a previous push succeeded and ``delta`` is on), ``dense`` or ``delta``."""
+        if kind not in ("auto", "dense", "delta"):
+            raise ValueError(f"kind must be 'auto', 'dense' or 'delta', not {kind!r}")
+        if kind == "delta" and not (self.delta and self._acked):  # decided alike on every rank, before the walk
+            raise ValueError("a delta push needs delta=True and a previous successful push")
+        if version is None:
+            version = getattr(self.model, "global_steps", None)
+        verify = self.verify if verify is None else verify
+        began = time.perf_counter()
+        state = _RankZeroPush(self, kind) if self.engine is not None else None
+        for name, tensor in served_weights(self.model):  # every rank walks it: ZeRO-3 gathers are collectives
+            if state is not None:
+                state.see(name, tensor)
+        outcome = None
+        if state is not None:
+            outcome = state.finish(verify)
+        outcome = from_rank0(outcome)
+        self._acked = outcome["error"] is None
+        if outcome["error"] is not None:
+            raise EngineWeightsMismatch(outcome["error"], outcome["mismatched"])
+        self.pushes += 1
+        return PushReport(version=version, kind=outcome["kind"], params=outcome["params"],
+                          params_total=len(self.specs), elements=outcome["elements"], bytes=outcome["bytes"],
+                          seconds=time.perf_counter() - began, load_seconds=outcome["load_seconds"],
+                          verify_seconds=outcome["verify_seconds"], verified=outcome["verified"],
+                          mismatched=outcome["mismatched"])
+
+
+class _RankZeroPush:
+    """Rank 0's state during one push: staged groups, digests, the engine calls."""
+
+    def __init__(self, owner: WeightPush, kind: str) -> None:
+        self.owner = owner
+        previous = owner._pushed
+        self.dense = kind == "dense" or previous is None or not owner.delta
+        self.previous = previous or {}
+        self.raw: dict[str, str] = {}
+        self.expected: dict[str, str] = {}
+        self.waiting: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+        self.batch: list[tuple[str, torch.Tensor]] = []
+        self.batch_size = 0
+        self.params = self.elements = self.bytes = 0
+        self.load_seconds = 0.0
+        self.error: str | None = None
+
+    def see(self, name: str, tensor: torch.Tensor) -> None:
+        if self.error is not None:
+            return  # keep walking with the other ranks; reported at the end
+        try:
+            self._see(name, tensor)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank
+            self.error = f"staging {name}: {type(exc).__name__}: {exc}"
+
+    def _see(self, name: str, tensor: torch.Tensor) -> None:
+        self.raw[name] = digest(tensor, canonicalize=False)
+        self.expected[name] = digest(tensor)
+        group = self.owner.groups.get(name, (name,))
+        if len(group) == 1:
+            if self._changed(group):
+                self._stage([(name, tensor.detach().clone())])
+            return
+        members = self.waiting.setdefault(group, {})
+        members[name] = tensor.detach().clone()  # valid only until the walk advances
+        if len(members) < len(group):
+            return
+        del self.waiting[group]
+        if self._changed(group):
+            self._stage([(m, members[m]) for m in group])
+
+    def _changed(self, group: tuple[str, ...]) -> bool:
+        return self.dense or any(self.raw[m] != self.previous.get(m) for m in group)
+
+    def _stage(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in items:
+            self.batch.append((name, t))
+            size = t.numel() * t.element_size()
+            self.batch_size += size
+            self.params += 1
+            self.elements += t.numel()
+            self.bytes += size
+        if self.batch_size >= self.owner.batch_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.batch and self.error is None:
+            try:
+                self.load_seconds += self.owner.engine.reload(self.batch)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank
+                self.error = f"the engine refused the weights: {type(exc).__name__}: {exc}"
+        self.batch, self.batch_size = [], 0
+
+    def finish(self, verify: bool) -> dict[str, Any]:
+        if self.waiting and self.error is None:
+            incomplete = sorted(n for g in self.waiting for n in g if n not in self.waiting[g])
+            self.error = f"packed groups incomplete after the walk: missing {incomplete[:5]}"
+        self._flush()
+        engine = self.owner.engine
+        mismatched: list[str] = []
+        verified, verify_seconds = None, 0.0
+        if self.error is None:
+            engine.reset_prefix_cache()
+            if verify:
+                t0 = time.perf_counter()
+                got = engine.digests([(s.name, s.shape) for s in self.owner.specs])
+                mismatched = [n for n, d in self.expected.items() if got.get(n) != d]
+                verify_seconds = time.perf_counter() - t0
+                verified = not mismatched
+                if mismatched:
+                    detail = "; ".join(f"{n}: {got.get(n, 'missing')[:60]}" for n in mismatched[:5])
+                    self.error = (f"after the push the engine computes with other bits than the served ones in "
+                                  f"{len(mismatched)} of {len(self.expected)} parameter(s) (canonical bits: -0.0 "
+                                  f"and subnormals count as +0): {detail}")
+        if self.error is None:
+            self.owner._pushed = self.raw
+        else:
+            self.owner._pushed = None  # the next push is dense
+        return {"error": self.error, "mismatched": mismatched, "kind": "dense" if self.dense else "delta",
+                "params": self.params, "elements": self.elements, "bytes": self.bytes,
+                "load_seconds": self.load_seconds, "verify_seconds": verify_seconds, "verified": verified}

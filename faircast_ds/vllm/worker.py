@@ -1,0 +1,145 @@
+"""The engine side: a vLLM worker extension (``worker_extension_cls``) that loads and reads back weights.
+
+vLLM mixes this class into its worker; the trainer side calls its methods through
+``LLM.collective_rpc("faircast_...", args=...)`` (every call is executed by each worker, in the
+process that holds the model, between engine steps).
+
+Loading goes through ``Worker.reload_weights(weights_iterator, is_checkpoint_format=True)``: the
+checkpoint-format (HF-named) tensors are buffered layer by layer and each vLLM layer is rebuilt
+and re-processed (on CPU: its linear weight repacked for oneDNN) once *all* of its tensors
+arrived. Loading directly (``model.load_weights``) does not work on vLLM's CPU build, whose
+linear layers keep no usable ``.weight`` after repacking. A vLLM layer that receives only some of
+its tensors — ``q_proj`` without ``k_proj``/``v_proj`` for the fused ``qkv_proj`` — is rebuilt
+with the missing part left uninitialized, so callers send whole groups (:func:`packed_groups`).
+
+Reading back asks the kernels themselves: a linear layer (and the LM head) is applied to identity
+rows through its own ``quant_method``, an embedding is looked up for every id, and only tensors a
+kernel reads directly (norm weights, biases) are read as tensors. What comes back is what the
+engine computes with, canonicalized as in :mod:`faircast_ds.vllm.bits`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from faircast_ds.vllm.bits import canonical, digest, pack, unpack
+
+_PROBE_ROWS = 1024  # identity rows per kernel call when reading a linear weight back
+_QUIET = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+
+
+@contextmanager
+def _quiet_reload() -> Iterator[None]:
+    """A partial reload makes vLLM warn once per layer that got no tensor ("Failed to load weights"),
+    which is what a delta update is; silence exactly those two loggers while it runs."""
+    loggers = [logging.getLogger(n) for n in _QUIET]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+class FairCastWorkerExtension:
+    """Methods vLLM adds to its worker when ``worker_extension_cls`` names this class
+    (``faircast_ds.vllm.worker.FairCastWorkerExtension``)."""
+
+    # -- what the engine holds ---------------------------------------------------------------
+    def _faircast_model(self) -> torch.nn.Module:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def faircast_describe(self) -> dict[str, Any]:
+        """The model's packed (fused) modules and dtype, for the trainer side to group its pushes."""
+        model = self._faircast_model()
+        packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+        return {"packed": packed, "dtype": str(self.model_config.dtype),  # type: ignore[attr-defined]
+                "architecture": type(model).__name__}
+
+    # -- loading -----------------------------------------------------------------------------
+    def faircast_reload(self, items: list[tuple[str, Any]]) -> dict[str, float]:
+        """Load checkpoint-format tensors (HF names) in place; returns the seconds it took. A tensor may
+        come packed (:func:`faircast_ds.vllm.bits.pack`), as it must across vLLM's processes."""
+        began = time.perf_counter()
+        items = [(n, t if isinstance(t, torch.Tensor) else unpack(t)) for n, t in items]
+        with _quiet_reload(), torch.inference_mode():
+            self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        return {"seconds": time.perf_counter() - began, "tensors": float(len(items))}
+
+    # -- reading back ------------------------------------------------------------------------
+    def faircast_read(self, name: str, shape: list[int]) -> tuple[str, list[int], bytes]:
+        """What the kernels compute with for the HF tensor ``name`` of ``shape``, canonical, packed."""
+        with torch.inference_mode():
+            return pack(canonical(self._faircast_readback(name, tuple(shape))))
+
+    def faircast_digests(self, specs: list[tuple[str, list[int]]]) -> dict[str, str]:
+        """:func:`faircast_ds.vllm.bits.digest` of each read-back tensor, one at a time."""
+        out = {}
+        with torch.inference_mode():
+            for name, shape in specs:
+                try:
+                    out[name] = digest(self._faircast_readback(name, tuple(shape)))
+                except Exception as exc:  # noqa: BLE001 - reported per tensor, the trainer side raises
+                    out[name] = f"error: {type(exc).__name__}: {exc}"
+        return out
+
+    def _faircast_resolve(self, name: str) -> tuple[torch.nn.Module, str, int | None]:
+        """(vLLM module, attribute, index in its packed group or None) holding HF tensor ``name``."""
+        model = self._faircast_model()
+        path, _, attr = name.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        try:
+            return model.get_submodule(path), attr, None
+        except AttributeError:
+            pass
+        for fused, parts in (getattr(model, "packed_modules_mapping", None) or {}).items():
+            if leaf in parts:
+                target = f"{parent}.{fused}" if parent else fused
+                try:
+                    return model.get_submodule(target), attr, list(parts).index(leaf)
+                except AttributeError:
+                    continue
+        raise KeyError(f"the vLLM model has no module for {name!r}")
+
+    def _faircast_readback(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        module, attr, index = self._faircast_resolve(name)
+        dtype = self.model_config.dtype  # type: ignore[attr-defined]
+        if attr == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
+            width = module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
+            device = next((t.device for t in module.parameters()), torch.device("cpu"))
+            cols = []
+            for start in range(0, width, _PROBE_ROWS):
+                rows = min(_PROBE_ROWS, width - start)
+                eye = torch.zeros(rows, width, dtype=dtype, device=device)
+                eye[:, start:start + rows] = torch.eye(rows, dtype=dtype, device=device)
+                cols.append(module.quant_method.apply(module, eye))  # [rows, out]: W^T's rows, no bias
+            full = torch.cat(cols).t()
+        elif attr == "weight" and isinstance(module, VocabParallelEmbedding):
+            device = module.weight.device
+            full = module(torch.arange(shape[0], device=device))
+        else:
+            full = getattr(module, attr).detach()
+            if full.dtype != dtype and full.is_floating_point():
+                full = full.to(dtype)  # e.g. a bias the CPU GEMM keeps in fp32 (exact for bf16 values)
+        if index is not None:
+            sizes = list(getattr(module, "output_sizes", []))
+            if len(sizes) <= index:
+                raise KeyError(f"{name}: cannot locate shard {index} of {type(module).__name__}")
+            start = sum(sizes[:index])
+            full = full.narrow(0, start, sizes[index])
+        if tuple(full.shape) != shape:
+            if full.dim() == len(shape) and full.shape[0] >= shape[0] and tuple(full.shape[1:]) == shape[1:]:
+                full = full[: shape[0]]  # a vocabulary padded by the engine
+            else:
+                raise ValueError(f"{name}: the engine holds {list(full.shape)}, the trainer serves {list(shape)}")
+        return full

@@ -1,0 +1,212 @@
+"""Every check against a real vLLM engine, with one in-process engine and one engine process, run once
+(vLLM takes 15-30 s to start): writes what it measured to OUT_DIR/vllm.json for tests/test_vllm.py.
+
+Usage: python tests/dist/vllm_worker.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+KV_CACHE_GIB = 1 / 16  # 64 MiB of KV cache: ~0.8 GiB per engine instead of ~1.7
+MODEL = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build():
+    from faircast_ds.models import tiny_causal_lm
+
+    # a large init std and RMSNorm weights around 1 so rounding differences show in the log-probs; built as
+    # from_pretrained builds (fp32 RoPE buffers), as the engine computes its own fp32 tables
+    return tiny_causal_lm("qwen3", seed=0, init_std=0.3, norm_jitter=0.2, attn="eager", **MODEL).eval()
+
+
+def served_digests(model) -> dict[str, str]:
+    from faircast_ds.export import served_weights
+    from faircast_ds.vllm import digest
+
+    return {n: digest(t) for n, t in served_weights(model)}
+
+
+def report(r) -> dict:
+    return {k: getattr(r, k) for k in ("version", "kind", "params", "params_total", "elements", "bytes", "seconds",
+                                       "load_seconds", "verify_seconds", "verified", "mismatched")}
+
+
+def gaps(trainer: torch.Tensor, engine: torch.Tensor) -> dict:
+    from faircast_ds.align.meter import gap_stats
+
+    return {**gap_stats(trainer, engine), "equal": float((trainer == engine).double().mean())}
+
+
+def alignment_checks(model, engine, out: dict) -> None:
+    from faircast_ds.align import REGIONS, align_model
+    from faircast_ds.align.meter import token_logprobs
+
+    def trainer(ids, engine_name=None, regions=REGIONS):
+        with torch.no_grad():
+            if engine_name is None:
+                return token_logprobs(model(input_ids=ids).logits, ids)
+            with align_model(model, engine_name, regions):
+                return token_logprobs(model(input_ids=ids).logits, ids)
+
+    ids = torch.randint(0, MODEL["vocab_size"], (32, 12), generator=torch.Generator().manual_seed(7))
+    t0 = time.perf_counter()
+    scored = engine.score(ids)  # teacher forced: one prefill per sequence
+    out["score_seconds"] = time.perf_counter() - t0
+    prefill = {"unaligned": gaps(trainer(ids), scored), "aligned": gaps(trainer(ids, "vllm-cpu"), scored),
+               "vllm-cuda": gaps(trainer(ids, "vllm-cuda"), scored), "sglang": gaps(trainer(ids, "sglang"), scored)}
+    for region in REGIONS:
+        prefill[f"all but {region}"] = gaps(trainer(ids, "vllm-cpu", [r for r in REGIONS if r != region]), scored)
+    out["prefill"] = prefill
+    prompts = ids[:, :4]
+    tokens, logps = engine.generate(prompts, 8, seeds=list(range(100, 132)))
+    seqs = torch.cat([prompts, tokens], dim=1)
+    out["decode"] = {"unaligned": gaps(trainer(seqs)[:, 3:], logps),
+                     "aligned": gaps(trainer(seqs, "vllm-cpu")[:, 3:], logps)}
+
+
+def main(out_dir: str) -> None:
+    from faircast_ds.export import save_hf
+    from faircast_ds.vllm import EngineWeightsMismatch, RemoteEngine, VllmEngine, WeightPush, canonical
+    from faircast_ds.vllm.bits import bit_pattern, differing
+
+    out: dict = {}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("FAIRCAST_DS_SYNC_SECRET", "faircast-ds vllm test secret 0123456789")
+    model = build()
+    export = Path(out_dir) / "export"
+    save_hf(model, export, version=0)
+    out["config_architectures"] = json.loads((export / "config.json").read_text()).get("architectures")
+    bare = Path(out_dir) / "export-without-architectures"
+    shutil.copytree(export, bare, dirs_exist_ok=True)
+    config = json.loads((bare / "config.json").read_text())
+    config.pop("architectures", None)
+    (bare / "config.json").write_text(json.dumps(config))
+    from vllm.config import ModelConfig
+
+    out["resolved"] = {name: {"architectures": list(mc.architectures), "runner": mc.runner_type}
+                       for name, mc in (("export", ModelConfig(model=str(export), skip_tokenizer_init=True)),
+                                        ("bare", ModelConfig(model=str(bare), skip_tokenizer_init=True)))}
+
+    t0 = time.perf_counter()
+    engine = VllmEngine(export, max_model_len=64, seed=0, kv_cache_gib=KV_CACHE_GIB)
+    out["start_seconds"] = time.perf_counter() - t0
+    out["in_process"] = engine.in_process
+    out["architecture"] = engine.info["architecture"]
+    out["packed"] = engine.info["packed"]
+
+    # the export alone: the engine computes with the served bits before any push
+    expected = served_digests(model)
+    got = engine.digests([(n, list(p.shape)) for n, p in model.named_parameters()])
+    out["export_mismatched"] = [n for n in expected if got.get(n) != expected[n]]
+
+    # pushes: dense, then only the changed groups
+    push = WeightPush(model, engine)
+    out["push_dense"] = report(push.push(version=0))
+    layers = model.model.layers
+    with torch.no_grad():
+        layers[0].self_attn.k_proj.weight[3, 5] += 0.125
+        layers[1].input_layernorm.weight[7] += 0.0625
+    out["push_delta"] = report(push.push(version=1))
+    out["push_nothing"] = report(push.push(version=2))
+    # -0.0 and a subnormal: the kernels flush them; the check counts them as +0
+    with torch.no_grad():
+        w = layers[0].self_attn.o_proj.weight
+        w[0, 0] = -0.0
+        w[0, 1] = torch.tensor(3e-39, dtype=torch.float32).to(torch.bfloat16)
+    out["push_flush"] = report(push.push(version=3))
+    back = engine.read("model.layers.0.self_attn.o_proj.weight", list(w.shape))
+    out["flush"] = {"served_bits": bit_pattern(w[0, :2]).tolist(), "engine_bits": bit_pattern(back[0, :2]).tolist(),
+                    "served_is_subnormal": bool(0 < abs(float(w[0, 1])) < torch.finfo(torch.bfloat16).tiny),
+                    "differing_canonical": differing(canonical(w), back)}
+    # one part of a fused layer alone: vLLM rebuilds qkv_proj with k and v uninitialized; the check catches it
+    q = "model.layers.1.self_attn.q_proj.weight"
+    k = "model.layers.1.self_attn.k_proj.weight"
+    engine.reload([(q, layers[1].self_attn.q_proj.weight.detach().clone())])
+    kw = layers[1].self_attn.k_proj.weight
+    out["lone_part"] = {"k_differing": differing(kw, engine.read(k, list(kw.shape))), "k_numel": kw.numel()}
+    try:
+        push.push(version=4, kind="delta")
+        out["lone_part"]["raised"] = None
+    except EngineWeightsMismatch as exc:
+        out["lone_part"]["raised"] = {"message": str(exc)[:400], "mismatched": exc.mismatched}
+    out["repair"] = report(push.push(version=5))  # after a failed check the next push is dense
+
+    # sampling: the same seeds give the same tokens and log-prob bits
+    prompts = torch.randint(0, MODEL["vocab_size"], (16, 4), generator=torch.Generator().manual_seed(3))
+    seeds = list(range(16))
+    a_tok, a_lp = engine.generate(prompts, 8, seeds)
+    b_tok, b_lp = engine.generate(prompts, 8, seeds)
+    c_tok, _ = engine.generate(prompts, 8, [s + 1000 for s in seeds])
+    out["sampling"] = {"same_tokens": bool(torch.equal(a_tok, b_tok)),
+                       "same_logprob_bits": bool(torch.equal(a_lp.view(torch.int32), b_lp.view(torch.int32))),
+                       "other_seeds_differ": bool(not torch.equal(a_tok, c_tok)),
+                       "shape": list(a_tok.shape), "finite": bool(torch.isfinite(a_lp).all()),
+                       "max_logprob": float(a_lp.max())}
+
+    alignment_checks(model, engine, out)
+
+    # a separate engine process fed by the weight sync (authenticated by the secret set above)
+    port = free_port()
+    control = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    log = open(Path(out_dir) / "engine_process.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "faircast_ds.vllm.remote", str(export), "--port", str(port),
+                             "--control-port", str(control), "--max-model-len", "64",
+                             "--kv-cache-gib", str(KV_CACHE_GIB)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+    try:
+        t0 = time.perf_counter()
+        remote = RemoteEngine(model, port=port, control_port=control, timeout=240)
+        out["remote_connect_seconds"] = time.perf_counter() - t0
+        out["remote_dense"] = report(remote.push(version=10))
+        with torch.no_grad():
+            layers[1].mlp.up_proj.weight[0, :4] += 0.25
+        out["remote_delta"] = report(remote.push(version=11))
+        push.push(version=11)  # the in-process engine gets the same weights
+        r_tok, r_lp = remote.generate(prompts, 8, seeds)
+        l_tok, l_lp = engine.generate(prompts, 8, seeds)
+        out["remote_vs_local"] = {"same_tokens": bool(torch.equal(r_tok, l_tok)),
+                                  "same_logprob_bits": bool(torch.equal(r_lp.view(torch.int32), l_lp.view(torch.int32)))}
+        remote.close(shutdown=True)
+        out["remote_exit"] = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    engine.close()
+    out["ok"] = True
+    with open(Path(out_dir) / "vllm.json", "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # vLLM's threads are not waited for at interpreter exit
