@@ -184,6 +184,7 @@ def test_checkpoint_after_a_nonfinite_cast_holds_one_step(phases, combo):
 
 @pytest.mark.parametrize("case, error, words", [
     ("missing", "FairCastStateError", "no Fair Cast state in"),
+    ("missing_module_only", "FairCastStateError", "`faircast-ds to-universal <tag folder> <output folder>`"),
     ("other_mode", "FairCastStateError", "saved with fair_cast.mode='error_feedback', this run has 'stochastic'"),
     ("other_seed", "FairCastStateError", "saved with fair_cast.seed=1234, this run has 99"),
     ("corrupted", "FairCastStateError", "CRC mismatch for model.embed_tokens.weight"),
@@ -205,6 +206,7 @@ def test_bad_state_is_a_clear_error_on_every_rank(phases, case, error, words):
 def test_reset_policy_is_logged_and_stochastic_recovers_without_state(phases):
     assert phases["bad"]["missing_reset"] == {"ok": True, "step": 1}
     assert phases["bad"]["missing_recovered"] == {"ok": True, "step": 1}
+    assert phases["bad"]["missing_module_only_recovered"] == {"ok": True, "step": 1}  # ZeRO-3, from the masters
     log = (phases["out"]["resume"] / "launch.log").read_text()
     assert "on_missing_state=reset: residual starts at zero, noise step 1" in log
 

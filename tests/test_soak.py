@@ -114,7 +114,9 @@ def table(launches: list, reference: Path) -> str:
                     ok = same_as_reference(reference, name, after["out"] / f"probe_{name}_{p['tag']}.pt")
                     probes.append(f"{name}/{p['tag']}: loads, complete ({'equal' if ok else 'DIFFERS'})")
                 else:
-                    probes.append(f"{name}/{p['tag']}: refused, {p['type']}: {p['message'].split(': ', 1)[-1][:90]}")
+                    why = p["message"].split("is incomplete: ", 1)[-1] if "is incomplete: " in p["message"] \
+                        else p["message"].split(": ", 1)[-1]
+                    probes.append(f"{name}/{p['tag']}: refused, {p['type']}: {why[:100]}")
         outcome = "killed (SIGKILL)" if item["killed"] else ("completed" if item["rc"] == 0 else f"FAILED rc={item['rc']}")
         rows.append(f"| {i} | {item['kill'] or '(none)'} | {outcome} | {'; '.join(resumed) or '—'} | "
                     f"{'; '.join(probes) or '—'} |")

@@ -182,10 +182,11 @@ def crash(root: str, out: str) -> None:
             engine.save_checkpoint(os.path.join(root, "crash"))
 
 
-def try_load(stage: str, mode: str, load_dir: str, tag: str | None, extra: dict | None = None, **fair_cast) -> dict:
+def try_load(stage: str, mode: str, load_dir: str, tag: str | None, extra: dict | None = None,
+             load: dict | None = None, **fair_cast) -> dict:
     try:
         engine, fc = build(stage, mode, fair_cast=fair_cast, **(extra or {}))
-        engine.load_checkpoint(load_dir, tag=tag)
+        engine.load_checkpoint(load_dir, tag=tag, **(load or {}))
         return {"ok": True, "step": fc.caster.step}
     except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
         return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
@@ -247,6 +248,10 @@ def resume(root: str, out: str) -> None:
     bad = {
         "missing": try_load("zero3", "error_feedback", os.path.join(root, "no-fair-cast"), "step1"),
         "missing_recovered": try_load("zero3", "stochastic", os.path.join(root, "no-fair-cast"), "step1"),
+        "missing_module_only_recovered": try_load("zero3", "stochastic", os.path.join(root, "no-fair-cast"), "step1",
+                                                  load={"load_optimizer_states": False}),
+        "missing_module_only": try_load("zero3", "error_feedback", os.path.join(root, "no-fair-cast"), "step1",
+                                        load={"load_module_only": True}),
         "other_mode": try_load("zero3", "stochastic", ef, "step3"),
         "other_seed": try_load("zero3", "error_feedback", ef, "step3", seed=99),
         "corrupted": try_load("zero3", "error_feedback", os.path.join(root, "corrupted"), "step3"),
