@@ -8,13 +8,17 @@ those a run that never stopped had at that step — or refuse naming what is inc
 killed save left behind must be refused the same way or load completely; and at the end the served
 bits, the masters and the residual equal those of the run that never stopped.
 
-CI runs the chosen kill points and one random one (about 2-3 minutes). By hand, a longer seeded schedule:
+CI runs the chosen kill points and one random one (about a minute on a quiet machine). By hand, a
+longer seeded schedule:
 
-    FAIRCAST_SOAK_RESTARTS=30 FAIRCAST_SOAK_SEED=7 DS_ACCELERATOR=cpu \
+    FAIRCAST_SOAK_RESTARTS=30 FAIRCAST_SOAK_STEPS=24 FAIRCAST_SOAK_SEED=7 DS_ACCELERATOR=cpu \
         python3 -m pytest -q -s -p no:cacheprovider tests/test_soak.py
 
-(FAIRCAST_SOAK_RUNS=zero3/error_feedback,zero3/stochastic,... picks the runs; the outcome table is
-printed and written to soak_table.md in the test's output folder; a failing schedule replays from its seed.)
+(FAIRCAST_SOAK_RUNS=zero3/error_feedback,zero3/stochastic,... picks the runs.) A random kill point is
+drawn among the moments the next launch will reach (from what the runs' `latest` say is left to do),
+at most two save rounds or three steps ahead, so kills keep landing until the job is done; the draw
+depends only on the seed and on the checkpoints on disk, so a failing schedule replays from its seed.
+The outcome table is printed and written to soak_table.md in pytest's base folder.
 """
 from __future__ import annotations
 
@@ -33,25 +37,31 @@ WORKER = DIST / "soak_worker.py"
 RUNS = os.environ.get("FAIRCAST_SOAK_RUNS", "zero3/error_feedback,zero2/stochastic").split(",")
 RESTARTS = int(os.environ.get("FAIRCAST_SOAK_RESTARTS", "0"))  # 0: CI's schedule
 SEED = int(os.environ.get("FAIRCAST_SOAK_SEED", "17"))
-STEPS, EVERY = 6, 2
+STEPS, EVERY = int(os.environ.get("FAIRCAST_SOAK_STEPS", "6")), 2
 SITES = ("save:before_state", "save:between", "save:zero_file", "save:latest", "save:after_latest", "load:zero",
          "load:state", "step:cast")
 CHOSEN = ["save:between:2", "save:zero_file:1", "save:latest:1", "load:zero:1"]  # each one is reached
 REFUSALS = ("IncompleteCheckpointError", "FairCastStateError")
 
 
-def schedule(seed: int, restarts: int) -> list[str]:
-    """The kill points, one per launch: CI's chosen ones and one random, or ``restarts`` random ones."""
-    rng = random.Random(seed)
-    saves = len(RUNS) * STEPS // EVERY
-    most = {"load:zero": len(RUNS), "load:state": len(RUNS), "step:cast": 3 * STEPS * len(RUNS)}
-    kills = list(CHOSEN) if restarts == 0 else []
-    for _ in range(1 if restarts == 0 else restarts):
-        site = rng.choice(SITES)
-        n = rng.randint(1, most.get(site, saves))
-        rank = 0 if site in ("save:latest", "save:after_latest") else rng.randint(0, 1)
-        kills.append(f"{site}:{n}:{rank}")
-    return kills
+def latest_step(run_dir: Path) -> int:
+    latest = run_dir / "latest"
+    return int(latest.read_text().strip().removeprefix("global_step")) if latest.exists() else 0
+
+
+def random_kill(rng: random.Random, root: Path) -> str | None:
+    """A kill point the next launch reaches, drawn from what is left to do (None: the job is done)."""
+    done = [latest_step(root / run.replace("/", "-")) for run in RUNS]
+    saves = sum(sum(1 for t in range(at + 1, STEPS + 1) if t % EVERY == 0 or t == STEPS) for at in done)
+    steps = sum(STEPS - at for at in done)
+    loads = sum(1 for at in done if at > 0)
+    reach = {site: min(saves, 2 * len(RUNS)) for site in SITES if site.startswith("save:")}
+    reach.update({"load:zero": loads, "load:state": loads, "step:cast": min(steps, 3 * len(RUNS))})
+    if saves == 0:
+        return None
+    site = rng.choice([site for site in SITES if reach[site] > 0])
+    rank = 0 if site in ("save:latest", "save:after_latest") else rng.randint(0, 1)
+    return f"{site}:{rng.randint(1, reach[site])}:{rank}"
 
 
 def launch(root: Path, out: Path, *args: str, **env: str):
@@ -62,8 +72,11 @@ def launch(root: Path, out: Path, *args: str, **env: str):
 @pytest.fixture(scope="module")
 def soak(tmp_path_factory):
     root = tmp_path_factory.mktemp("soak_ckpt")
+    rng = random.Random(SEED)
+    planned = list(CHOSEN) + [None] if RESTARTS == 0 else [None] * RESTARTS  # None: drawn at random
     launches = []
-    for i, kill in enumerate(schedule(SEED, RESTARTS) + [None]):
+    for i, kill in enumerate(planned + ["last"]):
+        kill = None if kill == "last" else kill or random_kill(rng, root)  # None: the job is done
         out = tmp_path_factory.mktemp(f"soak_{i:02d}")
         # the last launch, never killed, also trains the runs that never stopped (the reference)
         proc = launch(root, out, FAIRCAST_TEST_KILL_AT=kill) if kill else launch(root, out, "--reference")
@@ -71,6 +84,8 @@ def soak(tmp_path_factory):
         report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {"runs": {}}
         launches.append({"kill": kill, "rc": proc.returncode, "killed": "exits with return code = -9" in log,
                          "out": out, "report": report, "log_tail": log[-3000:]})
+        if kill is None:
+            break
     reference = launches[-1]["out"]
     return {"reference": reference, "launches": launches, "table": table(launches, reference)}
 
@@ -128,8 +143,8 @@ def test_every_launch_was_killed_or_completed(soak, tmp_path_factory):
     print("\n" + soak["table"])
     for item in soak["launches"]:
         assert item["killed"] or item["rc"] == 0, f"{item['kill']}: exited {item['rc']}\n{item['log_tail']}"
-    chosen = [item for item in soak["launches"] if item["kill"] in CHOSEN]
-    assert all(item["killed"] for item in chosen), [(i["kill"], i["killed"]) for i in chosen]
+    # every kill point, chosen or drawn, is one the launch reaches
+    assert all(item["killed"] for item in soak["launches"][:-1]), [(i["kill"], i["killed"]) for i in soak["launches"]]
     assert soak["launches"][-1]["rc"] == 0 and soak["launches"][-1]["report"].get("completed")
 
 

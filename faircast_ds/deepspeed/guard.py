@@ -210,8 +210,12 @@ class Guard:
                 "release, and report this one")
 
     def check(self, site: str) -> None:
-        """Compare on every rank (a collective); raise UnsupportedSetupError on every rank on a mismatch."""
-        error = dist.first_failure(lambda: self._raise_local(site), UnsupportedSetupError)
+        """Compare on every rank (a collective: one all-reduce of a flag; the messages are gathered only
+        when a rank found a mismatch); raise UnsupportedSetupError on every rank on a mismatch."""
+        problem = self.local_problem(site)
+        error = None
+        if _any_rank(problem is not None):
+            error = dist.first_failure(lambda: _raise(problem), UnsupportedSetupError)
         self.full_pending = False
         self.record_full = False
         self.ready = {}
@@ -220,10 +224,25 @@ class Guard:
         if error is not None:
             raise UnsupportedSetupError(f"fair_cast: {error}")
 
-    def _raise_local(self, site: str) -> None:
-        problem = self.local_problem(site)
-        if problem is not None:
-            raise UnsupportedSetupError(problem)
+
+
+def _raise(problem: str | None) -> None:
+    if problem is not None:
+        raise UnsupportedSetupError(problem)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (one all-reduce of one element, on the accelerator the
+    process group communicates on)."""
+    rank, world = dist.rank_world()
+    if world == 1:
+        return flag
+    import torch.distributed as tdist
+    from deepspeed.accelerator import get_accelerator
+
+    t = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().current_device_name())
+    tdist.all_reduce(t)
+    return bool(t.item() > 0)
 
 
 def install(engine: Any, fair_cast: Any) -> Guard:
