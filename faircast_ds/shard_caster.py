@@ -11,7 +11,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Protocol, Sequence
+from typing import Hashable, Protocol, Sequence
 
 import torch
 

@@ -56,17 +56,10 @@ def _check_deepspeed(out: _Checklist) -> bool:
         out.error(f"DeepSpeed does not import: {type(exc).__name__}: {exc}")
         return False
     version = deepspeed.__version__
-    try:  # the release rules (faircast_ds/deepspeed/compat.py): a supported range and the releases CI runs
-        from faircast_ds.deepspeed import compat
+    from faircast_ds.deepspeed import compat  # the release rules: a supported range and the releases CI runs
 
-        problem, tested = compat.release_problem(version), tuple(compat.TESTED)
-        where = f"supported range deepspeed{compat.SUPPORTED_RANGE}"
-    except (ImportError, AttributeError):  # an older layout: one verified list
-        from faircast_ds.deepspeed import support
-
-        tested = tuple(support.VERIFIED_DEEPSPEED)
-        problem = None if version in tested else f"DeepSpeed {version} is not verified (verified: {', '.join(tested)})"
-        where = "verified releases"
+    problem, tested = compat.release_problem(version), tuple(compat.TESTED)
+    where = f"supported range deepspeed{compat.SUPPORTED_RANGE}"
     if problem is not None:
         out.error(f"{problem} (initialize would raise UnsupportedSetupError)")
     elif version.split("+")[0] in tested:
