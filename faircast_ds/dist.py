@@ -3,7 +3,10 @@ torch.distributed (one process). The one place these rules live; DeepSpeed's and
 process groups are torch.distributed groups, so nothing here imports either framework."""
 from __future__ import annotations
 
+import json
 import logging
+import os
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -67,3 +70,42 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     if initialized():
         dist.all_reduce(t)
     return t.tolist()
+
+
+POST_WAIT_S = 300.0  # the longest a rank waits for the others' posts (less when the process group's timeout is shorter)
+_posts: dict[tuple, int] = {}  # (name, ranks) -> posts made so far: the same sequence number on every rank
+
+
+class RanksMissingError(RuntimeError):
+    """Some ranks of the group never posted: they do not run the code that posts (not installed there)."""
+
+    def __init__(self, missing: list[int], waited_s: float, name: str) -> None:
+        self.missing, self.waited_s = missing, waited_s
+        super().__init__(f"ranks {missing} posted no {name!r} within {waited_s:.0f}s")
+
+
+def post_and_gather(name: str, value: Any, group: Any = None) -> dict[int, Any]:
+    """Every rank of ``group``'s JSON ``value`` (global rank -> value), exchanged through the process
+    group's key-value store, not a collective: a rank that never posts (it lacks the code that does)
+    leaves the others with :class:`RanksMissingError` after a bounded wait, where a collective would
+    leave them matched against its next, unrelated collective until the job's timeout. One post per
+    call; every rank must make the same calls for ``name`` in the same order. ``{0: value}`` alone."""
+    if not initialized() or dist.get_world_size(group=group) == 1:
+        return {rank_world()[0]: value}
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    n = _posts[(name, ranks)] = _posts.get((name, ranks), 0) + 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"faircast_ds/{attempt}/{name}/{'-'.join(map(str, ranks)) if len(ranks) <= 16 else hash(ranks)}/{n}"
+    store.set(f"{prefix}/{dist.get_rank()}", json.dumps(value))
+    keys = {r: f"{prefix}/{r}" for r in ranks}
+    wait = min(POST_WAIT_S, store.timeout.total_seconds()) if store.timeout.total_seconds() > 0 else POST_WAIT_S
+    try:
+        store.wait(list(keys.values()), timedelta(seconds=wait))
+    except RuntimeError:  # DistStoreError: timed out
+        missing = [r for r, k in keys.items() if not store.check([k])]
+        if missing:
+            raise RanksMissingError(missing, wait, name) from None
+    return {r: json.loads(store.get(k)) for r, k in keys.items()}

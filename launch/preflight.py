@@ -20,17 +20,11 @@ from typing import Any
 
 
 def describe(engine: Any) -> dict[str, Any]:
-    """This rank's view: where it runs and what Fair Cast it has."""
-    import deepspeed.comm as dist
-
+    """This rank's view of a built engine: where it runs and what Fair Cast it has."""
     from faircast_ds import get_fair_cast
 
     fc = get_fair_cast(engine)
-    return {
-        "host": socket.gethostname(),
-        "node_rank": os.environ.get("CROSS_RANK"),  # set by DeepSpeed's per-node launcher; absent under MPI
-        "rank": dist.get_rank(),
-        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+    return _where() | {
         "active": fc is not None,
         "mode": fc.config.mode if fc else None,
         "seed": fc.config.seed if fc else None,
@@ -39,14 +33,57 @@ def describe(engine: Any) -> dict[str, Any]:
     }
 
 
+def describe_before_initialize(config: dict[str, Any]) -> dict[str, Any]:
+    """This rank's view before any engine exists: is Fair Cast loaded (the interpreter-start hook has
+    wrapped DeepSpeed's engine), and which section would the engine get. Needs no collective of
+    Fair Cast's, so a node without the package is named instead of hanging the job."""
+    import deepspeed.runtime.engine as ds_engine
+
+    loaded = bool(getattr(ds_engine.DeepSpeedEngine.__init__, "_faircast_wrapped", False))
+    section = None
+    if loaded:
+        from faircast_ds import config_source
+
+        source = config_source.resolve(config)
+        section = source.config if source is not None and source.config.enabled else None
+    return _where() | {
+        "active": section is not None,
+        "mode": section.mode if section else None,
+        "seed": section.seed if section else None,
+        "zero_stage": int(config.get("zero_optimization", {}).get("stage", 0)),
+        "local_shard_elements": 0,
+    }
+
+
+def _where() -> dict[str, Any]:
+    import deepspeed.comm as dist
+
+    return {
+        "host": socket.gethostname(),
+        "node_rank": os.environ.get("CROSS_RANK"),  # set by DeepSpeed's per-node launcher; absent under MPI
+        "rank": dist.get_rank(),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+    }
+
+
 def report_nodes(engine: Any) -> list[dict[str, Any]]:
     """Print one ``[fair_cast] node ...`` line per node (from its local rank 0) and, on rank 0, a
     summary. A collective: call it on every rank. Returns every rank's description."""
+    mine = describe(engine)
+    everyone = _gather(mine)
+    _print_nodes(mine, everyone)
+    return everyone
+
+
+def _gather(mine: dict[str, Any]) -> list[dict[str, Any]]:
     import deepspeed.comm as dist
 
-    mine = describe(engine)
     everyone: list[dict[str, Any]] = [{}] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _print_nodes(mine: dict[str, Any], everyone: list[dict[str, Any]]) -> None:
     if mine["local_rank"] == 0:
         here = [d for d in everyone if (d["host"], d["node_rank"]) == (mine["host"], mine["node_rank"])]
         inactive = [d["rank"] for d in here if not d["active"]]
@@ -62,7 +99,6 @@ def report_nodes(engine: Any) -> list[dict[str, Any]]:
         modes = sorted({str(d["mode"]) for d in everyone})
         print(f"[fair_cast] summary: active on {n_active}/{len(everyone)} ranks across {len(nodes)} nodes; "
               f"modes {modes}", flush=True)
-    return everyone
 
 
 def exit_without_finalizing(code: int) -> None:
@@ -102,6 +138,15 @@ def main() -> int:
                                distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
     with open(args.deepspeed_config) as f:
         config = json.load(f)
+    # first without an engine: a rank without Fair Cast would not take part in its attach, so a
+    # mixed job is reported here, before DeepSpeed builds anything
+    mine = describe_before_initialize(config)
+    everyone = _gather(mine)
+    if not all(d["active"] for d in everyone):
+        _print_nodes(mine, everyone)
+        dist.barrier()
+        torch.distributed.destroy_process_group()
+        return 1
     model = _tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)

@@ -114,23 +114,23 @@ def _shard_group(engine: Any) -> Any:
 
 def _agree_across_ranks(source: Source | None, group: Any) -> None:
     """Every rank of a training engine must have the same section (or none): an environment variable
-    set on one node only would otherwise cast some shards and not others. A collective over the
-    ranks that build this engine (``group``; the default group when None); nothing to do with one."""
-    if not dist.initialized():
-        return
-    import torch.distributed as tdist
+    set on one node only would otherwise cast some shards and not others. Exchanged through the
+    process group's store, not a collective, so that ranks without Fair Cast at all (a node missing the
+    package, or with ``FAIRCAST_DS_AUTOLOAD=0``) are named after a bounded wait instead of leaving the
+    others matched against DeepSpeed's next collective until the job's timeout (see dist.post_and_gather)."""
+    from faircast_ds.config import FairCastConfigError
 
-    world = tdist.get_world_size(group=group)
-    if world == 1:
-        return
     mine = json.dumps(source.config.model_dump(mode="json"), sort_keys=True) if source is not None else None
-    everyone: list[Any] = [None] * world
-    tdist.all_gather_object(everyone, (mine, source.origin if source is not None else None), group=group)
-    if len({s for s, _ in everyone}) > 1:
+    try:
+        everyone = dist.post_and_gather("section", [mine, source.origin if source is not None else None], group)
+    except dist.RanksMissingError as exc:
+        raise FairCastConfigError(
+            f"ranks {exc.missing} of this engine never reached Fair Cast's attach ({exc.waited_s:.0f}s waited after "
+            f"this rank's): Fair Cast is not loaded there (faircast-ds not installed on that node, or "
+            f"FAIRCAST_DS_AUTOLOAD=0). Install it on every node; launch/preflight.py names the nodes") from None
+    if len({s for s, _ in everyone.values()}) > 1:
         lines = [f"rank {r}: {s} (source={o})" if s else f"rank {r}: no fair_cast section"
-                 for r, (s, o) in enumerate(everyone)]
-        from faircast_ds.config import FairCastConfigError
-
+                 for r, (s, o) in sorted(everyone.items())]
         raise FairCastConfigError("the ranks of this engine disagree on the fair_cast section (is "
                                   f"{config_source.ENV} set on every node? see docs/integrations.md):\n  "
                                   + "\n  ".join(lines))

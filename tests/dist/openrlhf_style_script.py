@@ -13,7 +13,10 @@ Per rank, in one launch:
    ZeRO-3 without optimizer: DeepSpeedZeRoOffload), 3 steps; served bits, masters, the banner's source;
 2. JSON route: FAIRCAST_DS_CONFIG removed, the same section put into the same dict, the same model
    and steps; served bits;
-3. FAIRCAST_DS_CONFIG on rank 0 only: the ranks disagree, and initialize says so on every rank.
+3. FAIRCAST_DS_CONFIG on rank 0 only: the ranks disagree, and initialize says so on every rank;
+4. rank 1 builds its engine with DeepSpeed's own, unwrapped ``__init__`` (as on a node without
+   faircast-ds): rank 0 names rank 1 after the bounded wait (the store's timeout, shortened to 5 s
+   here) instead of hanging in a collective rank 1 never joins.
 Rank 0 writes openrlhf_style.json.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -123,6 +127,28 @@ def main() -> None:
         result["disagreement"] = None
     except FairCastConfigError as exc:
         result["disagreement"] = str(exc)
+    if rank == 0:
+        del os.environ["FAIRCAST_DS_CONFIG"]
+
+    # 4. rank 1 without Fair Cast
+    from datetime import timedelta
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    store.set_timeout(timedelta(seconds=5))
+    wrapped = DeepSpeedEngine.__init__
+    if rank == 1:
+        DeepSpeedEngine.__init__ = wrapped.__wrapped__
+    started = time.monotonic()
+    try:
+        build_actor(builders, {**train_config(builders), "fair_cast": {"mode": "stochastic", "seed": 5}})
+        result["missing_rank"] = None
+    except FairCastConfigError as exc:
+        result["missing_rank"] = str(exc)
+    result["missing_rank_seconds"] = time.monotonic() - started
+    DeepSpeedEngine.__init__ = wrapped
     if rank == 0:
         write_json(os.path.join(out, "openrlhf_style.json"), result)
     finish()

@@ -1,0 +1,69 @@
+"""dist.post_and_gather: the store-based exchange that the attach pipeline agrees on the section with.
+Two real gloo processes on loopback; one of them, in the second case, never posts (as a rank
+without Fair Cast would not), and the other must name it after the bounded wait, not hang."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: str, silent_rank: int | None) -> None:
+    import torch.distributed as tdist
+
+    from faircast_ds import dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=4))
+    result: dict = {}
+    started = time.monotonic()
+    try:
+        if rank != silent_rank:
+            result["first"] = {str(k): v for k, v in dist.post_and_gather("t", {"rank": rank}).items()}
+            result["second"] = {str(k): v for k, v in dist.post_and_gather("t", [rank, "again"]).items()}
+    except dist.RanksMissingError as exc:
+        result["missing"], result["message"] = exc.missing, str(exc)
+    result["seconds"] = time.monotonic() - started
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if rank == silent_rank:
+        time.sleep(6)  # alive and connected, but never posts
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _run(tmp_path, silent_rank):
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), silent_rank)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_every_rank_gets_every_post_in_order(tmp_path):
+    got = _run(tmp_path, None)
+    for r in (0, 1):
+        assert got[r]["first"] == {"0": {"rank": 0}, "1": {"rank": 1}}
+        assert got[r]["second"] == {"0": [0, "again"], "1": [1, "again"]}  # a second post is a new exchange
+
+
+def test_a_rank_that_never_posts_is_named_after_the_bounded_wait(tmp_path):
+    posting = _run(tmp_path, silent_rank=1)[0]
+    assert posting["missing"] == [1], posting
+    assert "ranks [1] posted no 't' within 4s" in posting["message"]
+    assert 3.5 < posting["seconds"] < 30  # the process group's timeout (4 s) bounds the wait
