@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     insp.add_argument("--by", choices=("type", "layer", "param"), default="type",
                       help="group parameters by module type (layer index folded), by layer, or not at all")
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
-    from faircast_ds.kernels import bench  # no torch import until the benchmark runs
+    from faircast_ds import bench  # no torch import until the benchmark runs
 
     bench.add_arguments(sub.add_parser("bench", help="time each cast against a plain bf16.copy_ of the same "
                                                      "tensor, eager and fused paths side by side (one table)"))

@@ -68,8 +68,25 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 
     t = torch.tensor(values, dtype=torch.float64)
     if initialized():
-        dist.all_reduce(t)
+        device = _collective_device()
+        reduced = t.to(device)
+        dist.all_reduce(reduced)
+        t = reduced.cpu()
     return t.tolist()
+
+
+def _collective_device() -> Any:
+    """Where the default group's tensors must live: CPU for gloo and MPI (and a mixed ``cpu:gloo,...``
+    backend), else the accelerator's current device (NCCL, HCCL, XCCL take device tensors only)."""
+    import torch
+
+    backend = str(dist.get_backend())
+    if backend in ("gloo", "mpi") or "cpu:" in backend:
+        return torch.device("cpu")
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return accelerator.current_accelerator()
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 POST_WAIT_S = 300.0  # the longest a rank waits for the others' posts (less when the process group's timeout is shorter)

@@ -1,8 +1,10 @@
 """Shared fixtures: launching real DeepSpeed jobs on CPU ranks over gloo."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -57,7 +59,22 @@ def run_logged(cmd: list[str], log: Path, *, env: dict[str, str], timeout: float
                check: bool = True) -> subprocess.CompletedProcess:
     """Run a command with its output in ``log``; on failure raise with the log's tail."""
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, timeout=timeout)
+        # its own process group, so that a timeout takes the launcher's ranks down with it (killing the
+        # launcher alone would leave them running, holding ports and CPU for the rest of the session)
+        popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        try:
+            popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+            raise
+        finally:
+            if popen.poll() is None:  # interrupted (KeyboardInterrupt): do not leave the ranks behind
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait()
+    proc = subprocess.CompletedProcess(cmd, popen.returncode)
     if check and proc.returncode != 0:
         tail = log.read_text()[-6000:]
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}; log {log}:\n{tail}")

@@ -532,7 +532,7 @@ def test_observer_called_once_per_flat_group_with_key_master_slices_step():
 def test_bench_times_the_offload_route():
     """`faircast-ds bench --offload`: the staged route against DeepSpeed's cross-device copy and the eager
     route it replaced (forced on the CPU here); the staged route really served the cast."""
-    from faircast_ds.kernels import bench
+    from faircast_ds import bench
 
     rows = bench.run_offload((4096,), modes=("stochastic", "error_feedback"), repeats=1)
     assert [(r.size, r.mode) for r in rows] == [(4096, "stochastic"), (4096, "error_feedback")]

@@ -67,8 +67,12 @@ def _install_hook() -> None:
 
 def require_hook() -> None:
     if not deepspeed_has_cast_hook():
-        raise UnsupportedSetupError("fair_cast: this DeepSpeed has no cast hook (deepspeed.runtime.lp_cast); apply "
-                                    "patches/deepspeed-0.19.8-fair-cast.patch or use the runtime route")
+        from faircast_ds.deepspeed.compat import release
+
+        raise UnsupportedSetupError(f"fair_cast: this DeepSpeed ({release()}) has no cast hook "
+                                    "(deepspeed.runtime.lp_cast); apply the patch for its release from patches/ "
+                                    "(deepspeed-0.16.9, 0.18.9, 0.19.5 and 0.19.8-fair-cast.patch; patches/README.md) "
+                                    "or use the runtime route")
 
 
 def connect(adapter: Adapter) -> None:

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import batch, gather_shards, tiny_qwen3, write_json  # noqa: E402
+from common import batch, finish_and_exit, gather_shards, tiny_qwen3, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -41,10 +41,7 @@ def main() -> None:
             "engine": type(engine).__name__, "source": fc.source, "mode": fc.config.mode,
             "world": world, "accelerate_distributed_type": str(accelerator.distributed_type), "step": fc.caster.step,
             "served_vs_rn": rn_diff, "numel": sum(numels.values())})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish_and_exit()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any
 
 import torch
@@ -121,3 +122,13 @@ def finish() -> None:
 
     dist.barrier()
     torch.distributed.destroy_process_group()
+
+
+def finish_and_exit(code: int = 0) -> None:
+    """Barrier, destroy the process group, flush, and leave with ``os._exit``: gloo's threads can abort
+    a process that finalizes normally after destroy_process_group (a DeepSpeed-on-CPU race, not ours)."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

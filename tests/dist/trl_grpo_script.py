@@ -19,7 +19,7 @@ import torch
 import transformers.training_args
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import full_served_bits, gather_shards, tiny_qwen3, write_json  # noqa: E402
+from common import finish_and_exit, full_served_bits, gather_shards, tiny_qwen3, write_json  # noqa: E402
 
 transformers.training_args.is_torch_bf16_gpu_available = lambda: True  # CPU-only machine
 
@@ -119,10 +119,7 @@ def main() -> None:
             "reporter_saw": [{k: s[k] for k in keys if k in s} for s in Recorder.seen],
             "kl_logged": any("kl" in h for h in trainer.state.log_history),
         })
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish_and_exit()
 
 
 def lora_report(trainer, out, rank) -> None:
@@ -160,10 +157,7 @@ def lora_report(trainer, out, rank) -> None:
             "ref_model": trainer.ref_model is None, "local_numel": fc.local_numel(), "layers": report,
             "trainable": sum(int(p.ds_numel) for p in model.parameters() if p.requires_grad),
             "history_has_figures": any("fair_cast/changed_fraction" in h for h in trainer.state.log_history)})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish_and_exit()
 
 
 if __name__ == "__main__":
