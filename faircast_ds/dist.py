@@ -101,28 +101,41 @@ class RanksMissingError(RuntimeError):
         super().__init__(f"ranks {missing} posted no {name!r} within {waited_s:.0f}s")
 
 
-def post_and_gather(name: str, value: Any, group: Any = None) -> dict[int, Any]:
+class NoStoreError(RuntimeError):
+    """The default process group has no key-value store to post to."""
+
+
+def post_and_gather(name: str, value: Any, group: Any = None, *, wait_s: float | None = None,
+                    allow_missing: bool = False) -> dict[int, Any]:
     """Every rank of ``group``'s JSON ``value`` (global rank -> value), exchanged through the process
     group's key-value store, not a collective: a rank that never posts (it lacks the code that does)
-    leaves the others with :class:`RanksMissingError` after a bounded wait, where a collective would
-    leave them matched against its next, unrelated collective until the job's timeout. One post per
-    call; every rank must make the same calls for ``name`` in the same order. ``{0: value}`` alone."""
+    leaves the others with :class:`RanksMissingError` after a bounded wait (``wait_s``, default the
+    process group's timeout, at most POST_WAIT_S), where a collective would leave them matched against
+    its next, unrelated collective until the job's timeout. ``allow_missing``: leave such ranks out
+    of the result instead. One post per call; every rank must make the same calls for ``name`` in the
+    same order. ``{rank: value}`` alone with one rank or without torch.distributed."""
     if not initialized() or dist.get_world_size(group=group) == 1:
         return {rank_world()[0]: value}
     from torch.distributed import distributed_c10d
 
-    store = distributed_c10d._get_default_store()
+    try:
+        store = distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError) as exc:
+        raise NoStoreError(f"the default process group has no store to post {name!r} to: {exc}") from exc
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
     n = _posts[(name, ranks)] = _posts.get((name, ranks), 0) + 1
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"faircast_ds/{attempt}/{name}/{'-'.join(map(str, ranks)) if len(ranks) <= 16 else hash(ranks)}/{n}"
     store.set(f"{prefix}/{dist.get_rank()}", json.dumps(value))
     keys = {r: f"{prefix}/{r}" for r in ranks}
-    wait = min(POST_WAIT_S, store.timeout.total_seconds()) if store.timeout.total_seconds() > 0 else POST_WAIT_S
+    if wait_s is None:
+        timeout = store.timeout.total_seconds()
+        wait_s = min(POST_WAIT_S, timeout) if timeout > 0 else POST_WAIT_S
     try:
-        store.wait(list(keys.values()), timedelta(seconds=wait))
+        store.wait(list(keys.values()), timedelta(seconds=wait_s))
     except RuntimeError:  # DistStoreError: timed out
         missing = [r for r, k in keys.items() if not store.check([k])]
-        if missing:
-            raise RanksMissingError(missing, wait, name) from None
+        if missing and not allow_missing:
+            raise RanksMissingError(missing, wait_s, name) from None
+        keys = {r: k for r, k in keys.items() if r not in missing}
     return {r: json.loads(store.get(k)) for r, k in keys.items()}

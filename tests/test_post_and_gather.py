@@ -35,6 +35,10 @@ def _worker(rank: int, port: int, out: str, silent_rank: int | None) -> None:
     except dist.RanksMissingError as exc:
         result["missing"], result["message"] = exc.missing, str(exc)
     result["seconds"] = time.monotonic() - started
+    if silent_rank is not None and rank != silent_rank:  # allow_missing: the ranks that posted, after wait_s
+        started = time.monotonic()
+        result["allowed"] = {str(k): v for k, v in dist.post_and_gather("u", rank, wait_s=1, allow_missing=True).items()}
+        result["allowed_seconds"] = time.monotonic() - started
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     if rank == silent_rank:
@@ -67,3 +71,4 @@ def test_a_rank_that_never_posts_is_named_after_the_bounded_wait(tmp_path):
     assert posting["missing"] == [1], posting
     assert "ranks [1] posted no 't' within 4s" in posting["message"]
     assert 3.5 < posting["seconds"] < 30  # the process group's timeout (4 s) bounds the wait
+    assert posting["allowed"] == {"0": 0} and posting["allowed_seconds"] < 4  # wait_s bounds it, no error

@@ -112,28 +112,49 @@ def _shard_group(engine: Any) -> Any:
     return getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
 
 
+UNSECTIONED_WAIT_S = 30.0  # how long a rank without a section waits for the others' (it never fails on a missing one)
+
+
 def _agree_across_ranks(source: Source | None, group: Any) -> None:
     """Every rank of a training engine must have the same section (or none): an environment variable
     set on one node only would otherwise cast some shards and not others. Exchanged through the
     process group's store, not a collective, so that ranks without Fair Cast at all (a node missing the
     package, or with ``FAIRCAST_DS_AUTOLOAD=0``) are named after a bounded wait instead of leaving the
-    others matched against DeepSpeed's next collective until the job's timeout (see dist.post_and_gather)."""
+    others matched against DeepSpeed's next collective until the job's timeout (dist.post_and_gather).
+    A rank without a section never fails for a rank that did not post (a job that does not use Fair
+    Cast is not ours to stop): it waits at most UNSECTIONED_WAIT_S, to report a disagreement too."""
     from faircast_ds.config import FairCastConfigError
 
     mine = json.dumps(source.config.model_dump(mode="json"), sort_keys=True) if source is not None else None
+    post = [mine, source.origin if source is not None else None]
     try:
-        everyone = dist.post_and_gather("section", [mine, source.origin if source is not None else None], group)
+        if mine is None:
+            everyone = dist.post_and_gather("section", post, group, wait_s=UNSECTIONED_WAIT_S, allow_missing=True)
+        else:
+            everyone = dist.post_and_gather("section", post, group)
     except dist.RanksMissingError as exc:
         raise FairCastConfigError(
             f"ranks {exc.missing} of this engine never reached Fair Cast's attach ({exc.waited_s:.0f}s waited after "
             f"this rank's): Fair Cast is not loaded there (faircast-ds not installed on that node, or "
             f"FAIRCAST_DS_AUTOLOAD=0). Install it on every node; launch/preflight.py names the nodes") from None
+    except dist.NoStoreError:
+        if mine is None:
+            return  # nothing of ours to protect
+        everyone = dict(enumerate(_all_gather(post, group)))  # every rank has Fair Cast, or this hangs until the timeout
     if len({s for s, _ in everyone.values()}) > 1:
         lines = [f"rank {r}: {s} (source={o})" if s else f"rank {r}: no fair_cast section"
                  for r, (s, o) in sorted(everyone.items())]
         raise FairCastConfigError("the ranks of this engine disagree on the fair_cast section (is "
                                   f"{config_source.ENV} set on every node? see docs/integrations.md):\n  "
                                   + "\n  ".join(lines))
+
+
+def _all_gather(obj: Any, group: Any) -> list[Any]:
+    import torch.distributed as tdist
+
+    everyone: list[Any] = [None] * tdist.get_world_size(group=group)
+    tdist.all_gather_object(everyone, obj, group=group)
+    return everyone
 
 
 def _report_frozen(engine: Any, fair_cast: FairCast) -> None:
