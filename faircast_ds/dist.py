@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -109,8 +108,8 @@ def post_and_gather(name: str, value: Any, group: Any = None, *, wait_s: float |
                     allow_missing: bool = False) -> dict[int, Any]:
     """Every rank of ``group``'s JSON ``value`` (global rank -> value), exchanged through the process
     group's key-value store, not a collective: a rank that never posts (it lacks the code that does)
-    leaves the others with :class:`RanksMissingError` after a bounded wait (``wait_s``, default the
-    process group's timeout, at most POST_WAIT_S), where a collective would leave them matched against
+    leaves the others with :class:`RanksMissingError` after a bounded wait (``wait_s``, default
+    POST_WAIT_S, never longer than the store's timeout), where a collective would leave them matched against
     its next, unrelated collective until the job's timeout. ``allow_missing``: leave such ranks out
     of the result instead. One post per call; every rank must make the same calls for ``name`` in the
     same order. ``{rank: value}`` alone with one rank or without torch.distributed."""
@@ -118,19 +117,24 @@ def post_and_gather(name: str, value: Any, group: Any = None, *, wait_s: float |
         return {rank_world()[0]: value}
     from torch.distributed import distributed_c10d
 
+    if str(dist.get_backend()) == "mpi":  # MPI rendezvous has no key-value store (torch keeps a placeholder)
+        raise NoStoreError(f"the MPI backend has no store to post {name!r} to")
     try:
         store = distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError) as exc:
         raise NoStoreError(f"the default process group has no store to post {name!r} to: {exc}") from exc
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
     n = _posts[(name, ranks)] = _posts.get((name, ranks), 0) + 1
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"faircast_ds/{attempt}/{name}/{'-'.join(map(str, ranks)) if len(ranks) <= 16 else hash(ranks)}/{n}"
-    store.set(f"{prefix}/{dist.get_rank()}", json.dumps(value))
+    # no restart count in the key: torchrun's agents count restarts per node (only the failed node's
+    # advances), and every rendezvous round gets a store of its own anyway
+    prefix = f"faircast_ds/{name}/{'-'.join(map(str, ranks)) if len(ranks) <= 16 else hash(ranks)}/{n}"
+    try:
+        store.set(f"{prefix}/{dist.get_rank()}", json.dumps(value))
+    except RuntimeError as exc:  # a placeholder store ("Not implemented")
+        raise NoStoreError(f"the default process group's store cannot hold {name!r}: {exc}") from exc
     keys = {r: f"{prefix}/{r}" for r in ranks}
-    if wait_s is None:
-        timeout = store.timeout.total_seconds()
-        wait_s = min(POST_WAIT_S, timeout) if timeout > 0 else POST_WAIT_S
+    timeout = store.timeout.total_seconds()
+    wait_s = min(POST_WAIT_S if wait_s is None else wait_s, timeout if timeout > 0 else POST_WAIT_S)
     try:
         store.wait(list(keys.values()), timedelta(seconds=wait_s))
     except RuntimeError:  # DistStoreError: timed out

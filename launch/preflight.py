@@ -40,17 +40,24 @@ def describe_before_initialize(config: dict[str, Any]) -> dict[str, Any]:
     import deepspeed.runtime.engine as ds_engine
 
     loaded = bool(getattr(ds_engine.DeepSpeedEngine.__init__, "_faircast_wrapped", False))
-    section = None
+    section, error = None, None
     if loaded:
         from faircast_ds import config_source
+        from faircast_ds.config import FairCastConfigError
 
-        source = config_source.resolve(config)
-        section = source.config if source is not None and source.config.enabled else None
+        try:  # a malformed section (or FAIRCAST_DS_CONFIG on this node) is reported, not raised past the gather
+            source = config_source.resolve(config)
+        except FairCastConfigError as exc:
+            error = " ".join(line.strip() for line in str(exc).splitlines())
+        else:
+            section = source.config if source is not None and source.config.enabled else None
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
     return _where() | {
         "active": section is not None,
+        "error": error if loaded else "Fair Cast is not loaded (faircast-ds missing, or FAIRCAST_DS_AUTOLOAD=0)",
         "mode": section.mode if section else None,
         "seed": section.seed if section else None,
-        "zero_stage": int(config.get("zero_optimization", {}).get("stage", 0)),
+        "zero_stage": zero.get("stage", 0),  # as written: HF configs may say "auto"
         "local_shard_elements": 0,
     }
 
@@ -88,7 +95,8 @@ def _print_nodes(mine: dict[str, Any], everyone: list[dict[str, Any]]) -> None:
         here = [d for d in everyone if (d["host"], d["node_rank"]) == (mine["host"], mine["node_rank"])]
         inactive = [d["rank"] for d in here if not d["active"]]
         if inactive:
-            state = f"NOT active on ranks {inactive}"
+            why = sorted({d.get("error") or "no enabled fair_cast section" for d in here if not d["active"]})
+            state = f"NOT active on ranks {inactive} ({'; '.join(why)})"
         else:
             state = f"active: mode={mine['mode']} zero_stage={mine['zero_stage']} seed={mine['seed']}"
         node = mine["host"] + (f" node_rank={mine['node_rank']}" if mine["node_rank"] is not None else "")

@@ -224,6 +224,8 @@ def test_openrlhf_config_builder_with_env_section_matches_json_route(tmp_path):
     assert "ranks [1] of this engine never reached Fair Cast's attach" in result["missing_rank"], result["missing_rank"]
     assert "Fair Cast is not loaded there" in result["missing_rank"]
     assert result["missing_rank_seconds"] < 60
+    assert result["disabled"] == {"ok": True, "attached": False}, result["disabled"]
+    assert result["disabled_seconds"] < 60
 
 
 @pytest.mark.slow

@@ -321,14 +321,23 @@ def slurm_preflight(tmp_path_factory):
     2 nodes x 1 task), node 1 without Fair Cast (its hook switched off, as on a node missing the package)."""
     out = tmp_path_factory.mktemp("slurm")
     port = str(free_port())
-    procs = [start(f"task{k}", ["bash", str(ROOT / "launch/slurm_task.sh"), str(ROOT / "launch/preflight.py"),
-                                "--deepspeed_config", str(STOCHASTIC), "--timeout_s", str(DIST_TIMEOUT)],
-                   out / f"task{k}.log",
-                   job_env(SLURM_PROCID=str(k), SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID=str(k),
-                           SLURM_JOB_NODELIST="node[0-1]", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                           PYTHON=sys.executable, FAIRCAST_DS_AUTOLOAD="1" if k == 0 else "0"))
-             for k in (0, 1)]
-    return {"codes": wait_all(procs, LAUNCH_TIMEOUT), "logs": [p.log.read_text() for p in procs]}
+    def pair(name: str, node1: dict[str, str]) -> list:
+        port = str(free_port())
+        return [start(f"{name}{k}", ["bash", str(ROOT / "launch/slurm_task.sh"), str(ROOT / "launch/preflight.py"),
+                                     "--deepspeed_config", str(STOCHASTIC), "--timeout_s", str(DIST_TIMEOUT)],
+                      out / f"{name}{k}.log",
+                      job_env(SLURM_PROCID=str(k), SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID=str(k),
+                              SLURM_JOB_NODELIST="node[0-1]", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                              PYTHON=sys.executable, **(node1 if k == 1 else {})))
+                for k in (0, 1)]
+
+    procs = pair("task", {"FAIRCAST_DS_AUTOLOAD": "0"})
+    # a second job at the same time: node 1 has Fair Cast but a malformed FAIRCAST_DS_CONFIG
+    bad = pair("badenv", {"FAIRCAST_DS_CONFIG": '{"mode": "stochastc"}'})
+    codes = wait_all(procs + bad, LAUNCH_TIMEOUT)
+    return {"codes": {k: v for k, v in codes.items() if k.startswith("task")},
+            "bad_codes": {k: v for k, v in codes.items() if k.startswith("badenv")},
+            "logs": [p.log.read_text() for p in procs], "bad_logs": [p.log.read_text() for p in bad]}
 
 
 FAIL_TIMEOUT = 15  # the workers' collective timeout in the failure runs
@@ -454,9 +463,18 @@ def test_slurm_tasks_and_preflight_name_the_node_without_fair_cast(slurm_preflig
     log0, log1 = slurm_preflight["logs"]
     # ranks and node ranks from SLURM's variables; each node's local rank 0 reports its own node
     assert re.search(r"\[fair_cast\] node \S+ node_rank=0 ranks \[0\]: active: mode=stochastic", log0), log0[-3000:]
-    assert re.search(r"\[fair_cast\] node \S+ node_rank=1 ranks \[1\]: NOT active on ranks \[1\]", log1), log1[-3000:]
+    not_loaded = re.escape("NOT active on ranks [1] (Fair Cast is not loaded (faircast-ds missing, or FAIRCAST_DS_AUTOLOAD=0))")
+    assert re.search(r"\[fair_cast\] node \S+ node_rank=1 ranks \[1\]: " + not_loaded, log1), log1[-3000:]
     assert "[fair_cast] summary: active on 1/2 ranks across 2 nodes" in log0
     assert slurm_preflight["codes"] == {"task0": 1, "task1": 1}  # the job fails, on every node
+
+
+def test_preflight_reports_a_malformed_section_on_one_node_instead_of_hanging(slurm_preflight):
+    log0, log1 = slurm_preflight["bad_logs"]
+    line = re.search(r"\[fair_cast\] node \S+ node_rank=1 ranks \[1\]: NOT active on ranks \[1\] \((.*)\)$", log1, re.M)
+    assert line and "FAIRCAST_DS_CONFIG" in line.group(1) and "stochastc" in line.group(1), log1[-3000:]
+    assert "[fair_cast] summary: active on 1/2 ranks across 2 nodes" in log0
+    assert slurm_preflight["bad_codes"] == {"badenv0": 1, "badenv1": 1}  # reported and failed, within the bound
 
 
 # ---------------------------------------------------------------------------------------------

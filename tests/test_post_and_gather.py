@@ -42,6 +42,21 @@ def _worker(rank: int, port: int, out: str, silent_rank: int | None) -> None:
         started = time.monotonic()
         result["allowed"] = {str(k): v for k, v in dist.post_and_gather("u", rank, wait_s=1, allow_missing=True).items()}
         result["allowed_seconds"] = time.monotonic() - started
+    if rank == 0:  # no store to post to: the MPI backend, and a placeholder store (what torch keeps for MPI)
+        result["no_store"] = []
+        for patch in ("backend", "placeholder"):
+            saved = tdist.get_backend, distributed_c10d._get_default_store
+            if patch == "backend":
+                tdist.get_backend = lambda group=None: "mpi"
+            else:
+                distributed_c10d._get_default_store = lambda: tdist.Store()
+            try:
+                dist.post_and_gather("v", 1)
+                result["no_store"].append(None)
+            except dist.NoStoreError as exc:
+                result["no_store"].append(str(exc))
+            finally:
+                tdist.get_backend, distributed_c10d._get_default_store = saved
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     tdist.barrier()  # the silent rank is alive and connected all along; rank 0 hosts the store
@@ -66,6 +81,9 @@ def test_every_rank_gets_every_post_in_order(tmp_path):
     for r in (0, 1):
         assert got[r]["first"] == {"0": {"rank": 0}, "1": {"rank": 1}}
         assert got[r]["second"] == {"0": [0, "again"], "1": [1, "again"]}  # a second post is a new exchange
+    backend, placeholder = got[0]["no_store"]
+    assert "the MPI backend has no store to post 'v' to" in backend
+    assert "the default process group's store cannot hold 'v'" in placeholder
 
 
 def test_a_rank_that_never_posts_is_named_after_the_bounded_wait(tmp_path):

@@ -112,7 +112,7 @@ def _shard_group(engine: Any) -> Any:
     return getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
 
 
-UNSECTIONED_WAIT_S = 30.0  # how long a rank without a section waits for the others' (it never fails on a missing one)
+UNSECTIONED_WAIT_S = 30.0  # how long a rank that does not cast waits for the others' (it never fails on a missing one)
 
 
 def _agree_across_ranks(source: Source | None, group: Any) -> None:
@@ -121,14 +121,16 @@ def _agree_across_ranks(source: Source | None, group: Any) -> None:
     process group's store, not a collective, so that ranks without Fair Cast at all (a node missing the
     package, or with ``FAIRCAST_DS_AUTOLOAD=0``) are named after a bounded wait instead of leaving the
     others matched against DeepSpeed's next collective until the job's timeout (dist.post_and_gather).
-    A rank without a section never fails for a rank that did not post (a job that does not use Fair
-    Cast is not ours to stop): it waits at most UNSECTIONED_WAIT_S, to report a disagreement too."""
+    A rank without a section, or with ``enabled: false``, never fails for a rank that did not post (a
+    job that does not use Fair Cast is not ours to stop): it waits at most UNSECTIONED_WAIT_S, to report
+    a disagreement too. Without a store (the MPI backend) ranks that cast fall back to a collective.""" 
     from faircast_ds.config import FairCastConfigError
 
     mine = json.dumps(source.config.model_dump(mode="json"), sort_keys=True) if source is not None else None
     post = [mine, source.origin if source is not None else None]
+    casting = source is not None and source.config.enabled  # absent or `enabled: false`: not ours to stop
     try:
-        if mine is None:
+        if not casting:
             everyone = dist.post_and_gather("section", post, group, wait_s=UNSECTIONED_WAIT_S, allow_missing=True)
         else:
             everyone = dist.post_and_gather("section", post, group)
@@ -138,7 +140,7 @@ def _agree_across_ranks(source: Source | None, group: Any) -> None:
             f"this rank's): Fair Cast is not loaded there (faircast-ds not installed on that node, or "
             f"FAIRCAST_DS_AUTOLOAD=0). Install it on every node; launch/preflight.py names the nodes") from None
     except dist.NoStoreError:
-        if mine is None:
+        if not casting:
             return  # nothing of ours to protect
         everyone = dict(enumerate(_all_gather(post, group)))  # every rank has Fair Cast, or this hangs until the timeout
     if len({s for s, _ in everyone.values()}) > 1:

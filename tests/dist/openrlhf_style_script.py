@@ -16,7 +16,8 @@ Per rank, in one launch:
 3. FAIRCAST_DS_CONFIG on rank 0 only: the ranks disagree, and initialize says so on every rank;
 4. rank 1 builds its engine with DeepSpeed's own, unwrapped ``__init__`` (as on a node without
    faircast-ds): rank 0 names rank 1 after the bounded wait (the store's timeout, shortened to 5 s
-   here) instead of hanging in a collective rank 1 never joins.
+   here) instead of hanging in a collective rank 1 never joins;
+5. the same with ``enabled: false`` on rank 0: the engine builds, after at most that wait.
 Rank 0 writes openrlhf_style.json.
 """
 from __future__ import annotations
@@ -148,6 +149,14 @@ def main() -> None:
     except FairCastConfigError as exc:
         result["missing_rank"] = str(exc)
     result["missing_rank_seconds"] = time.monotonic() - started
+    # 5. the same, with the section switched off on rank 0: not ours to stop, whatever rank 1 lacks
+    started = time.monotonic()
+    try:
+        disabled = build_actor(builders, {**train_config(builders), "fair_cast": {"enabled": False}})
+        result["disabled"] = {"ok": True, "attached": get_fair_cast(disabled) is not None}
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        result["disabled"] = {"ok": False, "message": f"{type(exc).__name__}: {exc}"}
+    result["disabled_seconds"] = time.monotonic() - started
     DeepSpeedEngine.__init__ = wrapped
     if rank == 0:
         write_json(os.path.join(out, "openrlhf_style.json"), result)
