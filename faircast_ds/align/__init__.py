@@ -8,8 +8,7 @@ Public API (loaded lazily, so ``faircast_ds.align.config`` stays torch-free)::
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from faircast_ds import lazy
 
 _LAZY = {
     "ENGINES": "faircast_ds.align.profiles",
@@ -30,11 +29,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    try:
-        module_name = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'faircast_ds.align' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy.exports(__name__, _LAZY, globals())

@@ -9,7 +9,7 @@ Activation itself needs nothing from here: HF Trainer and TRL build their DeepSp
 """
 from __future__ import annotations
 
-from typing import Any
+from faircast_ds import lazy
 
 _LAZY = {
     "FairCastCallback": "faircast_ds.transformers.callback",
@@ -22,11 +22,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    if name not in _LAZY:
-        raise AttributeError(f"module 'faircast_ds.transformers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy.exports(__name__, _LAZY, globals())

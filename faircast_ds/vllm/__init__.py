@@ -14,8 +14,7 @@ docs/vllm.md. Importing this package does not import vLLM.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from faircast_ds import lazy
 
 _LAZY = {
     "VllmEngine": "faircast_ds.vllm.engine",
@@ -34,11 +33,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    try:
-        module_name = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'faircast_ds.vllm' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy.exports(__name__, _LAZY, globals())
