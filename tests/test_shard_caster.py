@@ -186,15 +186,22 @@ def fused_only(monkeypatch):
     return calls
 
 
+def two_steps(c, master, served, prev, slices, **cast_kwargs):
+    """Steps 1 and 2 of caster ``c`` (the master moved by 1e-3 each) into ``served``, with ``prev`` as the
+    previous bits (None: the served shard holds them); the per-step counts."""
+    got = []
+    for step in (1, 2):
+        c.begin_step()
+        c.cast_flat("g", master + step * 1e-3, served, slices, previous=prev, **cast_kwargs)
+        got.append(counts(c.last))
+    return got
+
+
 def reference_run(mode, master, old, slices, use_previous):
     """Two steps on one device (the direct fused path): served, previous, per-step counts, the caster."""
     same = caster(mode)
     served, prev = old.clone(), old.clone()
-    got = []
-    for step in (1, 2):
-        same.begin_step()
-        same.cast_flat("g", master + step * 1e-3, served, slices, previous=prev if use_previous else None)
-        got.append(counts(same.last))
+    got = two_steps(same, master, served, prev if use_previous else None, slices)
     return served, prev, got, same
 
 
@@ -213,12 +220,7 @@ def test_cross_device_path_gives_the_same_bits_counts_and_residual(monkeypatch, 
     served_other = old.clone().as_subclass(OnOtherDevice)
     prev_other = old.clone().as_subclass(OnOtherDevice)
     assert served_other.device != master.device
-    stats = []
-    for step in (1, 2):
-        other.begin_step()
-        other.cast_flat("g", master + step * 1e-3, served_other, slices,
-                        previous=prev_other if use_previous else None)
-        stats.append(counts(other.last))
+    stats = two_steps(other, master, served_other, prev_other if use_previous else None, slices)
     assert [name for _, name in calls] == [p.name for p in PARAMS] * 2
     assert all(type(out) is torch.Tensor and out.device == master.device for out, _ in calls)
     stage = other.stages["g"]  # the caster's own staging buffer, made once and kept
@@ -248,11 +250,7 @@ def test_forced_staging_route_on_one_device(monkeypatch, mode, use_previous):
     forced = caster(mode)
     assert forced.force_staging
     served, prev = old.clone(), old.clone()
-    stats = []
-    for step in (1, 2):
-        forced.begin_step()
-        forced.cast_flat("g", master + step * 1e-3, served, slices, previous=prev if use_previous else None)
-        stats.append(counts(forced.last))
+    stats = two_steps(forced, master, served, prev if use_previous else None, slices)
     stage = forced.stages["g"]
     assert stage.data_ptr() not in (served.data_ptr(), prev.data_ptr())
     assert all(out.untyped_storage().data_ptr() == stage.untyped_storage().data_ptr() for out, _ in calls)
@@ -277,11 +275,7 @@ def test_given_staging_buffer_is_used_and_checked(monkeypatch):
     c.force_staging = True
     theirs = torch.full((TOTAL,), 7.0, dtype=torch.bfloat16)  # DeepSpeed left its round-to-nearest copy here
     served, prev = values(TOTAL, 11).to(torch.bfloat16), values(TOTAL, 11).to(torch.bfloat16)
-    stats = []
-    for step in (1, 2):
-        c.begin_step()
-        c.cast_flat("g", master + step * 1e-3, served, slices, previous=prev, staging=theirs)
-        stats.append(counts(c.last))
+    stats = two_steps(c, master, served, prev, slices, staging=theirs)
     assert c.stages == {}  # none of its own
     assert all(out.untyped_storage().data_ptr() == theirs.untyped_storage().data_ptr() for out, _ in calls)
     assert torch.equal(bf16_bits(served), bf16_bits(served_same)) and stats == same_counts

@@ -36,8 +36,11 @@ STEPS = 3
 CASES = ["megatron", "nearest", "stochastic", "dither", "error_feedback"]  # "megatron": no Fair Cast at all
 
 
-class Tiny(torch.nn.Module):
-    """A few layers whose sizes make the data-parallel cut fall inside a parameter; one fp32 parameter."""
+class TinyBf16(torch.nn.Module):
+    """A few bf16 layers whose sizes make the data-parallel cut fall inside a parameter. Alone, the
+    checkpoint case's model: Megatron-Core 0.16.1's ``dp_reshardable`` optimizer format asserts on a
+    bucket a rank owns nothing of ("empty bucket encountered", ``distrib_optimizer.py:1610``), which
+    Tiny's 11-element fp32 buffer is for rank 1."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -45,10 +48,20 @@ class Tiny(torch.nn.Module):
         self.up = torch.nn.Linear(40, 37, dtype=torch.bfloat16)
         self.down = torch.nn.Linear(37, 11, dtype=torch.bfloat16)
         self.norm = torch.nn.Parameter(torch.ones(37, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)) * self.norm).float()
+
+
+class Tiny(TinyBf16):
+    """TinyBf16 and one fp32 parameter (registered last, as before)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
         self.scale = torch.nn.Parameter(torch.full((11,), 0.5))  # kept in fp32: copied, never rounded
 
     def forward(self, x):
-        return self.down(torch.relu(self.up(x)) * self.norm).float() * self.scale
+        return super().forward(x) * self.scale
 
 
 def build(mode: str, module_cls=None):
@@ -149,22 +162,6 @@ def count_hook_calls(hook_calls: list) -> None:
         return took
 
     param_cast.set_main_param_cast_hook(counting)
-
-
-class TinyBf16(torch.nn.Module):
-    """Tiny without its fp32 parameter, for the checkpoint case: Megatron-Core 0.16.1's ``dp_reshardable``
-    optimizer format asserts on a bucket a rank owns nothing of ("empty bucket encountered",
-    ``distrib_optimizer.py:1610``), which Tiny's 11-element fp32 buffer is for rank 1."""
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
-        self.up = torch.nn.Linear(40, 37, dtype=torch.bfloat16)
-        self.down = torch.nn.Linear(37, 11, dtype=torch.bfloat16)
-        self.norm = torch.nn.Parameter(torch.ones(37, dtype=torch.bfloat16))
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)) * self.norm).float()
 
 
 CHECKPOINT_MODES = ["stochastic", "error_feedback"]
