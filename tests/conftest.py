@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 
@@ -55,6 +56,23 @@ def cpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def kill_tree(popen: subprocess.Popen) -> None:
+    """SIGKILL what ``popen`` started: its descendants (found before any dies, wherever their session)
+    and its own session (start it with ``start_new_session=True``)."""
+    try:
+        family = psutil.Process(popen.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(popen.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        popen.wait(timeout=10)
+    psutil.wait_procs(family, timeout=10)
+
+
 def run_logged(cmd: list[str], log: Path, *, env: dict[str, str], timeout: float, cwd: Path = ROOT,
                check: bool = True) -> subprocess.CompletedProcess:
     """Run a command with its output in ``log``; on failure raise with the log's tail."""
@@ -64,16 +82,9 @@ def run_logged(cmd: list[str], log: Path, *, env: dict[str, str], timeout: float
         popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         try:
             popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(popen.pid, signal.SIGKILL)
-            popen.wait()
-            raise
         finally:
-            if popen.poll() is None:  # interrupted (KeyboardInterrupt): do not leave the ranks behind
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(popen.pid, signal.SIGKILL)
-                popen.wait()
+            if popen.poll() is None:  # timed out or interrupted: do not leave the ranks behind
+                kill_tree(popen)
     proc = subprocess.CompletedProcess(cmd, popen.returncode)
     if check and proc.returncode != 0:
         tail = log.read_text()[-6000:]

@@ -30,11 +30,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from conftest import DIST, ROOT, assert_bitwise, cpu_env, free_port
+from conftest import DIST, ROOT, assert_bitwise, cpu_env, free_port, kill_tree
 
 pytestmark = pytest.mark.slow
 
@@ -72,22 +71,6 @@ def start(name: str, cmd: list[str], log: Path, env: dict[str, str]) -> Proc:
     return Proc(name, popen, log, time.monotonic())
 
 
-def kill_tree(proc: Proc) -> None:
-    """SIGKILL what `proc` started: its descendants (found before any dies) and its session."""
-    try:
-        family = psutil.Process(proc.popen.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    for p in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.popen.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.popen.wait(timeout=10)
-    psutil.wait_procs(family, timeout=10)
-
-
 def wait_all(procs: list[Proc], timeout: float) -> dict[str, int]:
     """Wait for every process, at most `timeout` seconds in all; kill the rest and fail on overrun."""
     deadline = time.monotonic() + timeout
@@ -102,7 +85,7 @@ def wait_all(procs: list[Proc], timeout: float) -> dict[str, int]:
         return codes
     finally:
         for p in procs:
-            kill_tree(p)
+            kill_tree(p.popen)
 
 
 def check_ok(codes: dict[str, int], procs: list[Proc]) -> None:
@@ -320,7 +303,7 @@ def slurm_preflight(tmp_path_factory):
     """launch/preflight.py through launch/slurm_task.sh as srun would start it (one task per rank,
     2 nodes x 1 task), node 1 without Fair Cast (its hook switched off, as on a node missing the package)."""
     out = tmp_path_factory.mktemp("slurm")
-    port = str(free_port())
+
     def pair(name: str, node1: dict[str, str]) -> list:
         port = str(free_port())
         return [start(f"{name}{k}", ["bash", str(ROOT / "launch/slurm_task.sh"), str(ROOT / "launch/preflight.py"),
@@ -373,7 +356,7 @@ def failures(tmp_path_factory):
     finally:
         for run in runs.values():
             for p in run["procs"]:
-                kill_tree(p)
+                kill_tree(p.popen)
 
 
 # ---------------------------------------------------------------------------------------------
