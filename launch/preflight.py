@@ -37,9 +37,12 @@ def describe_before_initialize(config: dict[str, Any]) -> dict[str, Any]:
     """This rank's view before any engine exists: is Fair Cast loaded (the interpreter-start hook has
     wrapped DeepSpeed's engine), and which section would the engine get. Needs no collective of
     Fair Cast's, so a node without the package is named instead of hanging the job."""
-    import deepspeed.runtime.engine as ds_engine
-
-    loaded = bool(getattr(ds_engine.DeepSpeedEngine.__init__, "_faircast_wrapped", False))
+    try:
+        from faircast_ds.deepspeed.engine import installed
+    except ImportError:  # the package is missing on this node
+        loaded = False
+    else:
+        loaded = installed()
     section, error = None, None
     if loaded:
         from faircast_ds import config_source

@@ -213,14 +213,22 @@ def _wrap_step_for_diagnostics(engine: Any, fair_cast: FairCast) -> None:
     engine.step = step_and_report
 
 
+def installed() -> bool:
+    """Whether engines built from now on attach themselves (``install()`` has run: by the
+    interpreter-start hook once DeepSpeed's engine module was imported, or by hand). Imports DeepSpeed."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return bool(getattr(DeepSpeedEngine.__init__, "_faircast_wrapped", False))
+
+
 def install() -> None:
     """Wrap ``DeepSpeedEngine.__init__`` so engines with a ``fair_cast`` section attach themselves.
     Idempotent."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    original = DeepSpeedEngine.__init__
-    if getattr(original, "_faircast_wrapped", False):
+    if installed():
         return
+    original = DeepSpeedEngine.__init__
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
