@@ -127,5 +127,7 @@ def build(config: FairCastConfig, adapters: list[Adapter], *, route: str, owner:
 
         handle.alignment = apply_from_config(module, config.align_rounding)
     setattr(owner, ATTR, handle)
+    for adapter in adapters:  # for callers that hold the optimizer (a Trainer, through Accelerate's wrapper)
+        setattr(adapter.optimizer, ATTR, handle)
     dist.log_rank0(handle.banner())
     return handle

@@ -18,7 +18,7 @@ import torch
 
 from conftest import DIST, ROOT, cpu_env, deepspeed_launch, free_port, run_logged
 from faircast_ds import config_source
-from faircast_ds.config import FairCastConfigError
+from faircast_ds.config import FairCastConfig, FairCastConfigError
 
 ENV = config_source.ENV
 
@@ -95,6 +95,36 @@ def _lora_model(b_std: float):
 @torch.no_grad()
 def _delta(layer):
     return (layer.lora_B["default"].weight.float() @ layer.lora_A["default"].weight.float()) * layer.scaling["default"]
+
+
+def test_find_handle_reaches_the_handle_through_the_trainers_optimizer_wrappers():
+    """What FairCastCallback is given: the model (the handle is on it) or only the optimizer, as the
+    Trainer holds it (Accelerate's wrapper around DeepSpeed's ZeRO optimizer); every route keeps the
+    handle on the optimizers it serves."""
+    from types import SimpleNamespace
+
+    from test_guard import TwoGroups
+
+    from faircast_ds.handle import build
+    from faircast_ds.routes import ROUTES
+    from faircast_ds.shard_caster import ShardCaster
+    from faircast_ds.transformers import find_handle
+
+    class Optimizer:  # weakly referencable and holds attributes, as DeepSpeed's optimizer does
+        pass
+
+    config = FairCastConfig(mode="stochastic", seed=1, diagnostics={"every": 0})
+    adapter = TwoGroups(ShardCaster(config))
+    adapter.optimizer = Optimizer()
+    engine = SimpleNamespace()
+    handle = build(config, [adapter], route="test", owner=engine, connect=lambda a: None)
+    try:
+        wrapped = SimpleNamespace(optimizer=SimpleNamespace(optimizer=adapter.optimizer))
+        assert find_handle(None, wrapped) is handle
+        assert find_handle(SimpleNamespace(module=engine), None) is handle
+        assert find_handle(SimpleNamespace(), SimpleNamespace(optimizer=None)) is None
+    finally:
+        ROUTES.remove(adapter.optimizer)
 
 
 def test_lora_merge_round_to_nearest_loses_small_updates_fair_cast_keeps_them():

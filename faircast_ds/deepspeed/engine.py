@@ -32,12 +32,6 @@ def engine_source(engine: Any) -> Source | None:
     return config_source.resolve(raw_config(engine_config(engine)))
 
 
-def engine_section(engine: Any) -> FairCastConfig | None:
-    """The engine's ``fair_cast`` section, validated (None when absent), from its config or ``FAIRCAST_DS_CONFIG``."""
-    source = engine_source(engine)
-    return source.config if source is not None else None
-
-
 def model_numel(engine: Any) -> int:
     """Elements of the model's trainable parameters, the ones the cast serves (ZeRO-3 parameters
     counted at full size; frozen ones, e.g. a LoRA base model, have no master and are left out, so the
@@ -100,12 +94,6 @@ def attach_route(engine: Any, source: Source | None, *, route: str, connect: Cal
     return fair_cast
 
 
-def handle_for_module(module: Any) -> FairCast | None:
-    """The Fair Cast of the engine that wraps ``module`` (for callers that hold the model, not the
-    engine, e.g. a transformers TrainerCallback)."""
-    return get_fair_cast(module)
-
-
 def _shard_group(engine: Any) -> Any:
     """The process group the engine's optimizer shards over (every rank that builds this engine):
     the sequence-data-parallel group where there is one, else the data-parallel group."""
@@ -123,7 +111,7 @@ def _agree_across_ranks(source: Source | None, group: Any) -> None:
     others matched against DeepSpeed's next collective until the job's timeout (dist.post_and_gather).
     A rank without a section, or with ``enabled: false``, never fails for a rank that did not post (a
     job that does not use Fair Cast is not ours to stop): it waits at most UNSECTIONED_WAIT_S, to report
-    a disagreement too. Without a store (the MPI backend) ranks that cast fall back to a collective.""" 
+    a disagreement too. Without a store (the MPI backend) ranks that cast fall back to a collective."""
     from faircast_ds.config import FairCastConfigError
 
     mine = json.dumps(source.config.model_dump(mode="json"), sort_keys=True) if source is not None else None

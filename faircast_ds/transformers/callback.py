@@ -28,27 +28,12 @@ PREFIX = "fair_cast/"
 def find_handle(model: Any = None, optimizer: Any = None) -> FairCast | None:
     """The Fair Cast serving ``model`` (the module a DeepSpeed engine wraps) or ``optimizer`` (as the
     Trainer holds it: Accelerate's wrapper around the engine's optimizer)."""
-    from faircast_ds.deepspeed.engine import handle_for_module
-    from faircast_ds.routes import ROUTES
-
-    for obj in (model, getattr(model, "module", None)):
-        if obj is not None:
-            handle = get_fair_cast(obj) or handle_for_module(obj)
-            if handle is not None:
-                return handle
+    candidates = [model, getattr(model, "module", None)]
     inner = optimizer
     for _ in range(3):  # AcceleratedOptimizer -> DeepSpeed's ZeRO optimizer
-        if inner is None:
-            break
-        route = ROUTES.get(inner)
-        if route is not None:
-            from faircast_ds.deepspeed.engine import _HANDLES
-
-            for handle in list(_HANDLES.values()):
-                if route.adapter in handle.adapters:
-                    return handle
+        candidates.append(inner)
         inner = getattr(inner, "optimizer", None)
-    return None
+    return next((h for h in map(get_fair_cast, candidates) if h is not None), None)
 
 
 class FairCastCallback(TrainerCallback):

@@ -26,7 +26,7 @@ from faircast_ds import dist
 from faircast_ds.adapter import UnsupportedSetupError
 from faircast_ds.casts import cast
 from faircast_ds.config import FairCastConfig
-from faircast_ds.handle import FairCast
+from faircast_ds.handle import FairCast, get_fair_cast
 
 NAME_SUFFIX = "@lora_merge"  # noise stream of a merged weight, apart from the served parameter's
 
@@ -69,9 +69,7 @@ def install_lora_merge(model: Any, source: FairCast | FairCastConfig | dict | No
         if isinstance(source, FairCast):
             return source.config, lambda: source.caster.step
         if source is None:
-            from faircast_ds.deepspeed.engine import handle_for_module
-
-            handle = handle_for_module(model) or handle_for_module(getattr(model, "module", None))
+            handle = get_fair_cast(model) or get_fair_cast(getattr(model, "module", None))
             if handle is None:
                 raise UnsupportedSetupError("fair_cast LoRA merge: no Fair Cast engine wraps this model yet; pass its "
                                             "handle or a config to install_lora_merge")
