@@ -88,7 +88,7 @@ def _collective_device() -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-POST_WAIT_S = 300.0  # the longest a rank waits for the others' posts (less when the process group's timeout is shorter)
+POST_WAIT_S = 300.0  # the longest a rank waits for the others' posts (less when the store's timeout is shorter)
 _posts: dict[tuple, int] = {}  # (name, ranks) -> posts made so far: the same sequence number on every rank
 
 
