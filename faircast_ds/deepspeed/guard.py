@@ -232,17 +232,9 @@ def _raise(problem: str | None) -> None:
 
 
 def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank (one all-reduce of one element, on the accelerator the
-    process group communicates on)."""
-    rank, world = dist.rank_world()
-    if world == 1:
-        return flag
-    import torch.distributed as tdist
-    from deepspeed.accelerator import get_accelerator
-
-    t = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().current_device_name())
-    tdist.all_reduce(t)
-    return bool(t.item() > 0)
+    """Whether ``flag`` holds on any rank (one all-reduce of one element, on the device the backend
+    takes: dist.all_reduce_sum)."""
+    return dist.all_reduce_sum([1.0 if flag else 0.0])[0] > 0
 
 
 def install(engine: Any, fair_cast: Any) -> Guard:
