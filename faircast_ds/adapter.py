@@ -29,6 +29,14 @@ def param_name(names: dict, param: object) -> str:
                                     "element is keyed by its parameter's name") from None
 
 
+def narrowed(served: torch.Tensor, slices: list[ShardSlice]) -> Iterator[tuple[ShardSlice, torch.Tensor]]:
+    """(slice, its elements of the flat ``served`` shard) for each parameter slice, padding left out."""
+    flat = served.detach().view(-1)
+    for s in slices:
+        if not s.is_padding:
+            yield s, flat.narrow(0, s.offset, s.numel)
+
+
 class Adapter(ABC):
     """Finds one optimizer's flat shards, routes its fp32 -> bf16 refresh sites through the caster."""
 
@@ -68,11 +76,24 @@ class Adapter(ABC):
         """Parameter elements held by this rank (padding excluded)."""
         return sum(s.numel for _, _, _, slices in self.flat_groups() for s in slices if not s.is_padding)
 
+    def served_views(self, key: Hashable) -> Iterator[tuple[ShardSlice, torch.Tensor]]:
+        """(slice, the tensor the framework serves those elements from) for each parameter slice of group
+        ``key``: by default the served flat shard itself (ZeRO-3 overrides: it serves from ``ds_tensor``)."""
+        for k, _, served, slices in self.flat_groups():
+            if k == key:
+                yield from narrowed(served, slices)
+                return
+
+    def staging(self, key: Hashable) -> torch.Tensor | None:
+        """A host bf16 buffer of the group's size the caster may cast into when the fp32 master is on the
+        host and the served shard on a device (None: the caster keeps its own)."""
+        return None
+
     @torch.no_grad()
     def cast_all(self) -> None:
         """Recompute every served shard from its master at the caster's current step."""
         for key, master, served, slices in self.flat_groups():
-            self.caster.cast_flat(key, master, served, slices, previous=self.previous(key))
+            self.caster.cast_flat(key, master, served, slices, previous=self.previous(key), staging=self.staging(key))
 
     def recast_and_publish(self) -> None:
         """cast_all(), then publish the result to the model's parameters. A collective (publishing

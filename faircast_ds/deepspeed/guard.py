@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
@@ -50,19 +50,6 @@ class _Record:
     picks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     flat: torch.Tensor | None = None
     values: torch.Tensor | None = None
-
-
-def served_views(adapter: Adapter, key: Hashable) -> Iterator[tuple[ShardSlice, torch.Tensor]]:
-    """(slice, the tensor DeepSpeed serves those elements from) for each parameter slice of a group."""
-    own = getattr(adapter, "served_views", None)
-    if own is not None:
-        yield from own(key)
-        return
-    for k, _, served, slices in adapter.flat_groups():
-        if k == key:
-            for s in slices:
-                if not s.is_padding:
-                    yield s, served.detach().view(-1).narrow(0, s.offset, s.numel)
 
 
 class Guard:
@@ -160,7 +147,7 @@ class Guard:
         compared = []  # (mismatches, key, slice, served bits, recorded bits, element indices or None)
         for key, _, _, _ in self.adapter.flat_groups():
             rec = self.records.get(key)
-            views = list(served_views(self.adapter, key))
+            views = list(self.adapter.served_views(key))
             if not views:
                 continue
             if rec is None:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from deepspeed import comm as dist
 
-from faircast_ds.adapter import Adapter, param_name
+from faircast_ds.adapter import Adapter, narrowed, param_name
 from faircast_ds.deepspeed import compat
 from faircast_ds.routes import ROUTES
 from faircast_ds.shard_caster import ShardSlice, with_padding
@@ -86,22 +86,9 @@ class GatherSiteAdapter(Adapter):
     def previous(self, key: int) -> torch.Tensor | None:
         return self._previous[key]
 
-    def staging(self, key: int) -> torch.Tensor | None:
-        """A host bf16 buffer of the partition's size that the caster may use when the fp32 master is
-        on the host and the served partition on the device (None: the caster keeps its own)."""
-        return None
-
-    @torch.no_grad()
-    def cast_all(self) -> None:
-        for key, master, served, slices in self.flat_groups():
-            self.caster.cast_flat(key, master, served, slices, previous=self.previous(key), staging=self.staging(key))
-
     def served_views(self, key: int) -> Iterator[tuple[ShardSlice, torch.Tensor]]:
         """What DeepSpeed all-gathers and serves from group ``key``: this rank's bf16 partition."""
-        served = self.served(key).detach()
-        for s in self._slices[key]:
-            if not s.is_padding:
-                yield s, served.narrow(0, s.offset, s.numel)
+        yield from narrowed(self.served(key), self._slices[key])
 
     def install(self) -> None:
         _wrap_gather(self.module)
