@@ -84,18 +84,13 @@ class ModeSummary:
     final_by_seed: dict[int, float]
     final_mean: float
     final_spread: float
-    spread_kind: str  # "seeds" or "steps"
     changed: float
     gap: float
     lag: float
     sync_bytes: float  # bytes per step of a delta sync (fp32 reference: dense)
     sync_dense: float  # bytes per step of a dense sync
     bf16_dense: float  # a dense bf16 sync of the same model (the yardstick)
-    cast_ms: float
     step_ms: float
-    wins: int = 0
-    ties: int = 0
-    losses: int = 0
     mismatch: dict[str, float] = field(default_factory=dict)
     final_ci: tuple[float, float] = (math.nan, math.nan)  # Student-t 95% over seeds
     lag_drift: float = math.nan  # mean over all steps
@@ -107,6 +102,18 @@ class ModeSummary:
     times: dict[str, float] = field(default_factory=dict)  # ms per step by phase
     vs_control: stats.Paired | None = None
     vs_reference: stats.Paired | None = None
+
+    @property
+    def wins(self) -> int:  # W/T/L against RN, paired by seed (stats.paired): 0 for RN itself
+        return self.vs_control.wins if self.vs_control is not None else 0
+
+    @property
+    def ties(self) -> int:
+        return self.vs_control.ties if self.vs_control is not None else 0
+
+    @property
+    def losses(self) -> int:
+        return self.vs_control.losses if self.vs_control is not None else 0
 
 
 def summarize(rows: Sequence[dict], finals: Sequence[dict], modes: Sequence[str], tie: float) -> list[ModeSummary]:
@@ -120,10 +127,10 @@ def summarize(rows: Sequence[dict], finals: Sequence[dict], modes: Sequence[str]
         tails = {s: tail(rs) for s, rs in by_seed.items()}
         final = {s: _mean([r["reward"] for r in t]) for s, t in tails.items()}
         if len(seeds) > 1:
-            spread, kind = statistics.stdev(final.values()), "seeds"
+            spread = statistics.stdev(final.values())
         else:
             rewards = [r["reward"] for r in tails[seeds[0]]]
-            spread, kind = (statistics.stdev(rewards) if len(rewards) > 1 else 0.0), "steps"
+            spread = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
         all_tail = [r for t in tails.values() for r in t]
         mm = [f for f in finals if f["mode"] == mode and "mismatch_rms" in f]
         lags = [r["lag_drift_steps"] for r in mine if not math.isnan(r.get("lag_drift_steps", math.nan))]
@@ -132,12 +139,11 @@ def summarize(rows: Sequence[dict], finals: Sequence[dict], modes: Sequence[str]
                if any(int(r["seed"]) == s for r in evals)}
         out.append(ModeSummary(
             mode=mode, final_by_seed=final, final_mean=_mean(list(final.values())), final_spread=spread,
-            spread_kind=kind, changed=_mean([r["changed_fraction"] for r in mine]),
+            changed=_mean([r["changed_fraction"] for r in mine]),
             gap=_mean([r["gap_spacings"] for r in all_tail]), lag=_mean([r["lag_steps"] for r in mine]),
             sync_bytes=_mean([r["sync_bytes"] for r in mine]),
             sync_dense=_mean([r["sync_bytes_dense"] for r in mine]),
             bf16_dense=_mean([2 * r["numel"] for r in mine]),
-            cast_ms=_mean([r["cast_ms"] for r in mine]),
             step_ms=_mean([r["rollout_ms"] + r["train_ms"] for r in mine]),
             mismatch={k: _mean([f[k] for f in mm]) for k in (mm[0] if mm else {}) if k.startswith("mismatch")},
             final_ci=stats.mean_ci(list(final.values()))[1:] if len(seeds) > 1 else (math.nan, math.nan),
@@ -150,20 +156,6 @@ def summarize(rows: Sequence[dict], finals: Sequence[dict], modes: Sequence[str]
                    for k in ("rollout_ms", "fwd_bwd_ms", "opt_ms", "cast_ms", "extra_ms")},
         ))
     control = next((s for s in out if s.mode == CONTROL), None)
-    if control is not None:
-        for s in out:
-            if s is control:
-                continue
-            for seed, value in s.final_by_seed.items():
-                if seed not in control.final_by_seed:
-                    continue
-                diff = value - control.final_by_seed[seed]
-                if abs(diff) < tie:
-                    s.ties += 1
-                elif diff > 0:
-                    s.wins += 1
-                else:
-                    s.losses += 1
     reference = next((s for s in out if s.mode == REFERENCE), None)
     for s in out:
         for other, attr in ((control, "vs_control"), (reference, "vs_reference")):
