@@ -59,7 +59,6 @@ class _Shared:
 
     engine: Any = None
     dtype: str | None = None
-    directory: str | None = None
 
 
 def rollout_seed(seed: int, step: int, rank: int, index: int) -> int:
@@ -91,14 +90,13 @@ class VllmRollouts:
                 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the screen for the progress bar
                 _Shared.engine = VllmEngine(directory, dtype=dtype, seed=seed, max_model_len=max_len, in_process=False,
                                             kv_cache_gib=KV_CACHE_GIB)
-            _Shared.dtype, _Shared.directory = dtype, directory
+            _Shared.dtype = dtype
             dist.barrier()
         self.engine = _Shared.engine if self.rank == 0 else None
         self.push = WeightPush(ds_engine, self.engine)
         report = self.push.push(kind="dense")  # every run starts from its own initial weights
         if report.verified is not True:
             raise RuntimeError(f"the vLLM engine does not hold the served weights after the first push: {report}")
-        self.first_push = report
         self.measure_ms = math.nan
 
     def rollout(self, task: Any, seed: int, step: int, prompts: torch.Tensor,
@@ -181,4 +179,4 @@ def shutdown() -> None:
     """Stop the shared vLLM engine, if one was started."""
     if _Shared.engine is not None:
         _Shared.engine.close()
-    _Shared.engine, _Shared.dtype, _Shared.directory = None, None, None
+    _Shared.engine, _Shared.dtype = None, None
