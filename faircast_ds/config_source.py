@@ -35,16 +35,9 @@ class Source:
     config: FairCastConfig
     origin: str  # "config", "FAIRCAST_DS_CONFIG", "FAIRCAST_DS_CONFIG:/path.json", "config+FAIRCAST_DS_CONFIG", "attach"
 
-    @property
-    def from_env(self) -> bool:
-        return ENV in self.origin
-
 
 def _env_value(environ: Mapping[str, str] | None) -> str | None:
-    value = (os.environ if environ is None else environ).get(ENV)
-    if value is None:
-        return None
-    return value
+    return (os.environ if environ is None else environ).get(ENV)
 
 
 def _parse(text: str, where: str) -> Any:

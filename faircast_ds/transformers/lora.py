@@ -40,7 +40,7 @@ def lora_layers(model: Any) -> list[tuple[str, Any]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
 
 
-def _refuse(config: FairCastConfig, mode: str) -> None:
+def _refuse(mode: str) -> None:
     if mode == "error_feedback":
         raise UnsupportedSetupError(
             "fair_cast LoRA merge: mode error_feedback carries a residual per served shard, and a merged weight "
@@ -79,7 +79,7 @@ def install_lora_merge(model: Any, source: FairCast | FairCastConfig | dict | No
 
     cfg, _ = settings() if source is not None else (None, None)
     if cfg is not None:
-        _refuse(cfg, mode or cfg.mode)
+        _refuse(mode or cfg.mode)
     for name, layer in layers:
         _hook(layer, f"{name}.base_layer.weight{NAME_SUFFIX}", settings, mode)
     summary = f"mode={mode or cfg.mode}" if cfg is not None else "the engine's mode"
@@ -112,7 +112,7 @@ def _hook(layer: Any, noise_name: str, settings: Callable[[], tuple[FairCastConf
             raise UnsupportedSetupError(f"fair_cast LoRA merge: the base weight is {weight.dtype}, not bf16")
         cfg, step_of = settings()
         use = mode or cfg.mode
-        _refuse(cfg, use)
+        _refuse(use)
         if state["saved"] is None:
             state["saved"] = weight.data.clone()
         merged = weight.data.float()
