@@ -22,7 +22,7 @@ import glob
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -182,6 +182,15 @@ def check_engine_step(records: list[tuple[str, dict[str, Any]]], tag_dir: str, e
 
 
 @torch.no_grad()
+def cast_mismatch(saved: Mapping[str, Any], cfg: FairCastConfig, where: str) -> str | None:
+    """How a saved state's mode or seed differs from this run's ``cfg`` (``where``: what was saved, e.g.
+    "checkpoint <dir>"), first mode then seed; None when both match: a state is only valid for its cast."""
+    for what in ("mode", "seed"):
+        if saved[what] != getattr(cfg, what):
+            return f"{where} was saved with fair_cast.{what}={saved[what]!r}, this run has {getattr(cfg, what)!r}"
+    return None
+
+
 def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine_step: int | None = None) -> int:
     """Restore this rank's state from ``tag_dir`` (any saved world size or stage); returns the step.
 
@@ -191,10 +200,9 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
     cfg = caster.config
     records = read_records(tag_dir)
     first = records[0][1]
-    for what in ("mode", "seed"):
-        if first[what] != getattr(cfg, what):
-            raise FairCastStateError(f"checkpoint {tag_dir} was saved with fair_cast.{what}={first[what]!r}, "
-                                     f"this run has {getattr(cfg, what)!r}")
+    mismatch = cast_mismatch(first, cfg, f"checkpoint {tag_dir}")
+    if mismatch is not None:
+        raise FairCastStateError(mismatch)
     check_engine_step(records, tag_dir, engine_step)
     step = int(first["step"])
     index = _index(records)

@@ -35,8 +35,8 @@ import zipfile
 from typing import Any
 
 from faircast_ds import dist
-from faircast_ds.checkpoint import (FairCastStateError, MissingStateError, SavedCast, complete_step, publish_restored,
-                                    read_records, reset_state, restore_state, save_state)
+from faircast_ds.checkpoint import (FairCastStateError, MissingStateError, SavedCast, cast_mismatch, complete_step,
+                                    publish_restored, read_records, reset_state, restore_state, save_state)
 from faircast_ds.handle import FairCast
 from faircast_ds.shard_caster import NonFiniteWeightError
 
@@ -202,12 +202,9 @@ def wrap_checkpointing(engine: Any, fair_cast: FairCast) -> None:
         served_from_state = zero3 and not masters_exact and not universal  # ZeRO-3's model file has no weights
         records, error, missing = _read_state(tag_dir, universal)
         if records is not None and masters_exact:
-            first = records[0][1]
-            for what in ("mode", "seed"):
-                if error is None and first[what] != getattr(cfg, what):
-                    error = (f"checkpoint {tag_dir} was saved with fair_cast.{what}={first[what]!r}, this run has "
-                             f"{getattr(cfg, what)!r}")
-                    records = None
+            mismatch = cast_mismatch(records[0][1], cfg, f"checkpoint {tag_dir}")
+            if error is None and mismatch is not None:
+                error, records = mismatch, None
         needs_state = masters_exact or served_from_state
         if error is not None and needs_state and cfg.on_missing_state == "error":  # refused before loading anything
             if not missing:

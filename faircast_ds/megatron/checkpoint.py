@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from faircast_ds import dist
-from faircast_ds.checkpoint import FORMAT, FairCastStateError, MissingStateError
+from faircast_ds.checkpoint import FORMAT, FairCastStateError, MissingStateError, cast_mismatch
 from faircast_ds.handle import FairCast
 
 PREFIX = "fair_cast"
@@ -91,10 +91,9 @@ def load_state_dict(fair_cast: FairCast, state: Mapping[str, Any] | None, *, ste
                                 "at zero instead")
     if state.get("format") != FORMAT:
         raise FairCastStateError(f"the checkpoint's fair_cast entry is not a {FORMAT} state")
-    for what in ("mode", "seed"):
-        if state[what] != getattr(cfg, what):
-            raise FairCastStateError(f"the checkpoint was saved with fair_cast.{what}={state[what]!r}, this run has "
-                                     f"{getattr(cfg, what)!r}")
+    mismatch = cast_mismatch(state, cfg, "the checkpoint")
+    if mismatch is not None:
+        raise FairCastStateError(mismatch)
     if cfg.mode == "error_feedback":
         residual = state.get("residual") or {}
         for adapter in fair_cast.adapters:
