@@ -146,10 +146,16 @@ def bf16_optimizer_config(cfg: Any) -> bool:
     accum = getattr(cfg, "grad_accum_dtype", None)
     if accum is None or not precision(cfg).bf16 or cfg.zero_config.stage != 1:
         return False
-    offload = getattr(cfg.zero_config, "offload_optimizer", None)
-    if offload is not None and str(getattr(offload.device, "value", offload.device)) == "cpu":
+    if offload_device(getattr(cfg.zero_config, "offload_optimizer", None)) == "cpu":
         return False
     return DtypeEnum(accum).value == torch.float32
+
+
+def offload_device(offload_cfg: Any) -> str:
+    """The device of an ``offload_optimizer`` / ``offload_param`` section ("none" when absent): an enum
+    or its plain value, by release."""
+    device = getattr(offload_cfg, "device", None) if offload_cfg is not None else None
+    return str(getattr(device, "value", device) or "none")
 
 
 def bf16_optimizer_buildable() -> bool:

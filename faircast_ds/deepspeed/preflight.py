@@ -178,11 +178,12 @@ def _predicted_optimizer(parsed) -> str:
     optimizer where the config names none (tests/test_cli_check.py compares it with built engines)."""
     import torch
 
+    from faircast_ds.deepspeed import compat
+
     stage = int(parsed.zero_optimization_stage)
     accum = getattr(getattr(parsed, "grad_accum_dtype", None), "value", getattr(parsed, "grad_accum_dtype", None))
     fp32_accum = accum in (torch.float32, "fp32", "float32", "torch.float32")
-    device = getattr(getattr(parsed.zero_config, "offload_optimizer", None), "device", None)
-    offload = str(getattr(device, "value", device) or "none")  # an enum or its value, by release
+    offload = compat.offload_device(getattr(parsed.zero_config, "offload_optimizer", None))
     if stage == 0:  # bf16 without ZeRO: FP16_Optimizer around a fused optimizer, else FP16_UnfusedOptimizer
         return "BF16_Optimizer" if fp32_accum else "FP16_Optimizer" if parsed.optimizer_name else "FP16_UnfusedOptimizer"
     if stage == 1 and fp32_accum and offload in ("none", "None"):

@@ -31,11 +31,6 @@ def check_supported(ds_config: Any) -> None:
                                     "\n  - ".join(problems))
 
 
-def _device(offload_cfg: Any) -> str:
-    device = getattr(offload_cfg, "device", None) if offload_cfg is not None else None
-    return str(getattr(device, "value", device) or "none")
-
-
 def _problems(cfg: Any) -> Iterator[str]:
     # every release difference is read through compat (feature detection; the range is its one
     # version comparison)
@@ -57,7 +52,7 @@ def _problems(cfg: Any) -> Iterator[str]:
         yield "torch_autocast: parameters stay fp32, there is no bf16 copy to cast"
     zero = cfg.zero_config
     for what in ("offload_param", "offload_optimizer"):
-        if _device(getattr(zero, what, None)) == "nvme":
+        if compat.offload_device(getattr(zero, what, None)) == "nvme":
             yield f"zero_optimization.{what}.device nvme: NVMe offload casts inside the swapper, not supported"
     if compat.super_offload_enabled(zero):
         yield "zero_optimization.offload_optimizer.super_offload: SuperOffload has its own cast, not supported"
