@@ -16,7 +16,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from faircast_ds.align.fused import fused_rmsnorm, fused_swiglu
 from faircast_ds.align.profiles import Rounding
 from faircast_ds.align.regions import attention as attention_region
-from faircast_ds.align.regions import rms_rstd, rope, wide
+from faircast_ds.align.regions import rmsnorm_two_roundings, rope, wide
 
 
 def fp32_table_rotary_forward(self: nn.Module, x: Tensor, position_ids: Tensor, *args: Any, **kw: Any):
@@ -102,8 +102,7 @@ def fused_norm_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
 
 def wide_input_norm_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
     """RMSNorm rounding as HF's (``x·rms`` rounded, ``·w`` rounded), also for the fp32 residual sum."""
-    xw = hidden_states.to(torch.float32)
-    return self.weight * (xw * rms_rstd(xw, self.variance_epsilon)).to(self.weight.dtype)
+    return rmsnorm_two_roundings(hidden_states, self.weight, self.variance_epsilon)
 
 
 def fused_residual_layer_forward(

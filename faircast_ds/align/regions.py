@@ -64,6 +64,12 @@ def rmsnorm_one_rounding(xw: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
     return (xw * rstd * wide(weight)).to(weight.dtype)
 
 
+def rmsnorm_two_roundings(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF eager's RMSNorm: fp32 ``x·rms`` rounded to the weight dtype, then ``weight·`` rounded again."""
+    xw = x.to(torch.float32)  # HF casts to fp32 exactly (even from fp64)
+    return weight * (xw * rms_rstd(xw, eps)).to(weight.dtype)
+
+
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, rounding: Rounding) -> Tensor:
     """RMSNorm of ``x`` over its last dim.
 
@@ -73,8 +79,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, rounding: Rounding) -> Tensor
     unfused form is HF's ``weight * x.to(input_dtype)``).
     """
     if not rounding.fused:
-        xw = x.to(torch.float32)  # HF casts to fp32 exactly (even from fp64)
-        return weight * (xw * rms_rstd(xw, eps)).to(weight.dtype)
+        return rmsnorm_two_roundings(x, weight, eps)
     xw = wide(x)
     return rmsnorm_one_rounding(xw, rms_rstd(xw, eps), weight)
 
