@@ -33,6 +33,15 @@ class Zero3Adapter(Adapter):
         compat.require_internals(optimizer)
         super().__init__(optimizer, caster, names)
         self._slices = [self._group_slices(i) for i in range(len(optimizer.fp16_groups))]
+        self._at = [self._params_by_offset(i) for i in range(len(optimizer.fp16_groups))]
+
+    def _params_by_offset(self, i: int) -> dict[int, Any]:
+        """Sub-group ``i``'s parameters by the offset of their partition in the flat shard."""
+        at, offset = {}, 0
+        for param in self.optimizer.fp16_groups[i]:
+            at[offset] = param
+            offset += param.partition_numel()
+        return at
 
     def _group_slices(self, i: int) -> list[ShardSlice]:
         opt = self.optimizer
@@ -92,10 +101,7 @@ class Zero3Adapter(Adapter):
     def served_views(self, key: int) -> Iterator[tuple[ShardSlice, torch.Tensor]]:
         """What DeepSpeed gathers and serves from sub-group ``key``: each parameter's ``ds_tensor``
         (its elements of this rank's partition), beside the slice of the flat shard it came from."""
-        at, offset = {}, 0
-        for param in self.optimizer.fp16_groups[key]:
-            at[offset] = param
-            offset += param.partition_numel()
+        at = self._at[key]
         for s in self._slices[key]:
             if not s.is_padding:
                 yield s, at[s.offset].ds_tensor.detach().view(-1).narrow(0, 0, s.numel)
