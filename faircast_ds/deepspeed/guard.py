@@ -111,12 +111,13 @@ class Guard:
         n = len(params)
         chosen = range(n) if n <= SAMPLE_SLICES else [(step * SAMPLE_SLICES + j) % n for j in range(SAMPLE_SLICES)]
         gen = torch.Generator().manual_seed(1_000_003 * step + n)
-        picks = []
-        for i in chosen:
-            numel = params[i].numel
-            idx = (torch.arange(numel) if numel <= SAMPLE_ELEMENTS
-                   else torch.randint(0, numel, (SAMPLE_ELEMENTS,), generator=gen))
-            picks.append((i, idx.to(device)))
+        host = [(i, torch.arange(params[i].numel) if params[i].numel <= SAMPLE_ELEMENTS
+                 else torch.randint(0, params[i].numel, (SAMPLE_ELEMENTS,), generator=gen)) for i in chosen]
+        on_device = torch.cat([idx for _, idx in host]).to(device)  # one copy to the device, not one per slice
+        picks, at = [], 0
+        for i, idx in host:
+            picks.append((i, on_device.narrow(0, at, idx.numel())))
+            at += idx.numel()
         return picks
 
     @torch.no_grad()
