@@ -39,7 +39,7 @@ from faircast_ds.align.families import (
     checked,
     decoder_layers,
 )
-from faircast_ds.align.profiles import REGIONS, EngineProfile, check_regions, get_profile
+from faircast_ds.align.profiles import HF, REGIONS, EngineProfile, check_regions, get_profile
 
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, AlignmentHandle] = weakref.WeakKeyDictionary()
 
@@ -135,7 +135,7 @@ def _plan(model: nn.Module, profile: EngineProfile, regions: tuple[str, ...]) ->
     plan: list[tuple[nn.Module, Callable]] = []
     differs = {r for r in regions if profile.differs_from_hf(r)}
     if differs & {"rope", "attention"}:  # one attention forward carries both
-        rope_rounding = profile.rope if "rope" in differs else profile.restricted_to(()).rope
+        rope_rounding = profile.rope if "rope" in differs else HF.rope
         kernel = profile.attention if "attention" in differs else None
         attention = forwards.attention_forward(rope_rounding, kernel)
         plan += [(checked(layer.self_attn, ATTENTIONS), attention) for layer in layers]
