@@ -61,21 +61,18 @@ def install_lora_merge(model: Any, source: FairCast | FairCastConfig | dict | No
     if not layers:
         raise UnsupportedSetupError("fair_cast LoRA merge: the model has no PEFT lora.Linear layer")
 
-    def settings() -> tuple[FairCastConfig, Callable[[], int] | None]:
-        cfg, step_of = _settings()
-        return cfg, step if step is not None else step_of
+    given = source if source is None or isinstance(source, (FairCast, FairCastConfig)) else \
+        FairCastConfig.from_section(source)  # a dict is validated once, at install
 
-    def _settings() -> tuple[FairCastConfig, Callable[[], int] | None]:
-        if isinstance(source, FairCast):
-            return source.config, lambda: source.caster.step
-        if source is None:
-            handle = get_fair_cast(model) or get_fair_cast(getattr(model, "module", None))
-            if handle is None:
-                raise UnsupportedSetupError("fair_cast LoRA merge: no Fair Cast engine wraps this model yet; pass its "
-                                            "handle or a config to install_lora_merge")
-            return handle.config, lambda: handle.caster.step
-        cfg = source if isinstance(source, FairCastConfig) else FairCastConfig.from_section(source)
-        return cfg, None
+    def settings() -> tuple[FairCastConfig, Callable[[], int] | None]:
+        """(config, noise step) for one merge: the config's, or the handle's (looked up now when none was given)."""
+        handle = given if given is not None else get_fair_cast(model) or get_fair_cast(getattr(model, "module", None))
+        if handle is None:
+            raise UnsupportedSetupError("fair_cast LoRA merge: no Fair Cast engine wraps this model yet; pass its "
+                                        "handle or a config to install_lora_merge")
+        if isinstance(handle, FairCastConfig):
+            return handle, step
+        return handle.config, step if step is not None else (lambda: handle.caster.step)
 
     cfg, _ = settings() if source is not None else (None, None)
     if cfg is not None:
