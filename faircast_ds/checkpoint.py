@@ -242,6 +242,8 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
 def publish_restored(adapter: Adapter, caster: ShardCaster) -> None:
     """Collective second half of a restore: make the model serve exactly what it served at save time."""
     if caster.config.mode == "error_feedback":
+        for key, _, served, slices in adapter.flat_groups():  # written by the restore, not a cast: still ours
+            caster.restored(key, served, slices)
         adapter.publish()  # the saved served bits are already in the shards
     else:
         adapter.recast_and_publish()  # deterministic in (seed, step, name, index): the bits served at save time

@@ -17,7 +17,7 @@
   ``|D|``-weighted mean over the sample of ``sign(D) x (served - master) / spacing``. Negative: the
   served copy trails the master; 0 for an unbiased cast.
 
-The observer sees every cast (``on_cast``); ``compute`` is a collective, run every ``every`` steps.
+The caster's observer: it sees every cast (``on_cast``); ``compute`` is a collective, run every ``every`` steps.
 """
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ class Diagnostics:
             picked.append(s.offset + keep.nonzero().flatten())
         return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.int64)
 
-    def on_cast(self, key: Hashable, master: torch.Tensor, slices: Sequence[ShardSlice], step: int) -> None:
+    def on_cast(self, key: Hashable, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
+                step: int) -> None:
         """Record the sampled master values of one flat group at this step."""
         if key not in self._positions:
             self._positions[key] = self._sample_positions(slices).to(master.device)
@@ -76,6 +77,9 @@ class Diagnostics:
                                             device=master.device)
             self._first[key] = step
         self._history[key][step % self.config.horizon] = master.detach().view(-1)[self._positions[key]]
+
+    def on_restored(self, key: Hashable, served: torch.Tensor, slices: Sequence[ShardSlice]) -> None:
+        """A restore wrote the served shard: the figures read it at the next ``compute``; nothing to record."""
 
     @torch.no_grad()
     def compute(self, flat_groups: Any, stats: CastStats, step: int) -> dict[str, float]:

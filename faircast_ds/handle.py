@@ -3,9 +3,9 @@ hook) resolves its config once, makes its adapters, and hands them to :func:`bui
 one handle type, :class:`FairCast`.
 
 ``build`` does what every route needs and nothing framework-specific: it builds the fused kernel for
-the masters' devices, registers each adapter's route, wires diagnostics as the caster's observer,
+the masters' devices, registers each adapter's route, wires diagnostics as the caster's first observer,
 applies rounding-location alignment to the module, and prints the one banner. The integrations do the
-rest (wrapping an engine's step or checkpoint methods) around it.
+rest around it (DeepSpeed: ``faircast_ds.deepspeed.hooks`` lists what runs around an engine's methods).
 """
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ def build(config: FairCastConfig, adapters: list[Adapter], *, route: str, owner:
     for device in {master.device for a in adapters for _, master, _, _ in a.flat_groups()}:
         kernels.prepare(device)  # build the fused kernel now, not inside the first optimizer step
     if config.diagnostics.every > 0 and model_numel is not None and len(adapters) == 1:
-        handle.diagnostics = adapters[0].caster.observer = Diagnostics(config.diagnostics, model_numel)
+        handle.diagnostics = Diagnostics(config.diagnostics, model_numel)
+        adapters[0].caster.observers.insert(0, handle.diagnostics)  # the first observer: before the guard
     if config.align_rounding is not None:
         if module is None:
             raise UnsupportedSetupError("fair_cast.align_rounding: this route has no HF module to align")

@@ -68,13 +68,21 @@ class CastStats:
     step: int = 0
     numel: int = 0
     changed: int = 0
-    seconds: float = 0.0  # wall time spent casting (the observer's time excluded)
+    seconds: float = 0.0  # wall time spent casting (the observers' time excluded)
 
 
 class CastObserver(Protocol):
-    """Told about every flat group the caster casts (e.g. :class:`faircast_ds.diagnostics.Diagnostics`)."""
+    """Told about every flat group the caster casts, once the whole flat shard is cast (also when the
+    cast then raises NonFiniteWeightError: the served shard holds this step's cast throughout). The
+    caster's observers: :class:`faircast_ds.diagnostics.Diagnostics` (when diagnostics are on) and the
+    DeepSpeed guard (``faircast_ds.deepspeed.guard.Guard``), in that order."""
 
-    def on_cast(self, key: Hashable, master: torch.Tensor, slices: Sequence[ShardSlice], step: int) -> None: ...
+    def on_cast(self, key: Hashable, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
+                step: int) -> None: ...
+
+    def on_restored(self, key: Hashable, served: torch.Tensor, slices: Sequence[ShardSlice]) -> None:
+        """The served shard of ``key`` was written by a restore, not a cast (error feedback's saved
+        served bits): they are Fair Cast's bits all the same."""
 
 
 STAGING_ENV = "FAIRCAST_DS_STAGING"  # "always": take the staging route even on one device (tests it on CPU)
@@ -102,7 +110,7 @@ class ShardCaster:
     step: int = 0
     residuals: dict[Hashable, torch.Tensor] = field(default_factory=dict)
     last: CastStats = field(default_factory=CastStats)
-    observer: CastObserver | None = None  # told about every flat group it casts
+    observers: list[CastObserver] = field(default_factory=list)  # told about every flat group it casts, in order
     force_staging: bool = field(default_factory=_staging_forced)
     stages: dict[Hashable, torch.Tensor] = field(default_factory=dict, repr=False)  # the caster's own staging
     failed: NonFiniteWeightError | None = None  # this step's cast stopped on a non-finite weight
@@ -165,13 +173,18 @@ class ShardCaster:
         self.cast_keys.add(key)
         self.last.seconds += time.perf_counter() - started
         error, self._pending = self._pending, None
+        for observer in self.observers:  # the whole shard is cast, raised or not: observers see what was written
+            observer.on_cast(key, master, served, slices, self.step)
         if error is not None and check and self.checking:
             self.failed = self.failed or error
             raise error
         if error is not None:
             self.suppressed = self.suppressed or error
-        if self.observer is not None:
-            self.observer.on_cast(key, master, slices, self.step)
+
+    def restored(self, key: Hashable, served: torch.Tensor, slices: Sequence[ShardSlice]) -> None:
+        """Tell the observers that a restore wrote the served shard of ``key`` itself."""
+        for observer in self.observers:
+            observer.on_restored(key, served, slices)
 
     def _cast_direct(self, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
                      previous: torch.Tensor | None, residual: torch.Tensor | None) -> None:

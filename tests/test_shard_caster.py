@@ -498,7 +498,8 @@ class Recorder:
         self.calls = []
         self.served = served
 
-    def on_cast(self, key, master, slices, step):
+    def on_cast(self, key, master, served, slices, step):
+        assert served is self.served[key]  # the served shard itself
         # called after the group is cast: the served shard already holds this step's bits
         self.calls.append((key, master, slices, step, bf16_bits(self.served[key]).clone()))
 
@@ -509,7 +510,7 @@ def test_observer_called_once_per_flat_group_with_key_master_slices_step():
     masters = {"g0": values(TOTAL, 15).view(4, 25), "g1": values(8, 16)}  # a 2-D master is used flat
     served = {k: torch.zeros(m.numel(), dtype=torch.bfloat16) for k, m in masters.items()}
     rec = Recorder(served)
-    c.observer = rec
+    c.observers.append(rec)
     for _ in range(2):
         c.begin_step()
         for k in ("g0", "g1"):

@@ -143,15 +143,16 @@ def _route_fp32_reads_to_the_loaded_tag() -> None:
     engine_module.get_fp32_state_dict_from_zero_checkpoint = get_fp32_state_dict_from_zero_checkpoint
 
 
-def wrap_checkpointing(engine: Any, fair_cast: FairCast) -> None:
-    """Save Fair Cast's state with every engine checkpoint, restore it with every load."""
-    save, load, load_module = engine.save_checkpoint, engine.load_checkpoint, engine.load_module_state_dict
-    save_sig, load_sig, module_sig = inspect.signature(save), inspect.signature(load), inspect.signature(load_module)
+def register(engine: Any, fair_cast: FairCast, hooks: Any) -> None:
+    """Save Fair Cast's state with every engine checkpoint, restore it with every load: around hooks on
+    ``save_checkpoint``, ``load_checkpoint`` and ``load_module_state_dict`` in the engine's
+    :class:`faircast_ds.deepspeed.hooks.EngineHooks`."""
+    save_sig, load_sig, module_sig = (inspect.signature(hooks.original(m)) for m in
+                                      ("save_checkpoint", "load_checkpoint", "load_module_state_dict"))
     served_cast: dict[str, SavedCast] = {}  # during a ZeRO-3 module-only load: what the checkpoint served
     _route_fp32_reads_to_the_loaded_tag()
 
-    @functools.wraps(save)
-    def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def save_checkpoint(save: Any, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         given = save_sig.bind(save_dir, tag, *args, **kwargs)
         given.apply_defaults()
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
@@ -171,8 +172,7 @@ def wrap_checkpointing(engine: Any, fair_cast: FairCast) -> None:
             _barrier()
         return result
 
-    @functools.wraps(load_module)
-    def load_module_state_dict(checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
+    def load_module_state_dict(load_module: Any, checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
         given = module_sig.bind(checkpoint, *args, **kwargs)
         given.apply_defaults()
         saved = served_cast.get("cast")
@@ -180,8 +180,7 @@ def wrap_checkpointing(engine: Any, fair_cast: FairCast) -> None:
             _served_module(engine, checkpoint, saved)
         return load_module(*given.args, **given.kwargs)
 
-    @functools.wraps(load)
-    def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def load_checkpoint(load: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         given = load_sig.bind(load_dir, tag, *args, **kwargs)
         given.apply_defaults()
         cfg = fair_cast.config
@@ -240,9 +239,12 @@ def wrap_checkpointing(engine: Any, fair_cast: FairCast) -> None:
                            f"({caster.suppressed}); the next step's cast raises again unless the masters are repaired")
         return result
 
-    engine.save_checkpoint = save_checkpoint
-    engine.load_checkpoint = load_checkpoint
-    engine.load_module_state_dict = load_module_state_dict
+    hooks.around("save_checkpoint", "checkpoint state", "ours first, then DeepSpeed's files, then `latest`",
+                 save_checkpoint)
+    hooks.around("load_checkpoint", "checkpoint state", "one `latest` read, the tag checked, our state restored",
+                 load_checkpoint)
+    hooks.around("load_module_state_dict", "checkpoint state",
+                 "a ZeRO-3 module-only load gets the served copy, not round-to-nearest", load_module_state_dict)
 
 
 def _after_load(engine: Any, fair_cast: FairCast, tag_dir: str, records: list | None, error: str | None,

@@ -3,8 +3,9 @@
 ``install()`` wraps ``DeepSpeedEngine.__init__`` so that every engine whose config has a
 ``fair_cast`` section is attached as it is built (the interpreter-start hook calls it for you).
 ``attach(engine)`` does the same for one engine explicitly. The adapter replaces the optimizer's
-refresh sites; this module adds periodic diagnostics after ``engine.step``, and
-``checkpointing`` puts Fair Cast's state in every ``save_checkpoint`` / ``load_checkpoint``.
+refresh sites; ``wire_engine`` registers periodic diagnostics, Fair Cast's checkpoint state
+(``checkpointing``) and the guard into the engine's one ``hooks.EngineHooks`` (what runs around
+``engine.step`` and the checkpoint methods is listed there).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from faircast_ds.config import FairCastConfig
 from faircast_ds.config_source import Source
 from faircast_ds.deepspeed.adapters import make_adapter
 from faircast_ds.deepspeed.adapters.registry import stand_in, will_train
+from faircast_ds.deepspeed.hooks import EngineHooks
 from faircast_ds.deepspeed.support import check_supported, engine_config, raw_config
 from faircast_ds.handle import ATTR, FairCast, build, get_fair_cast, resolve
 from faircast_ds.shard_caster import ShardCaster
@@ -163,27 +165,29 @@ def _report_frozen(engine: Any, fair_cast: FairCast) -> None:
                    f"{len(frozen)} frozen tensors are served as loaded")
 
 
-def wire_engine(engine: Any, fair_cast: FairCast) -> None:
-    """What every DeepSpeed route adds to the engine: periodic diagnostics after ``engine.step`` and
-    Fair Cast's state in its checkpoints."""
-    from faircast_ds.deepspeed import guard
-    from faircast_ds.deepspeed.checkpointing import wrap_checkpointing
+def wire_engine(engine: Any, fair_cast: FairCast) -> EngineHooks:
+    """What every DeepSpeed route adds to the engine, registered into its one
+    :class:`faircast_ds.deepspeed.hooks.EngineHooks` in the order they run (that module's docstring
+    lists them): periodic diagnostics after ``engine.step``, Fair Cast's state in its checkpoints, and
+    the guard (after the first step and every load: served bits == what we cast)."""
+    from faircast_ds.deepspeed import checkpointing, guard
 
+    hooks = EngineHooks.of(engine)
     if fair_cast.diagnostics is not None:
-        _wrap_step_for_diagnostics(engine, fair_cast)
-    wrap_checkpointing(engine, fair_cast)
-    guard.install(engine, fair_cast)  # after the first step and every load: served bits == what we cast
+        hooks.after("step", "diagnostics", "every `every`-th step: reduce, log one line, feed the monitor",
+                    _diagnostics_after_step(engine, fair_cast))
+    checkpointing.register(engine, fair_cast, hooks)
+    guard.install(engine, fair_cast, hooks)
+    fair_cast.extras["hooks"] = hooks
+    return hooks
 
 
-def _wrap_step_for_diagnostics(engine: Any, fair_cast: FairCast) -> None:
+def _diagnostics_after_step(engine: Any, fair_cast: FairCast) -> Callable[..., None]:
     """After every ``every``-th optimizer step: reduce the figures, log one line, feed DeepSpeed's monitor."""
-    step = engine.step
     every = fair_cast.config.diagnostics.every
     reported = {"step": -1}
 
-    @functools.wraps(step)
-    def step_and_report(*args: Any, **kwargs: Any) -> Any:
-        result = step(*args, **kwargs)
+    def report(result: Any, *args: Any, **kwargs: Any) -> None:
         now = fair_cast.caster.step
         if now != reported["step"] and now % every == 0:
             reported["step"] = now
@@ -196,9 +200,8 @@ def _wrap_step_for_diagnostics(engine: Any, fair_cast: FairCast) -> None:
             monitor = getattr(engine, "monitor", None)
             if monitor is not None and getattr(monitor, "enabled", False):
                 monitor.write_events([(f"fair_cast/{k}", v, now) for k, v in figures.items() if k != "step"])
-        return result
 
-    engine.step = step_and_report
+    return report
 
 
 def installed() -> bool:

@@ -19,7 +19,6 @@ to do. Nothing here changes a served bit.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
@@ -64,25 +63,19 @@ class Guard:
         self.full_pending = True  # the next check reads everything (the first step)
         self.record_full = False  # casts now record every bit
         self.steps_checked = 0
-        self.loading = False
-        self._wrap_caster()
+        self._counters: tuple[int, int] = (0, 0)  # (caster step, applied optimizer steps) before engine.step
+        self.caster.observers.append(self)  # every cast is recorded where it was written
 
-    # ---- recording -----------------------------------------------------------------------------------
-    def _wrap_caster(self) -> None:
-        caster = self.caster
-        cast_flat = caster.cast_flat
+    # ---- recording (the caster's observer) ------------------------------------------------------------
+    def on_cast(self, key: Hashable, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
+                step: int) -> None:
+        """Called by the caster once a flat shard is cast (also when the cast then raises on a non-finite
+        weight: what it wrote is still Fair Cast's)."""
+        self.record(key, served, slices)
 
-        @functools.wraps(cast_flat)
-        def recorded(key: Hashable, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
-                     *args: Any, **kwargs: Any) -> None:
-            try:
-                cast_flat(key, master, served, slices, *args, **kwargs)
-            except NonFiniteWeightError:  # raised after the whole flat shard was cast: still what we wrote
-                self.record(key, served, slices)
-                raise
-            self.record(key, served, slices)
-
-        caster.cast_flat = recorded  # type: ignore[method-assign]
+    def on_restored(self, key: Hashable, served: torch.Tensor, slices: Sequence[ShardSlice]) -> None:
+        """Error feedback's restore writes the saved served bits into the shards itself: they are ours."""
+        self.record(key, served, slices)
 
     def prepare(self, *, full: bool) -> None:
         """Before a step or a load: make the records' buffers now, so that recording inside the cast
@@ -135,11 +128,6 @@ class Guard:
             else:  # e.g. the hook route's host staging buffer
                 rec.values.copy_(bits.index_select(0, rec.flat.to(bits.device)))
         self.records[key] = rec
-
-    def record_all_served(self) -> None:
-        """Take the served shards as they are now as Fair Cast's writes (a restore that wrote them)."""
-        for key, _, served, slices in self.adapter.flat_groups():
-            self.record(key, served, slices)
 
     # ---- checking ------------------------------------------------------------------------------------
     def local_problem(self, site: str) -> str | None:
@@ -225,31 +213,25 @@ def _any_rank(flag: bool) -> bool:
     return dist.all_reduce_sum([1.0 if flag else 0.0])[0] > 0
 
 
-def install(engine: Any, fair_cast: Any) -> Guard:
+def _applied(engine: Any) -> int:
+    return engine.global_steps - getattr(engine, "skipped_steps", 0)
+
+
+def install(engine: Any, fair_cast: Any, hooks: Any) -> Guard:
     """Guard ``engine``: check after its first optimizer step (fully), after every later one (sampled)
-    and after every ``load_checkpoint`` (fully)."""
+    and after every ``load_checkpoint`` (fully). ``hooks``: the engine's
+    :class:`faircast_ds.deepspeed.hooks.EngineHooks`, which the checks register into."""
     adapter = fair_cast.adapter
     guard = Guard(adapter, describe_sites=getattr(adapter, "cast_sites", type(adapter.optimizer).__name__))
     fair_cast.extras["guard"] = guard
-    step, load = engine.step, engine.load_checkpoint
-    publish = adapter.publish
 
-    @functools.wraps(publish)
-    def publish_recorded(*args: Any, **kwargs: Any) -> Any:
-        # error feedback's restore writes the saved served bits into the shards itself, then publishes
-        if guard.loading and fair_cast.config.mode == "error_feedback":
-            guard.record_all_served()
-        return publish(*args, **kwargs)
-
-    adapter.publish = publish_recorded  # type: ignore[method-assign]
-
-    @functools.wraps(step)
-    def guarded_step(*args: Any, **kwargs: Any) -> Any:
-        cast_before = guard.caster.step
-        applied_before = engine.global_steps - getattr(engine, "skipped_steps", 0)
+    def before_step(*args: Any, **kwargs: Any) -> None:
+        guard._counters = (guard.caster.step, _applied(engine))
         guard.prepare(full=guard.full_pending)
-        result = step(*args, **kwargs)
-        applied = engine.global_steps - getattr(engine, "skipped_steps", 0) != applied_before
+
+    def after_step(result: Any, *args: Any, **kwargs: Any) -> None:
+        cast_before, applied_before = guard._counters
+        applied = _applied(engine) != applied_before
         cast = guard.caster.step != cast_before
         if applied and not cast:
             error = (f"optimizer step {engine.global_steps} ran without Fair Cast's cast. {guard._moved()}")
@@ -258,23 +240,19 @@ def install(engine: Any, fair_cast: Any) -> Guard:
             first = "the first optimizer step" if guard.steps_checked == 0 else f"optimizer step {guard.caster.step}"
             guard.check(f"{first} ({type(adapter.optimizer).__name__}.step)")
             guard.steps_checked += 1
-        return result
 
-    @functools.wraps(load)
-    def guarded_load(load_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        guard.loading = True
+    def before_load(*args: Any, **kwargs: Any) -> None:
         guard.prepare(full=True)
-        try:
-            result = load(load_dir, tag, *args, **kwargs)
-        finally:
-            guard.loading = False
+
+    def after_load(result: Any, load_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> None:
         if result is None or result[0] is None:  # nothing was loaded
             guard.record_full, guard.ready = False, {}
-            return result
+            return
         guard.full_pending = True
         guard.check(f"load_checkpoint({load_dir!s}, tag={tag!r})")
-        return result
 
-    engine.step = guarded_step
-    engine.load_checkpoint = guarded_load
+    hooks.before("step", "guard", "prepare the record of this step's casts", before_step)
+    hooks.after("step", "guard", "the step cast, and the served copy is what it cast", after_step)
+    hooks.before("load_checkpoint", "guard", "prepare a full record of the load's casts", before_load)
+    hooks.after("load_checkpoint", "guard", "the served copy is what the load cast or restored", after_load)
     return guard
