@@ -9,6 +9,23 @@ Rules shared by every unbiased mode (``stochastic``, ``dither``, ``error_feedbac
 - NaN stays NaN (a quiet NaN with the input's sign and top payload bits), ±Inf stays ±Inf,
   -0.0 stays -0.0, subnormals round like any other value (bf16 shares fp32's exponent range);
 - a finite input becomes ±Inf only where round-to-nearest of it is ±Inf.
+
+Each mode, element by element (x the fp32 input at index ``start + k`` of its parameter; "lo" is x
+truncated toward zero to bf16, i.e. the top 16 bits of x's pattern, and "hi" is lo one bf16 step
+away from zero, the pattern lo + 1; subnormals are kept everywhere, never flushed to zero):
+- ``nearest``: IEEE round-to-nearest-even to bf16 (|x| >= 2^128 - 2^119, pattern 0x7F7F8000, goes to
+  ±Inf). A NaN gives torch's NaN for the device, whose bits are left open (``kernels.nan``).
+- ``stochastic``, ``dither``: with m the low 16 bits of x's pattern (where |x| lies between lo and
+  hi, in 2^-16ths of the spacing) and n the element's ``noise16`` (``faircast_ds.modes`` names the
+  stream and step), the result is hi if m + n >= 2^16, else lo; except that a finite x whose
+  round-to-nearest is finite is served lo where hi is ±Inf. A NaN gives the bf16 pattern
+  (x's pattern >> 16) | 0x0040; ±Inf gives ±Inf.
+- ``error_feedback``, with residual e: y = x if e is ±0, else the fp32 sum x + e (rounded once, to
+  nearest even); the served value is round-to-nearest-even of y to bf16, clamped to
+  [min(lo, hi), max(lo, hi)]; a zero there is lo (x's zero, sign included), and a ±Inf there is lo
+  when x's own round-to-nearest is finite. The new residual is the fp32 difference y - served (an
+  exact zero is +0), or +0 where x is not finite or that difference is not (y overflowed). A NaN x
+  gives the pattern (x's pattern >> 16) | 0x0040, ±Inf gives ±Inf (residual +0 for both).
 """
 from __future__ import annotations
 

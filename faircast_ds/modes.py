@@ -2,9 +2,13 @@
 noise stream each one hashes.
 
 - ``nearest``: round to nearest even (DeepSpeed's own cast; the control). No noise.
-- ``stochastic``: fresh noise every cast (stream keyed by the step).
-- ``dither``: a fixed per-element threshold for the whole run (stream keyed by step 0).
+- ``stochastic``: fresh noise every cast (stream 1, keyed by the step).
+- ``dither``: a fixed per-element threshold for the whole run (stream 2, keyed by step 0).
 - ``error_feedback``: round to nearest of master + carried residual. No noise.
+
+The kernels' mode codes are the positions in that list: nearest 0, stochastic 1, dither 2,
+error_feedback 3. The noise of a mode at optimizer step ``step`` is ``faircast_ds.noise``'s
+``noise16`` under ``key(name, stream, seed, step)`` with the stream and step above.
 """
 from __future__ import annotations
 

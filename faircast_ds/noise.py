@@ -7,12 +7,18 @@ served weights independent of ZeRO stage, world size and offload.
 The specification, which every fast path must reproduce bit for bit:
 
     mix32(x)   = x ^= x >> 16; x = x * 0x21F0AAAD mod 2^32; x ^= x >> 15;
-                 x = x * 0x735A2D97 mod 2^32; x ^= x >> 15
-    name_id    = FNV-1a 32-bit of the UTF-8 parameter name
+                 x = x * 0x735A2D97 mod 2^32; x ^= x >> 15      (x a 32-bit word, >> logical)
+    name_id    = FNV-1a 32-bit of the UTF-8 parameter name: h = 0x811C9DC5, then for each
+                 byte b: h = (h ^ b) * 0x01000193 mod 2^32
     key        = chain of mix32 over (name_id, stream, seed_lo, seed_hi, step_lo, step_hi),
-                 each word XORed into the running value before mixing
-    h(i)       = mix32(mix32((i mod 2^32) ^ key) ^ (i >> 32))   for element index i
+                 each word XORed into the running value before mixing; the running value
+                 starts at 0, so key = mix32(...mix32(mix32(name_id) ^ stream) ^ seed_lo ... ^ step_hi)
+                 (x_lo = x mod 2^32, x_hi = (x >> 32) mod 2^32; seed and step are >= 0, and
+                 ``faircast_ds.modes`` says which stream and step each mode hashes)
+    h(i)       = mix32(mix32((i mod 2^32) ^ key) ^ (i >> 32))   for element index i (0 <= i < 2^64)
     noise16(i) = h(i) >> 16                                      (uniform on [0, 65536))
+
+The element index i is the element's position in the whole parameter (flattened), not in a shard.
 
 The multipliers are below 2^31 so that the products of 32-bit values fit in a signed int64:
 torch's int64 arithmetic then computes the hash exactly, with no reliance on overflow.
