@@ -1,8 +1,11 @@
 """Slow, element-by-element reference of every cast, written from the rounding definitions.
 
 It decides by comparing values (in float64, where the needed differences are exact), not by
-carrying bits, so it is an independent statement of the rules in ``faircast_ds.casts``. Use it on
-small tensors only: it runs a Python loop.
+carrying bits, so it is an independent statement of the rules in ``faircast_ds.casts``. The noise
+is restated here too, from the specification in ``faircast_ds.noise``'s docstring (and the streams
+of ``faircast_ds.modes``'s), rather than imported: this module imports nothing from faircast_ds,
+so a test comparing a fast path with it compares two codes written apart. Use it on small tensors
+only: it runs a Python loop.
 """
 from __future__ import annotations
 
@@ -12,10 +15,54 @@ import struct
 import numpy as np
 import torch
 
-from faircast_ds.modes import noise_key, uses_noise
-from faircast_ds.noise import noise16_int
 
 _TOP = 2.0**128  # where the "next value" after the largest bf16 sits, for rounding purposes
+
+# ---- the noise, from the specification (noise.py's docstring), one plain step at a time ----------
+
+_MOD = 2**32
+# mix32 as its stages: (right shift to XOR in, multiplier applied after it; None for the last XOR)
+_MIX_STAGES = ((16, 0x21F0AAAD), (15, 0x735A2D97), (15, None))
+# the noise modes: stream tag, and whether the key follows the step (dither keeps step 0)
+_STREAMS = {"stochastic": (1, True), "dither": (2, False)}
+
+
+def _mix(word: int) -> int:
+    for shift, multiplier in _MIX_STAGES:
+        word ^= word // 2**shift
+        if multiplier is not None:
+            word = word * multiplier % _MOD
+    return word
+
+
+def _fnv1a(text: str) -> int:
+    value = 2166136261  # FNV-1a's 32-bit offset basis; its prime is 16777619
+    for byte in text.encode("utf-8"):
+        value = (value ^ byte) * 16777619 % _MOD
+    return value
+
+
+def _words(n: int) -> tuple[int, int]:
+    """(low, high) 32-bit words of a non-negative integer below 2^64."""
+    return n % _MOD, n // _MOD % _MOD
+
+
+def stream_chain(mode: str, *, seed: int, step: int, name: str) -> int:
+    """The key of a noise mode's stream: mix32 chained over the name id, the stream tag and the
+    32-bit words of the seed and of the step (step 0 for dither), starting from 0."""
+    if seed < 0 or step < 0:
+        raise ValueError(f"seed and step must be non-negative, got seed={seed}, step={step}")
+    stream, per_step = _STREAMS[mode]
+    chain = 0
+    for word in (_fnv1a(name), stream, *_words(seed), *_words(step if per_step else 0)):
+        chain = _mix(chain ^ word)
+    return chain
+
+
+def element_noise(chain: int, index: int) -> int:
+    """The 16 noise bits of element ``index`` (of the whole parameter) under a stream's key."""
+    low, high = _words(index)
+    return _mix(_mix(low ^ chain) ^ high) // 2**16
 
 
 def _f32_bits(v: float) -> int:
@@ -103,9 +150,11 @@ def cast_reference(x: torch.Tensor,
     out: list[int] = []
     if mode == "nearest":
         out = [nearest_bits(v) for v in values]
-    elif uses_noise(mode):
-        key = noise_key(mode, seed=seed, step=step, name=name)
-        out = [round_up_bits(v, noise16_int(start + i, key)) for i, v in enumerate(values)]
+    elif mode in _STREAMS:
+        if start < 0:
+            raise ValueError(f"start must be non-negative, got {start}")
+        chain = stream_chain(mode, seed=seed, step=step, name=name)
+        out = [round_up_bits(v, element_noise(chain, start + i)) for i, v in enumerate(values)]
     elif mode == "error_feedback":
         if residual is None:
             raise ValueError("mode 'error_feedback' needs a residual")
