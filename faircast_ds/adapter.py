@@ -8,6 +8,7 @@ reads a framework's internals lives in those subclasses; this base only knows sh
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Hashable, Iterator
 
 import torch
@@ -37,15 +38,32 @@ def narrowed(served: torch.Tensor, slices: list[ShardSlice]) -> Iterator[tuple[S
             yield s, flat.narrow(0, s.offset, s.numel)
 
 
+@dataclass(frozen=True)
+class Setup:
+    """How an integration's optimizer holds its shards, in the integration's own terms (DeepSpeed:
+    ``zero_stage``; Megatron-Core: ``optimizer``): the banner prints it, the state file keeps it."""
+
+    fields: tuple[tuple[str, int | str | None], ...] = ()
+
+    @classmethod
+    def of(cls, **fields: int | str | None) -> "Setup":
+        return cls(tuple(fields.items()))
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.fields)
+
+    def state(self) -> dict[str, int | str | None]:
+        """The entries the state file records (``faircast_ds.checkpoint.save_state``)."""
+        return dict(self.fields)
+
+
 class Adapter(ABC):
     """Finds one optimizer's flat shards, routes its fp32 -> bf16 refresh sites through the caster."""
-
-    zero_stage: int | None = None  # the DeepSpeed ZeRO stage (1 for Megatron's distributed optimizer: it shards like ZeRO-1)
 
     def __init__(self, optimizer: Any, caster: ShardCaster, names: dict) -> None:
         self.optimizer = optimizer
         self.caster = caster
-        self.names = names  # parameter -> name in the model, as DeepSpeed's engine records it
+        self.names = names  # parameter -> name in the model, as the framework records it
 
     @abstractmethod
     def install(self) -> None:
@@ -68,9 +86,10 @@ class Adapter(ABC):
         raise KeyError(f"no flat group {key!r} in this rank's shards")
 
     @property
-    def setup(self) -> str:
-        """What the banner says about the optimizer's setup (e.g. ``zero_stage=3``)."""
-        return f"zero_stage={self.zero_stage}"
+    def setup(self) -> Setup:
+        """How this integration's optimizer shards (the banner prints it; e.g. ``zero_stage=3``). The
+        base class knows no framework: an integration says it."""
+        return Setup()
 
     def local_numel(self) -> int:
         """Parameter elements held by this rank (padding excluded)."""

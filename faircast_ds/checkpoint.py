@@ -102,7 +102,7 @@ def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int
             slices.append(entry)
     payload = {
         "format": FORMAT, "mode": cfg.mode, "seed": cfg.seed, "step": caster.step, "engine_step": engine_step,
-        "zero_stage": adapter.zero_stage, "rank": rank, "world_size": world, "slices": slices,
+        **adapter.setup.state(), "rank": rank, "world_size": world, "slices": slices,
         "residual": torch.cat(residuals) if residuals else torch.zeros(0),
         "served": torch.cat(served_bits) if served_bits else torch.zeros(0, dtype=torch.int32),
     }

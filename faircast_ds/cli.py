@@ -39,9 +39,22 @@ def _to_universal(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from faircast_ds.deepspeed.masters import reader
     from faircast_ds.export.inspection import main as inspect_main
 
-    return inspect_main(args.path, args.checkpoint, args.by, args.json)
+    return inspect_main(args.path, args.checkpoint, args.by, args.json, masters=reader)
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from faircast_ds.predict import AdamSettings, PredictError, main as predict_main, parse_betas
+
+    try:
+        settings = AdamSettings(lr=args.lr, betas=parse_betas(args.betas) if args.betas is not None else None,
+                                eps=args.eps, weight_decay=args.weight_decay)
+    except PredictError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return predict_main(args.checkpoint, settings, args.json, args.steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     insp.add_argument("--by", choices=("type", "layer", "param"), default="type",
                       help="group parameters by module type (layer index folded), by layer, or not at all")
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
+    pred = sub.add_parser("predict", help="from a checkpoint (HF safetensors or a DeepSpeed ZeRO tag folder) and a "
+                                          "learning rate: the share of weights whose AdamW step is below half a bf16 "
+                                          "spacing, RN's predicted changed fraction per step and delay, and whether "
+                                          "Fair Cast will matter (docs/predict.md)")
+    pred.add_argument("checkpoint", help="a safetensors file or directory, or a DeepSpeed checkpoint (tag folder, "
+                                         "or save dir with a 'latest' file)")
+    pred.add_argument("--lr", type=float, required=True, help="the AdamW learning rate of the run to predict")
+    pred.add_argument("--betas", help="B1,B2 (default: the checkpoint's, else 0.9,0.999)")
+    pred.add_argument("--eps", type=float, help="AdamW eps (default: the checkpoint's, else 1e-8)")
+    pred.add_argument("--weight-decay", type=float, help="decoupled weight decay (default: the checkpoint's, else 0)")
+    pred.add_argument("--steps", type=int, help="also predict the mean lag and changed fraction over a run this long")
+    pred.add_argument("--json", action="store_true", help="print one JSON object")
     from faircast_ds import bench  # no torch import until the benchmark runs
 
     bench.add_arguments(sub.add_parser("bench", help="time each cast against a plain bf16.copy_ of the same "
@@ -74,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return _to_universal(args)
     if args.command == "inspect":
         return _inspect(args)
+    if args.command == "predict":
+        return _predict(args)
     if args.command == "bench":
         return bench.run_cli(args)
     return 2

@@ -69,8 +69,9 @@ class FairCast:
         cfg = self.config
         align = (f" align_rounding={cfg.align_rounding.engine}[{','.join(cfg.align_rounding.regions)}]"
                  if cfg.align_rounding else "")
-        setup = self.adapters[0].setup if self.adapters else "no shards"
-        return (f"[fair_cast] active: mode={cfg.mode} {setup} seed={cfg.seed} local_shard_elements={self.local_numel()} "
+        setup = str(self.adapters[0].setup) if self.adapters else "no shards"
+        setup = f" {setup}" if setup else ""
+        return (f"[fair_cast] active: mode={cfg.mode}{setup} seed={cfg.seed} local_shard_elements={self.local_numel()} "
                 f"on_nonfinite={cfg.on_nonfinite}{align} route={self.route}"
                 + (f" source={self.source}" if self.source else ""))
 

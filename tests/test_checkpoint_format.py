@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from faircast_ds import checkpoint
-from faircast_ds.adapter import Adapter
+from faircast_ds.adapter import Adapter, Setup
 from faircast_ds.casts import MODES, bf16_bits, cast, fp32_bits
 from faircast_ds.checkpoint import FairCastStateError, publish_restored, reset_state, restore_state, save_state
 from faircast_ds.config import FairCastConfig
@@ -64,7 +64,7 @@ class FakeAdapter(Adapter):
     """One fake rank's two flat groups; ``previous`` buffers optional (an optimizer that overwrites the
     served shard by round-to-nearest, as ZeRO-1/2's does)."""
 
-    zero_stage = 2
+    setup = Setup.of(zero_stage=2)  # as a DeepSpeed ZeRO-2 adapter says it
 
     def __init__(self, caster: ShardCaster, rank: int, world: int, groups=GROUPS, use_previous: bool = False):
         super().__init__(optimizer=None, caster=caster, names={})

@@ -97,3 +97,100 @@ def test_wire_engine_registers_diagnostics_checkpoint_state_and_guard_in_the_doc
                  "after: guard (full check", "``engine.load_module_state_dict``: around: checkpoint state"):
         assert text in doc
     assert [type(o).__name__ for o in adapter.caster.observers] == ["Guard"]  # diagnostics' is added by build()
+
+
+# ---- the neutral core and the import graph ------------------------------------------------------------
+import ast  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "faircast_ds"
+INTEGRATIONS = ("faircast_ds.deepspeed", "faircast_ds.megatron")
+FRAMEWORKS = ("deepspeed", "megatron")
+# may import a framework: the integrations themselves, the GRPO job, the benchmark, and the model builder
+# that the job, the benchmarks and the tests share (it builds ZeRO-3 models under deepspeed.zero.Init)
+MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS + ("faircast_ds.jobs", "faircast_ds.bench", "faircast_ds.models",
+                                         "faircast_ds.cli")  # until the command moves to faircast_ds/deepspeed/
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
+    """The absolute names one import statement imports (``from a import b``: ``a.b`` and ``a``)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: resolved against this module's package
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            base = base[:len(base) - (node.level - 1)]
+            origin = ".".join(base + ([node.module] if node.module else []))
+        else:
+            origin = node.module or ""
+        return [origin] + [f"{origin}.{alias.name}" for alias in node.names]
+    return []
+
+
+def test_the_scan_sees_function_level_and_relative_imports():
+    """The oracle itself: a function-level import and a relative one are found."""
+    tree = ast.parse("def f():\n    from deepspeed.utils import logger\nfrom ..deepspeed import engine\n")
+    found = [n for node in ast.walk(tree) for n in imported(node, "faircast_ds.export.served", False)]
+    assert "deepspeed.utils" in found and "faircast_ds.deepspeed.engine" in found
+
+
+def test_no_core_module_imports_deepspeed_or_megatron():
+    """Outside faircast_ds/deepspeed/ and faircast_ds/megatron/ (and the job and benchmark, which run
+    DeepSpeed), no module imports DeepSpeed, Megatron or their integrations, at any level of the file."""
+    offenders = []
+    for name, path in modules().items():
+        if within(name, MAY_IMPORT_A_FRAMEWORK):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            for target in imported(node, name, path.name == "__init__.py"):
+                if within(target, FRAMEWORKS) or within(target, INTEGRATIONS):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {target}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_package_import_graph_has_no_cycle():
+    """Top-level imports between faircast_ds modules (what runs when a module is imported) form no cycle."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        edges = set()
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            targets = imported(node, name, path.name == "__init__.py")
+            if isinstance(node, ast.ImportFrom):  # ``from pkg import sub``: the submodule; ``from m import x``: m
+                origin, names = targets[0], targets[1:]
+                targets = [t for t in names if t in known] + ([origin] if any(t not in known for t in names) else [])
+            edges.update(t for t in targets if t in known and t != name)
+        graph[name] = edges
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [node, nxt]) if nxt in stack
+                              else f"{node} -> {nxt}")
+            elif nxt not in state:
+                visit(nxt, stack + [node])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert not cycles, "\n".join(cycles)

@@ -13,17 +13,20 @@ import functools
 import json
 from typing import Any, Callable, Mapping
 
-from faircast_ds import config_source, dist
+from faircast_ds import config_source, dist, partitioned
 from faircast_ds.config import FairCastConfig
 from faircast_ds.config_source import Source
 from faircast_ds.deepspeed.adapters import make_adapter
 from faircast_ds.deepspeed.adapters.registry import stand_in, will_train
 from faircast_ds.deepspeed.hooks import EngineHooks
+from faircast_ds.deepspeed.params import ZERO3
 from faircast_ds.deepspeed.support import check_supported, engine_config, raw_config
 from faircast_ds.handle import ATTR, FairCast, build, get_fair_cast, resolve
 from faircast_ds.shard_caster import ShardCaster
 
 ROUTE = "deepspeed-runtime"
+
+partitioned.register(ZERO3)  # the core's export reads ZeRO-3 parameters through it
 
 __all__ = ["FairCast", "attach", "get_fair_cast", "install"]
 

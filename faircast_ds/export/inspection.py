@@ -6,15 +6,15 @@ the bf16 spacing at the served value.
 
 An export directory (safetensors, e.g. from :func:`faircast_ds.export.save_hf`): dtypes, shapes,
 element counts, the SHA-256 check against ``faircast_export.json``, and, given the checkpoint of
-the same step, the mean |master - served| in units of the bf16 spacing at the master (masters read
-one parameter at a time with DeepSpeed's ``zero_to_fp32``).
+the same step, the mean |master - served| in units of the bf16 spacing at the master (the masters read
+one parameter at a time by the framework's reader: ``faircast_ds.deepspeed.masters`` for DeepSpeed's
+``zero_to_fp32``).
 
 Groups: ``type`` (layer indices folded: ``model.layers.*.mlp.up_proj.weight``), ``layer``
 (``model.layers.0``, ``lm_head``, ...) or ``param``.
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
 import json
@@ -91,7 +91,7 @@ def inspect_checkpoint(tag_dir: str, by: str = "type") -> dict[str, Any]:
     files = 0
     for _, record in read_records(tag_dir):
         files += 1
-        info = {k: record[k] for k in ("mode", "seed", "step", "zero_stage", "world_size")}
+        info = {k: record.get(k) for k in ("mode", "seed", "step", "zero_stage", "world_size")}
         residual, served = record["residual"], record["served"]
         has_values = record["mode"] == "error_feedback" and residual.numel() > 0
         offset = 0
@@ -110,25 +110,17 @@ def inspect_checkpoint(tag_dir: str, by: str = "type") -> dict[str, Any]:
             "groups": rows, "total": total}
 
 
-def _masters(tag_dir: str) -> Callable[[str], torch.Tensor | None]:
-    """name -> full fp32 master, read lazily from DeepSpeed's own checkpoint files."""
-    tag_dir = os.path.abspath(tag_dir)
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs and zero_to_fp32 reports progress on stdout
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        lazy = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir),
-                                                        lazy_mode=True)
-
-    def get(name: str) -> torch.Tensor | None:
-        t = lazy.get(name)
-        return None if t is None else t.contiguous().detach()
-
-    return get
+MastersReader = Callable[[str], Callable[[str], "torch.Tensor | None"]]
+"""tag folder -> (parameter name -> its full fp32 master, or None): how a framework's checkpoint keeps
+its masters (DeepSpeed's: ``faircast_ds.deepspeed.masters.reader``)."""
 
 
-def inspect_export(export_dir: str, checkpoint: str | None = None, by: str = "type") -> dict[str, Any]:
-    """Per group: parameters, elements, dtypes and shapes; with ``checkpoint``, mean |master - served|
-    in bf16 spacings at the master."""
+def inspect_export(export_dir: str, checkpoint: str | None = None, by: str = "type",
+                   masters: MastersReader | None = None) -> dict[str, Any]:
+    """Per group: parameters, elements, dtypes and shapes; with ``checkpoint`` (read by ``masters``),
+    mean |master - served| in bf16 spacings at the master."""
+    if checkpoint and masters is None:
+        raise ValueError("--checkpoint: no reader for this checkpoint's fp32 masters was given")
     files = sorted(glob.glob(os.path.join(export_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {export_dir}")
@@ -140,7 +132,7 @@ def inspect_export(export_dir: str, checkpoint: str | None = None, by: str = "ty
         listed = set(manifest["files"])
         bad += [os.path.basename(f) + " (not in manifest)" for f in files if os.path.basename(f) not in listed]
         integrity = "ok" if not bad else f"MISMATCH: {bad}"
-    masters = _masters(checkpoint) if checkpoint else None
+    read = masters(checkpoint) if checkpoint else None
     groups: dict[str, _Acc] = defaultdict(_Acc)
     missing_masters = []
     for path in files:
@@ -156,9 +148,9 @@ def inspect_export(export_dir: str, checkpoint: str | None = None, by: str = "ty
             acc.elements += numel
             acc.dtypes[entry["dtype"]] += numel
             acc.shapes[name] = entry["shape"]
-            if masters is None:
+            if read is None:
                 continue
-            master = masters(name)
+            master = read(name)
             if master is None:
                 missing_masters.append(name)
                 continue
@@ -184,8 +176,10 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def inspect_path(path: str, checkpoint: str | None = None, by: str = "type") -> dict[str, Any]:
-    """Inspect a checkpoint tag directory or an export directory (recognized by their contents)."""
+def inspect_path(path: str, checkpoint: str | None = None, by: str = "type",
+                 masters: MastersReader | None = None) -> dict[str, Any]:
+    """Inspect a checkpoint tag directory or an export directory (recognized by their contents);
+    ``masters``: reads ``checkpoint``'s fp32 masters (see :func:`inspect_export`)."""
     if by not in GROUPINGS:
         raise ValueError(f"by must be one of {GROUPINGS}")
     if os.path.isdir(state_dir(path)):
@@ -193,7 +187,7 @@ def inspect_path(path: str, checkpoint: str | None = None, by: str = "type") -> 
             raise ValueError("--checkpoint goes with an export directory; PATH is a checkpoint")
         return inspect_checkpoint(path, by)
     if glob.glob(os.path.join(path, "*.safetensors")):
-        return inspect_export(path, checkpoint, by)
+        return inspect_export(path, checkpoint, by, masters)
     raise FileNotFoundError(f"{path} is neither a checkpoint tag directory (no fair_cast/) nor an export "
                             "(no *.safetensors)")
 
@@ -243,9 +237,9 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(path: str, checkpoint: str | None, by: str, as_json: bool) -> int:
+def main(path: str, checkpoint: str | None, by: str, as_json: bool, masters: MastersReader | None = None) -> int:
     try:
-        report = inspect_path(path, checkpoint, by)
+        report = inspect_path(path, checkpoint, by, masters)
     except (FileNotFoundError, ValueError, FairCastStateError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """The served weights: the bf16 parameters the trainer's forward uses, read one parameter at a time.
 
-Under ZeRO-3 a parameter is partitioned across ranks and gathered (in bf16, through DeepSpeed's own
-``GatheredParameters``) only while it is being read; under ZeRO-1/2 and BF16_Optimizer every rank
-already holds the full bf16 model, so nothing is gathered. Nothing fp32 is ever read here.
+A parameter a framework partitions across ranks (DeepSpeed ZeRO-3's) is gathered in its served dtype,
+through the framework's own gather (the layout its integration registers: ``faircast_ds.partitioned``),
+only while it is being read; under ZeRO-1/2 and BF16_Optimizer every rank already holds the full bf16
+model, so nothing is gathered. Nothing fp32 is ever read here.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from faircast_ds.deepspeed import params as zero3  # ZeRO-3 parameter attributes; imports no DeepSpeed
+from faircast_ds import partitioned
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,22 @@ def module_of(model: Any) -> torch.nn.Module:
 
 
 
+def _checked(name: str, p: torch.nn.Parameter) -> torch.nn.Parameter:
+    """An ordinary parameter; one that holds no elements while no partitioned layout is registered is
+    most likely a framework's partitioned parameter whose integration was never imported: refused."""
+    if p.numel() == 0 and not partitioned.layouts():
+        raise ValueError(f"parameter {name!r} holds no elements on this rank and no partitioned-parameter layout is "
+                         "registered: a ZeRO-3 parameter is read through faircast_ds.deepspeed (import "
+                         "faircast_ds.deepspeed.engine, as the interpreter-start hook or attach() does)")
+    return p
+
+
 def served_specs(model: Any) -> list[ParamSpec]:
     """Every served parameter's name, full shape and dtype, in ``named_parameters()`` order. Local: no
     collective, no gather."""
     specs = []
     for name, p in module_of(model).named_parameters():
-        shape = zero3.full_shape(p)
+        shape = partitioned.full_shape(_checked(name, p))
         specs.append(ParamSpec(name, shape, p.dtype))
     return specs
 
@@ -73,11 +84,11 @@ def served_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     modified. ``model`` is a DeepSpeed engine or a plain ``nn.Module``.
     """
     for name, p in module_of(model).named_parameters():
-        if zero3.is_partitioned(p):
-            with zero3.gathered(p) as full:
+        if partitioned.is_partitioned(p):
+            with partitioned.gathered(p) as full:
                 yield name, full
         else:
-            yield name, p.data
+            yield name, _checked(name, p).data
 
 
 def fair_cast_of(model: Any) -> Any:
@@ -105,7 +116,7 @@ def local_served_slices(model: Any) -> list[LocalSlice]:
                        for s in slices if not s.is_padding)
         return out
     params = list(module_of(model).named_parameters())
-    if any(zero3.is_partitioned(p) for _, p in params):
+    if any(partitioned.is_partitioned(p) for _, p in params):
         raise ValueError("reading a ZeRO-3 rank's served shard goes through Fair Cast's adapter, and this engine "
                          "has no fair_cast section (use mode 'nearest' for DeepSpeed's own rounding)")
     from faircast_ds.dist import rank_world

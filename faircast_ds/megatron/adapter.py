@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from faircast_ds.adapter import Adapter, UnsupportedSetupError
+from faircast_ds.adapter import Adapter, Setup, UnsupportedSetupError
 from faircast_ds.megatron.shards import ParamShard, fp32_shards, low_precision_shards
 from faircast_ds.shard_caster import ShardCaster, ShardSlice
 
@@ -83,8 +83,7 @@ def _problems(optimizer: Any) -> Iterator[str]:
 class MegatronAdapter(Adapter):
     """One DistributedOptimizer's shards: one flat group per owned parameter shard, keyed (name, start)."""
 
-    zero_stage = 1  # the distributed optimizer shards optimizer state and masters, like ZeRO-1
-    setup = "optimizer=DistributedOptimizer"  # what the banner says
+    setup = Setup.of(optimizer="DistributedOptimizer")  # what the banner says and the state file keeps
 
     def __init__(self, optimizer: Any, caster: ShardCaster, names: dict) -> None:
         super().__init__(optimizer, caster, names)

@@ -20,8 +20,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from deepspeed import comm as dist
 
-from faircast_ds.adapter import Adapter, narrowed, param_name
+from faircast_ds.adapter import narrowed, param_name
 from faircast_ds.deepspeed import compat
+from faircast_ds.deepspeed.adapters.base import ZeroAdapter
 from faircast_ds.routes import ROUTES
 from faircast_ds.shard_caster import ShardSlice, with_padding
 
@@ -40,7 +41,7 @@ def slices_from_fragments(params: Iterable[Any], names: dict, total: int) -> lis
     return with_padding(slices, total)
 
 
-class GatherSiteAdapter(Adapter):
+class GatherSiteAdapter(ZeroAdapter):
     """Shared by optimizers that cast each local partition and then call ``all_gather_dp_groups``."""
 
     module: Any  # the DeepSpeed module whose global ``all_gather_dp_groups`` we wrap

@@ -19,12 +19,13 @@ from typing import Any, Callable, Iterator
 import torch
 from deepspeed import comm as dist
 
-from faircast_ds.adapter import Adapter, UnsupportedSetupError, param_name
+from faircast_ds.adapter import UnsupportedSetupError, param_name
 from faircast_ds.deepspeed import compat
+from faircast_ds.deepspeed.adapters.base import ZeroAdapter
 from faircast_ds.shard_caster import ShardSlice, with_padding
 
 
-class Zero3Adapter(Adapter):
+class Zero3Adapter(ZeroAdapter):
     zero_stage = 3
     cast_sites = ("stage3 _reassign_or_swap_out_partitioned_parameters, _rigid_load_state_dict, "
                   "load_hp/load_module_checkpoint_state_from_checkpoint_dir_stage3")
