@@ -1,9 +1,13 @@
-"""Tiny randomly initialised HF causal LMs built in code (no downloads): the one model builder that
-tests, the main job and the benchmarks share, plus small helpers for running them in tests."""
+"""Randomly initialised HF causal LMs built in code (no downloads): the one model builder that tests,
+the main job and the benchmarks share (tiny ones, and real architectures from their published
+configs: :func:`real_causal_lm`), plus small helpers for running them in tests."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,6 +79,127 @@ def alignment_lm(family: str = "qwen3", *, seed: int = 0, init_std: float = 0.3,
     rounding differences show in log-probs, RMSNorm weights around 1, built in fp32 and cast."""
     return tiny_causal_lm(family, seed=seed, init_std=init_std, dtype=dtype, as_from_pretrained=False,
                           norm_jitter=0.2, attn=attn, **config).eval()
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A published model's shape: its HF family and config (the fields that set the parameters), and
+    the parameter count its model card states."""
+
+    family: str
+    config: dict[str, Any] = field(hash=False)
+    published_params: str
+
+    @property
+    def layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+
+# From the models' published config.json files (Qwen/Qwen3-0.6B, Qwen/Qwen2.5-0.5B); the fields that do
+# not change a parameter's shape or initial value (RoPE, max positions, norm epsilon) are kept too, so
+# that an export loads in an engine as the real model's architecture would.
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen3-0.6b": Architecture("qwen3", dict(
+        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=40_960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, initializer_range=0.02,
+        attention_bias=False, hidden_act="silu"), "596M"),
+    "qwen2.5-0.5b": Architecture("qwen2", dict(
+        vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+        max_position_embeddings=32_768, rope_theta=1_000_000.0, rms_norm_eps=1e-6, initializer_range=0.02,
+        hidden_act="silu"), "494M"),
+}
+
+
+def architecture(name: str) -> Architecture:
+    """The :data:`ARCHITECTURES` entry ``name``, or a ValueError naming the accepted ones."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unknown model {name!r}; accepted: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def real_config(name: str, *, layers: int | None = None) -> Any:
+    """The HF config of architecture ``name``; ``layers`` cuts the depth (vocabulary and widths stay)."""
+    arch = architecture(name)
+    settings = dict(arch.config)
+    if layers is not None:
+        if not 1 <= layers <= arch.layers:
+            raise ValueError(f"{name} has {arch.layers} layers; --layers must be in 1..{arch.layers}, got {layers}")
+        settings["num_hidden_layers"] = layers
+    config_cls, _ = _family(arch.family)
+    return config_cls(**settings)
+
+
+def _zero3(ds_config: dict[str, Any] | None) -> bool:
+    return bool(ds_config) and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+
+
+def real_causal_lm(name: str, *, layers: int | None = None, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                   ds_config: dict[str, Any] | None = None, device: str | torch.device | None = None) -> Any:
+    """A randomly initialised ``*ForCausalLM`` of the published architecture ``name`` (see
+    :data:`ARCHITECTURES`), at the published init: every linear and embedding weight normal with
+    std ``initializer_range`` (0.02), biases zero, RMSNorm weights one — HF's own ``_init_weights`` rule.
+
+    ``ds_config``: the DeepSpeed config the model will train under; with ZeRO stage 3 the model is built
+    under ``deepspeed.zero.Init`` (each rank holds only its partition from the start, as users build large
+    models) and each weight is initialised while gathered, one at a time. The values depend only on
+    ``(seed, parameter name)``, drawn in fp32 and rounded to ``dtype``: the same model under ZeRO-3,
+    ZeRO-2 or no DeepSpeed at all. Parameters are in ``dtype``, buffers (RoPE's ``inv_freq``) stay fp32,
+    as ``from_pretrained(dtype=dtype)`` builds it. ``device="meta"`` builds shapes only (for counting).
+    """
+    config = real_config(name, layers=layers)
+    _, model_cls = _family(architecture(name).family)
+    zero3 = _zero3(ds_config) and device is None
+    if zero3:
+        import deepspeed
+
+        building = deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype)
+    else:
+        building = torch.device(device) if device is not None else contextlib.nullcontext()
+    with building, _no_init():  # HF's own init would draw every weight once more, only to be overwritten
+        model = model_cls._from_config(config, dtype=dtype)
+        model.tie_weights()  # HF ties inside its weight init, which no_init_weights skips
+    if device is not None and torch.device(device).type == "meta":
+        return model
+    _initialise(model, config.initializer_range, seed, gathered=zero3)
+    return model
+
+
+def _no_init() -> Any:
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def _initial_values(name: str, shape: torch.Size, std: float, seed: int) -> torch.Tensor:
+    """One parameter's initial fp32 values, a function of (seed, name) only."""
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name:
+        return torch.ones(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    # the CPU generator keeps 32 bits of its seed (Mersenne Twister): hash (seed, name) into them
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:4], "little"))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def _initialise(model: torch.nn.Module, std: float, seed: int, *, gathered: bool) -> None:
+    """Overwrite every parameter with its :func:`_initial_values` (gathered one at a time under ZeRO-3;
+    every rank computes the same values, and rank 0's copy is the one re-partitioned: DeepSpeed keeps
+    what a gathered parameter's ``modifier_rank`` wrote, and drops writes without one)."""
+    for name, param in model.named_parameters():  # a tied weight is listed once, under its first name
+        if gathered:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                param.data.copy_(_initial_values(name, param.shape, std, seed))
+        else:
+            param.copy_(_initial_values(name, param.shape, std, seed))
 
 
 def token_ids(batch: int = 2, length: int = 16, vocab: int = TINY["vocab_size"], seed: int = 1) -> torch.Tensor:
