@@ -65,21 +65,52 @@ def fused(request) -> str:
     return "native"
 
 
-@pytest.fixture(scope="module")
-def archs(fused) -> list[str]:
-    """native, plus on x86 the narrower builds: AVX2 (8 lanes, no mask registers) and SSE4.2 (4
-    lanes, the portable code), whichever native is not already."""
-    found = [fused]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags = open("/proc/cpuinfo").read()
-        for arch, flag in (("x86-64-v3", "avx512f"), ("x86-64-v2", "avx2")):
-            if flag in flags:
-                try:
-                    cpu.load(arch)
-                    found.append(arch)
-                except cpu.KernelUnavailable:
-                    pass
-    return found
+# the builds besides native that the tests compile on x86: (CPU flag that makes native differ from it,
+# what its code is); a CPU without the flag already runs that code as its native build
+NARROWER_BUILDS = {
+    "x86-64-v3": ("avx512f", "AVX2: 8 lanes, no mask registers"),
+    "x86-64-v2": ("avx2", "SSE4.2: 4 lanes, the portable vector code"),
+}
+
+
+def narrower_builds_here() -> tuple[list[str], dict[str, str]]:
+    """(the narrower builds this CPU can check, why each other one is not checked)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return [], {arch: f"not an x86 CPU ({platform.machine()}): only the native build exists"
+                    for arch in NARROWER_BUILDS}
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    checkable = [arch for arch, (flag, _) in NARROWER_BUILDS.items() if flag in flags]
+    why_not = {arch: f"this CPU has no {flag}: its native build already is the {what} code"
+               for arch, (flag, what) in NARROWER_BUILDS.items() if arch not in checkable}
+    return checkable, why_not
+
+
+@pytest.fixture(scope="module", params=["native", *NARROWER_BUILDS])
+def arch(request, fused) -> str:
+    """One build of the CPU kernel (the test id names it). A build this CPU should check and that
+    fails to compile fails the test with the compiler's reason; one this CPU cannot run skips,
+    saying why."""
+    build = request.param
+    if build == "native":
+        return fused
+    checkable, why_not = narrower_builds_here()
+    if build not in checkable:
+        pytest.skip(why_not[build])
+    try:
+        cpu.load(build)
+    except cpu.KernelUnavailable as exc:
+        pytest.fail(f"the {build} build of the fused kernel ({NARROWER_BUILDS[build][1]}) failed: {exc}")
+    return build
+
+
+def test_a_narrower_build_is_checked_on_x86(fused):
+    """On x86, native alone would leave the generic vector code that other CPUs run untested."""
+    checkable, why_not = narrower_builds_here()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"not an x86 CPU ({platform.machine()}): the kernel has one build here, native")
+    assert checkable, f"only the native build can be checked here: {why_not}"
+    for build in checkable:
+        cpu.load(build)  # raises KernelUnavailable, with the reason, if it does not build
 
 
 def fused_cast(out, x, mode, *, seed, step, start, residual=None, arch="native"):
@@ -89,45 +120,43 @@ def fused_cast(out, x, mode, *, seed, step, start, residual=None, arch="native")
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fused_equals_cast_bitwise(archs, mode):
+def test_fused_equals_cast_bitwise(arch, mode):
     x = awkward()
-    for arch in archs:
-        for seed, step, start in STEPS_SEEDS_STARTS:
-            r_want = torch.randn_like(x) * 1e-4 if mode == "error_feedback" else None
-            r_got = r_want.clone() if r_want is not None else None
-            old = cast(x * 1.001, "nearest", seed=0, step=0, name="w")  # a previous step's bits
-            want = run_cast(x, mode, seed=seed, step=step, start=start, residual=r_want)
-            out = old.clone()
-            counts = fused_cast(out, x, mode, seed=seed, step=step, start=start, residual=r_got, arch=arch)
-            what = f"{arch} {mode} seed={seed} step={step} start={start}"
-            assert_bits_equal(out, want, what)
-            assert counts == expected_counts(old, want), what
-            if r_want is not None:
-                assert torch.equal(fp32_bits(r_got), fp32_bits(r_want)), what
+    for seed, step, start in STEPS_SEEDS_STARTS:
+        r_want = torch.randn_like(x) * 1e-4 if mode == "error_feedback" else None
+        r_got = r_want.clone() if r_want is not None else None
+        old = cast(x * 1.001, "nearest", seed=0, step=0, name="w")  # a previous step's bits
+        want = run_cast(x, mode, seed=seed, step=step, start=start, residual=r_want)
+        out = old.clone()
+        counts = fused_cast(out, x, mode, seed=seed, step=step, start=start, residual=r_got, arch=arch)
+        what = f"{arch} {mode} seed={seed} step={step} start={start}"
+        assert_bits_equal(out, want, what)
+        assert counts == expected_counts(old, want), what
+        if r_want is not None:
+            assert torch.equal(fp32_bits(r_got), fp32_bits(r_want)), what
 
 
-def test_error_feedback_residual_chain(archs):
+def test_error_feedback_residual_chain(arch):
     """Several steps of error feedback, the residual carried by each path, masters moving, some
     becoming non-finite and coming back, residuals large enough to push to the top of the range."""
     g = torch.Generator().manual_seed(5)
     base = awkward()
-    for arch in archs:
-        e_want = torch.zeros_like(base)
-        e_got = torch.zeros_like(base)
-        out = torch.zeros(base.shape, dtype=torch.bfloat16)
-        for t in range(6):
-            x = base * (1 + 1e-3 * t) + torch.randn(base.shape, generator=g) * 1e-6
-            if t == 3:
-                e_want[:50] = 1e30
-                e_got[:50] = 1e30
-                e_want[50:60] = torch.finfo(torch.float32).tiny / 3  # subnormal residuals
-                e_got[50:60] = torch.finfo(torch.float32).tiny / 3
-            old = out.clone()
-            want = run_cast(x, "error_feedback", seed=0, step=t, start=0, residual=e_want)
-            counts = fused_cast(out, x, "error_feedback", seed=0, step=t, start=0, residual=e_got, arch=arch)
-            assert_bits_equal(out, want, f"{arch} step {t}")
-            assert torch.equal(fp32_bits(e_got), fp32_bits(e_want)), f"{arch} residual after step {t}"
-            assert counts == expected_counts(old, want)
+    e_want = torch.zeros_like(base)
+    e_got = torch.zeros_like(base)
+    out = torch.zeros(base.shape, dtype=torch.bfloat16)
+    for t in range(6):
+        x = base * (1 + 1e-3 * t) + torch.randn(base.shape, generator=g) * 1e-6
+        if t == 3:
+            e_want[:50] = 1e30
+            e_got[:50] = 1e30
+            e_want[50:60] = torch.finfo(torch.float32).tiny / 3  # subnormal residuals
+            e_got[50:60] = torch.finfo(torch.float32).tiny / 3
+        old = out.clone()
+        want = run_cast(x, "error_feedback", seed=0, step=t, start=0, residual=e_want)
+        counts = fused_cast(out, x, "error_feedback", seed=0, step=t, start=0, residual=e_got, arch=arch)
+        assert_bits_equal(out, want, f"{arch} step {t}")
+        assert torch.equal(fp32_bits(e_got), fp32_bits(e_want)), f"{arch} residual after step {t}"
+        assert counts == expected_counts(old, want)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -363,10 +392,12 @@ def test_triton_equals_cast_on_cuda(mode):
             assert torch.equal(fp32_bits(r_got), fp32_bits(r_want))
 
 
-@pytest.mark.skipif(not TRITON, reason="Triton is not installed")
+@pytest.mark.skipif(not TRITON, reason="Triton is not installed (launch/setup.d/40-triton.sh installs it)")
 def test_triton_kernel_in_the_cpu_interpreter(tmp_path):
-    """The Triton kernel's arithmetic on CPU (TRITON_INTERPRET=1), in a subprocess since the
-    interpreter is chosen when Triton is imported."""
+    """The Triton kernel's own code on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), in
+    a subprocess since the interpreter is chosen when Triton is imported: three full blocks and a
+    partial last one (and a single partial block), every mode, with and without counting the
+    changes, against the slow reference (which shares no code with the kernel), residuals included."""
     script = tmp_path / "check.py"
     script.write_text(textwrap.dedent(f"""
         import sys, torch
@@ -374,21 +405,40 @@ def test_triton_kernel_in_the_cpu_interpreter(tmp_path):
         from faircast_ds import modes
         from faircast_ds.casts import MODES, bf16_bits, cast, fp32_bits
         from faircast_ds.kernels import triton_cast
+        from faircast_ds.reference import cast_reference
         from test_casts import awkward_values, specials
-        x = torch.cat([awkward_values(200), specials()])
-        for mode in MODES:
-            for seed, step, start in ((7, 3, 0), (2**40 + 3, 2**33 + 5, 2**32 - 100)):
-                e1 = torch.randn_like(x) * 1e-4 if mode == "error_feedback" else None
-                e2 = e1.clone() if e1 is not None else None
-                want = cast(x, mode, seed=seed, step=step, name="w", start=start, residual=e1)
-                out = torch.zeros(x.shape, dtype=torch.bfloat16)
-                key = modes.noise_key(mode, seed=seed, step=step, name="w")
-                counts = triton_cast.cast_into(out, x, mode, key=key, start=start, residual=e2)
-                assert torch.equal(bf16_bits(out), bf16_bits(want)), mode
-                assert counts == (int((bf16_bits(want) != 0).sum()), int((~torch.isfinite(want.float())).sum()))
-                assert e1 is None or torch.equal(fp32_bits(e1), fp32_bits(e2)), mode
-        print("ok")
+        block = triton_cast.BLOCK
+        pool = torch.cat([specials(), awkward_values(1200)])
+        checked = []
+        for n in (3 * block + 517, block // 2 + 3):
+            x = pool.repeat(n // pool.numel() + 1)[:n]
+            for mode in MODES:
+                for seed, step, start in ((7, 3, 0), (2**40 + 3, 2**33 + 5, 2**32 - 2 * block - 100)):
+                    for count_changed in (True, False):
+                        e_ref = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-4 \\
+                            if mode == "error_feedback" else None
+                        e_got = e_ref.clone() if e_ref is not None else None
+                        ref = cast_reference(x, mode, seed=seed, step=step, name="w", start=start, residual=e_ref)
+                        old = cast(x * 1.001, "nearest", seed=0, step=0, name="w")  # a previous step's bits
+                        out = old.clone()
+                        key = modes.noise_key(mode, seed=seed, step=step, name="w")
+                        counts = triton_cast.cast_into(out, x, mode, key=key, start=start, residual=e_got,
+                                                       count_changed=count_changed)
+                        what = f"n={{n}} {{mode}} seed={{seed}} step={{step}} start={{start}} count_changed={{count_changed}}"
+                        got, want = bf16_bits(out), bf16_bits(ref)
+                        nan = torch.isnan(ref.float())
+                        if mode == "nearest":  # nearest's NaN bits are torch's, which the reference leaves open
+                            assert torch.isnan(out.float()[nan]).all(), what
+                            got, want = got[~nan], want[~nan]
+                        bad = (got != want).nonzero()[:5, 0].tolist()
+                        assert not bad, f"{{what}}: {{int((got != want).sum())}} differ, first at {{bad}}"
+                        changed = int((bf16_bits(old) != bf16_bits(out)).sum()) if count_changed else -1
+                        assert counts == (changed, int((~torch.isfinite(out.float())).sum())), what
+                        assert not count_changed or changed > 0, what
+                        assert e_ref is None or torch.equal(fp32_bits(e_got), fp32_bits(e_ref)), what
+                        checked.append(what)
+        print(f"ok: {{len(checked)}} interpreter runs, sizes {{3 * block + 517}} and {{block // 2 + 3}} (block {{block}})")
     """))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0 and "ok: 32 interpreter runs" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
