@@ -25,9 +25,22 @@ def test_hook_is_installed_with_the_package_and_imports_nothing_heavy():
     assert "_EngineWatcher" not in off.stdout
 
 
+HOOK_ACTIVE = "  ok     faircast-ds autoload hook: active (engines with a section attach as they are built)"
+HOOK_OFF = "  note   faircast-ds autoload hook: NOT active (FAIRCAST_DS_AUTOLOAD=0): call faircast_ds.install() "
+
+
 def test_console_command_reports_the_hook():
+    """The installed ``faircast-ds`` command states the hook's state in its exact line (a substring test
+    for "active" would pass on "NOT active"): active as installed, off under FAIRCAST_DS_AUTOLOAD=0."""
     out = subprocess.run(["faircast-ds", "check"], capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
-    assert out.returncode == 0 and "active" in out.stdout
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and HOOK_ACTIVE in lines and "NOT active" not in out.stdout, out
+    assert lines[-1] == "ready: nothing found that would stop Fair Cast at initialize (exit 0)", out
+    off = subprocess.run(["faircast-ds", "check"], capture_output=True, text=True,
+                         env=cpu_env(FAIRCAST_DS_AUTOLOAD="0"), cwd=ROOT)
+    off_lines = off.stdout.splitlines()
+    assert off.returncode == 0 and HOOK_ACTIVE not in off_lines, off
+    assert [line for line in off_lines if line.startswith(HOOK_OFF)], off.stdout
 
 
 @pytest.mark.slow
