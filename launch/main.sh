@@ -5,7 +5,10 @@
 #   bash launch/main.sh --full                # the paper regime's committed run: 8 seeds (docs/grpo/paper/)
 #   bash launch/main.sh --regime large-step   # the earlier lr-1e-4 job (--full: its 5 seeds)
 #   bash launch/main.sh --seeds 3 --steps 200 --name mine
+#   bash launch/main.sh --seed-list 8-19 --modes fp32,nearest,dither --lr 3e-6 --steps 250 --init-std 0.05
+#   bash launch/main.sh --off-grid            # masters start at a seeded random point inside their bf16 cell
 #   bash launch/main.sh --engine vllm   # rollouts from a real vLLM engine fed the served weights (docs/vllm.md)
+# Every option and its check: faircast_ds/jobs/config.py, `python3 -m faircast_ds.jobs.grpo --help`.
 # Wall times are in docs/grpo.md.
 # JOB=staleness runs the older served-weights-changed-per-step job instead.
 set -euo pipefail

@@ -129,19 +129,6 @@ def test_paper_regime_settings_and_new_columns(job_run):
     assert "− RN: mean [95% CI], W/T/L, signs, sign p" in table and "master − served reward" in table
 
 
-def test_regime_presets_parse():
-    from faircast_ds.jobs.grpo import FULL_SEEDS, JobConfig, REGIMES, parse
-
-    cfg = parse(["--name", "x"])
-    assert cfg.regime == "paper" and cfg == JobConfig(name="x")
-    big = parse(["--regime", "large-step", "--steps", "7", "--name", "x"])
-    assert (big.lr, big.hidden, big.prompt_vocab, big.steps) == (1e-4, 256, 0, 7)  # flags override the regime
-    assert parse(["--full", "--name", "x"]).seeds == FULL_SEEDS["paper"] >= 8
-    assert set(REGIMES) == set(FULL_SEEDS)
-    with pytest.raises(SystemExit):
-        parse(["--regime", "bogus"])
-
-
 def test_changed_fractions_follow_the_modes(job_run):
     run_dir, _ = job_run
     with open(run_dir / "steps.csv", newline="") as f:

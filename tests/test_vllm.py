@@ -57,7 +57,7 @@ def test_pack_round_trips_bits():
 def test_unknown_rollout_engine_is_refused():
     from faircast_ds.jobs.grpo import parse
 
-    assert parse(["--engine", "vllm", "--name", "x"]).engine == "vllm"
+    assert parse(["--engine", "vllm", "--name", "x"]).rollout_engine == "vllm"
     with pytest.raises(SystemExit):
         parse(["--engine", "sglang", "--name", "x"])
 

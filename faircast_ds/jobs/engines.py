@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-ENGINES = ("hf", "vllm")
+from faircast_ds.jobs.config import ROLLOUT_ENGINES as ENGINES
+
 ALIGNED_PROFILE = "vllm-cpu"
 KV_CACHE_GIB = 1 / 16  # 64 MiB: a step's rollouts need ~2 MB; the engine process then holds ~0.8 GiB, not ~1.7
 _SEED_MOD = 2**63 - 1

@@ -1,7 +1,8 @@
 """GRPO on a tiny Qwen3 under the ``deepspeed`` runner: does the cast of the served weights change what RL learns?
 
-Launch: ``deepspeed --num_gpus 2 --module faircast_ds.jobs.grpo [--full] [--seeds N] [--steps N]``
-(``bash launch/main.sh`` does this on CPU ranks).
+Launch: ``deepspeed --num_gpus 2 --module faircast_ds.jobs.grpo [--full] [--seeds N | --seed-list 8-19]
+[--steps N] [--lr LR] [--init-std S] [--modes fp32,nearest,dither] [--off-grid] [--engine hf|vllm]``
+(``bash launch/main.sh`` does this on CPU ranks; every option: ``jobs/config.py`` and docs/grpo.md).
 
 For every seed and every mode (``fp32``, ``nearest``, ``stochastic``, ``dither``, ``error_feedback``) one
 ZeRO-3 engine trains a tiny ``transformers`` Qwen3, built from a config, with AdamW on fp32 masters.
@@ -16,77 +17,21 @@ table), ``summary.txt`` (what is printed at the end) and ``run.json`` (settings 
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from faircast_ds.jobs.config import FULL_SEEDS, JOB_MODES, REFERENCE, REGIMES, JobConfig, parse
 from faircast_ds.jobs.tasks import LowTokenTask, group_advantages, sample_token
 
-MODES = ("fp32", "nearest", "stochastic", "dither", "error_feedback")
-REFERENCE = "fp32"  # served = master: no rounding at all
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    """Settings of one invocation. ``rollouts`` counts rollouts per step over all ranks. The defaults are
-    the paper regime (``REGIMES``)."""
-
-    steps: int = 500
-    seeds: int = 1
-    first_seed: int = 0  # seeds first_seed .. first_seed + seeds - 1 (to split a run across launches)
-    lr: float = 1.5e-6
-    hidden: int = 128
-    layers: int = 2
-    vocab: int = 256
-    init_std: float = 0.1
-    rollouts: int = 256
-    group: int = 8
-    prompt_len: int = 2
-    gen_len: int = 2
-    prompt_vocab: int = 1  # prompt tokens drawn from [0, prompt_vocab); 0: the whole vocabulary (tasks.py)
-    modes: tuple[str, ...] = MODES
-    tie: float = 0.01  # |reward difference| below this is a tie in the per-seed comparison with nearest
-    diag_every: int = 1
-    horizon: int = 128
-    sample: int = 16384  # diagnostics: sampled elements for the lags (at most the model's size)
-    # checkpoint consistency: every ``eval_every`` steps and at the end, the reward of the fp32 master
-    # policy and of the served policy on one fixed evaluation batch (0: off)
-    eval_every: int = 100
-    kl_every: int = 1  # KL(served before step || served after step) on the step's rollouts (0: off)
-    # ZeRO-3 keeps parameters up to this size gathered after each step (DeepSpeed's default is 1e5); 1e6
-    # keeps this tiny model's (<= 65k elements each) so that rollouts do not all-gather per forward
-    persist_threshold: int = 1_000_000
-    # "view": sample from the persistent served tensors through a plain model (same bits, no ZeRO-3 hooks);
-    # "module": through the engine's module (ZeRO-3 hooks gather what is not persistent)
-    rollout_via: str = "view"
-    # where rollouts come from: "hf" (the trainer's forward on the served copy) or "vllm" (a vLLM engine
-    # on rank 0, pushed the served weights after every step; faircast_ds/jobs/engines.py)
-    engine: str = "hf"
-    regime: str = "paper"
-    out: str = "runs"
-    name: str = ""
-
-
-# Named settings (``--regime``); flags given on the command line override them.
-REGIMES: dict[str, dict[str, Any]] = {
-    # RN changes <= 1% of served weights per step and its served copy trails the master by tens of
-    # steps (as reported for Qwen3-1.7B: 0.4-0.5%, 50-150 steps): lr 1.5e-6 on init std 0.1; one fixed
-    # prompt so every rollout pushes the weights the same way and the fp32 policy learns within the run
-    "paper": {},
-    # the earlier main job: lr 1e-4, random prompts; RN changes ~12% per step, the lag reads ~0
-    "large-step": {"steps": 300, "lr": 1e-4, "hidden": 256, "rollouts": 64, "prompt_len": 4, "gen_len": 8,
-                   "prompt_vocab": 0, "eval_every": 60},
-}
-FULL_SEEDS = {"paper": 8, "large-step": 5}  # --full: the seeds of the committed run of each regime
-
+__all__ = ["FULL_SEEDS", "JOB_MODES", "REFERENCE", "REGIMES", "JobConfig", "parse", "run_one", "main"]
 
 def build_model(cfg: JobConfig, seed: int, fp32: bool) -> torch.nn.Module:
     """The tiny Qwen3, initialized in bf16 so that the fp32 master starts on the bf16 grid (as when
@@ -265,146 +210,218 @@ def mismatch(model: torch.nn.Module, input_ids: torch.Tensor, engine: str = "sgl
             "mismatch_rms_aligned": aligned.rms, "mismatch_k3_aligned": aligned.k3_kl}
 
 
-def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: Any) -> tuple[list[dict], dict]:
-    """Train one engine; return its per-step rows and its end-of-run figures (rank 0's are complete)."""
+@dataclass
+class Run:
+    """One (mode, seed) engine and what measures it."""
+
+    mode: str
+    seed: int
+    cfg: JobConfig
+    engine: Any
+    optimizer: torch.optim.Optimizer
+    fair_cast: Any  # None for the fp32 reference
+    view: ServedView | None
+    sync_meter: DeltaSyncBytes | None
+    counter: ReferenceChangeCounter | None
+    master_view: MasterView | None
+    eval_batch: tuple[torch.Tensor, torch.Tensor]
+    source: Any  # jobs/engines.py: where rollouts come from
+    world: int
+    per_rank: int
+
+    @property
+    def served_bytes(self) -> int:
+        return 4 if self.fair_cast is None else 2
+
+    def policy(self) -> torch.nn.Module:
+        """The served policy as it is now (the plain view when possible, else the engine's module)."""
+        policy = self.view.policy() if self.view is not None else None
+        return policy if policy is not None else self.engine.module
+
+
+@dataclass
+class Trained:
+    """What one training step produced on this rank: rollouts, rewards, the loss's logits, timings."""
+
+    seqs: torch.Tensor
+    rewards: torch.Tensor
+    logits: torch.Tensor
+    loss: float
+    engine_columns: dict[str, Any]
+    seconds: dict[str, float]  # rollout, train (fwd+bwd+opt), fwd_bwd, opt
+    stepped_at: float  # perf_counter() after the optimizer step (what follows is measurement: "extra")
+
+
+def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
+    """Build the model (off the grid with ``--off-grid``), its ZeRO-3 engine and the run's meters."""
     import deepspeed
     import deepspeed.comm as dist
 
     from faircast_ds import get_fair_cast
+    from faircast_ds.jobs import engines, offgrid
 
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = cfg.rollouts // world
-    model = build_model(cfg, seed, fp32=(mode == REFERENCE))
+    reference = mode == REFERENCE
+    model = build_model(cfg, seed, fp32=reference)
+    masters = offgrid.off_grid_state(model.named_parameters(), seed) if cfg.off_grid else None
+    if masters is not None and reference:  # fp32 serves its master: the module holds the off-grid values
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(masters[name])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(mode, seed, cfg, per_rank))
+    if masters is not None:
+        offgrid.set_masters(engine, masters)  # bf16 modes: the served copy stays RN(master) = the bf16 init
     fair_cast = get_fair_cast(engine)
-    if (fair_cast is None) != (mode == REFERENCE):
-        raise RuntimeError(f"mode {mode}: expected Fair Cast {'off' if mode == REFERENCE else 'on'}")
+    if (fair_cast is None) != reference:
+        raise RuntimeError(f"mode {mode}: expected Fair Cast {'off' if reference else 'on'}")
     view = None
     if cfg.rollout_via == "view" and ServedView.possible(engine):
-        view = ServedView(engine, build_model(cfg, seed, fp32=(mode == REFERENCE)))
-    sync_meter = DeltaSyncBytes(view) if view is not None and fair_cast is not None else None
-    counter = ReferenceChangeCounter(engine) if fair_cast is None else None
-    served_bytes = 4 if fair_cast is None else 2
+        view = ServedView(engine, build_model(cfg, seed, fp32=reference))
     # checkpoint consistency: the fp32 master policy against the served one, on one fixed batch (training
     # steps start at 1, so step 0's draw is never trained on); the fp32 reference serves its master
     master_view = MasterView(engine, cfg, seed) if fair_cast is not None and cfg.eval_every else None
-    eval_batch = task.draw(per_rank, task.generator(seed, 0, rank))
-    from faircast_ds.jobs import engines
-
-    source = engines.make(cfg.engine, sample=rollout, ds_engine=engine, view=view, fp32=(mode == REFERENCE),
+    source = engines.make(cfg.rollout_engine, sample=rollout, ds_engine=engine, view=view, fp32=reference,
                           seed=seed, max_len=cfg.prompt_len + cfg.gen_len + 8, run_dir=os.path.join(cfg.out, cfg.name))
+    return Run(mode=mode, seed=seed, cfg=cfg, engine=engine, optimizer=opt, fair_cast=fair_cast, view=view,
+               sync_meter=DeltaSyncBytes(view) if view is not None and fair_cast is not None else None,
+               counter=ReferenceChangeCounter(engine) if fair_cast is None else None, master_view=master_view,
+               eval_batch=task.draw(per_rank, task.generator(seed, 0, rank)), source=source, world=world,
+               per_rank=per_rank)
+
+
+def train_step(run: Run, task: LowTokenTask, step: int) -> Trained:
+    """Rollouts from the served copy, their rewards, one GRPO policy-gradient step on the served copy."""
+    import deepspeed.comm as dist
+
+    cfg = run.cfg
+    prompts, uniforms = task.draw(run.per_rank, task.generator(run.seed, step, dist.get_rank()))
+    t0 = time.perf_counter()
+    seqs, engine_logp = run.source.rollout(task, run.seed, step, prompts, uniforms)
+    if run.sync_meter is not None and run.sync_meter.previous is None:
+        run.sync_meter.step()  # the baseline: the weights these rollouts were sampled from
+    completions = seqs[:, cfg.prompt_len:]
+    rewards = task.reward(completions)
+    advantages = group_advantages(rewards, task.group)
+    t1 = time.perf_counter()
+    logits = run.engine(input_ids=seqs, use_cache=False).logits[:, cfg.prompt_len - 1:-1].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+    loss = -(advantages * logp.mean(dim=1)).mean()
+    engine_columns = run.source.measure(logp.detach(), engine_logp, seqs, cfg.prompt_len)  # pre-step weights
+    run.engine.backward(loss)
+    t2 = time.perf_counter()
+    run.engine.step()
+    t3 = time.perf_counter()
+    engine_columns.update(run.source.after_step())  # the engine gets the new served weights
+    return Trained(seqs=seqs, rewards=rewards, logits=logits.detach(), loss=float(loss.detach()),
+                   engine_columns=engine_columns,
+                   seconds={"rollout": t1 - t0, "train": t3 - t1, "fwd_bwd": t2 - t1, "opt": t3 - t2}, stepped_at=t3)
+
+
+def policy_figures(run: Run, task: LowTokenTask, step: int, trained: Trained) -> dict[str, float]:
+    """This rank's KL per step and, at evaluation points, the served and master policies' rewards."""
+    cfg = run.cfg
+    policy = run.policy()
+    kl = step_kl(trained.logits, policy, trained.seqs, cfg.prompt_len) \
+        if cfg.kl_every and step % cfg.kl_every == 0 else math.nan
+    served_eval = master_eval = math.nan
+    if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+        with torch.no_grad():
+            served_eval = evaluate(policy, run.eval_batch, task)
+            master_eval = evaluate(run.master_view.policy(), run.eval_batch, task) if run.master_view is not None \
+                else served_eval
+    return {"kl_step": kl, "served_eval": served_eval, "master_eval": master_eval}
+
+
+DIAGNOSTICS = ("gap_spacings", "lag_steps", "lag_drift_steps", "bias_spacings")
+
+
+def weight_figures(run: Run) -> dict[str, float]:
+    """This rank's changed elements, element count and cast time, and the diagnostics of this step."""
+    if run.fair_cast is None:
+        changed, numel = run.counter.count()
+        return {"changed": changed, "numel": numel, "cast_s": math.nan, **{k: math.nan for k in DIAGNOSTICS}}
+    cast = run.fair_cast.caster.last  # this step's counts and cast time, from the caster itself
+    figures = run.fair_cast.diagnostics.last
+    fresh = bool(figures) and int(figures["step"]) == cast.step
+    return {"changed": cast.changed, "numel": cast.numel, "cast_s": cast.seconds,
+            **{k: (figures[k] if fresh else math.nan) for k in DIAGNOSTICS}}
+
+
+def all_ranks(local: dict[str, float]) -> dict[str, float]:
+    """Sum of each value over the ranks (one all-reduce; every rank passes the same keys in the same order)."""
+    import deepspeed.comm as dist
+
+    totals = torch.tensor(list(local.values()), dtype=torch.float64)
+    dist.all_reduce(totals)
+    return dict(zip(local, totals.tolist()))
+
+
+def sync_bytes(run: Run, changed: float, numel: float, delta_bytes: int | None) -> dict[str, int]:
+    """What a weight sync would send now: a delta per the export's encodings (every rank holds the full
+    persistent tensors, so rank 0's count is the count), else 6 bytes per changed element (COO); the fp32
+    reference has no delta sync, only a dense one."""
+    dense = int(numel) * run.served_bytes
+    if run.fair_cast is None:
+        delta = dense
+    else:
+        delta = delta_bytes if delta_bytes is not None else int(changed) * (4 + run.served_bytes)
+    return {"sync_bytes": delta, "sync_bytes_dense": dense}
+
+
+def step_row(run: Run, step: int, trained: Trained, policy: dict[str, float], weights: dict[str, float],
+             delta_bytes: int | None, extra_s: float) -> dict[str, Any]:
+    """One row of steps.csv: this step's figures summed (counts) or averaged (times, policy figures) over
+    the ranks. The diagnostics are rank 0's (each rank computes them for the whole model)."""
+    world = run.world
+    total = all_ranks({"reward_sum": float(trained.rewards.sum()), "reward_n": trained.rewards.numel(),
+                       "changed": weights["changed"], "numel": weights["numel"], "cast_s": weights["cast_s"],
+                       **{k + "_s": v for k, v in trained.seconds.items()}, "extra_s": extra_s, **policy})
+    ms = {f"{k}_ms": 1e3 * total[f"{k}_s"] / world for k in ("cast", "rollout", "train", "fwd_bwd", "opt", "extra")}
+    return {
+        "mode": run.mode, "seed": run.seed, "step": step, "reward": total["reward_sum"] / total["reward_n"],
+        "loss": trained.loss, "changed": int(total["changed"]), "numel": int(total["numel"]),
+        "changed_fraction": total["changed"] / total["numel"], **{k: weights[k] for k in DIAGNOSTICS},
+        **{k: total[k] / world for k in policy},
+        **sync_bytes(run, total["changed"], total["numel"], delta_bytes), **ms, **trained.engine_columns,
+    }
+
+
+def finish_run(run: Run, last_seqs: torch.Tensor) -> dict[str, Any]:
+    """The end-of-run figures (the SGLang mismatch of the final served weights, rank 0) and teardown."""
+    import deepspeed.comm as dist
+
+    final: dict[str, Any] = {"mode": run.mode, "seed": run.seed}
+    if run.fair_cast is not None:
+        copy = served_copy(run.engine, run.cfg, run.seed, dist.get_rank())
+        if copy is not None:
+            final.update(mismatch(copy, last_seqs))
+    run.source.close()
+    run.engine.destroy()
+    return final
+
+
+def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: Any) -> tuple[list[dict], dict]:
+    """Train one engine; return its per-step rows and its end-of-run figures (rank 0's are complete)."""
+    run = start_run(mode, seed, cfg, task)
     rows: list[dict] = []
-    seqs = torch.zeros(0, dtype=torch.long)
+    trained = None
     for step in range(1, cfg.steps + 1):
-        prompts, uniforms = task.draw(per_rank, task.generator(seed, step, rank))
-        t0 = time.perf_counter()
-        seqs, engine_logp = source.rollout(task, seed, step, prompts, uniforms)
-        if sync_meter is not None and sync_meter.previous is None:
-            sync_meter.step()  # the baseline: the weights these rollouts were sampled from
-        completions = seqs[:, cfg.prompt_len:]
-        rewards = task.reward(completions)
-        advantages = group_advantages(rewards, task.group)
-        t1 = time.perf_counter()
-        logits = engine(input_ids=seqs, use_cache=False).logits[:, cfg.prompt_len - 1:-1].float()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
-        loss = -(advantages * logp.mean(dim=1)).mean()
-        engine_columns = source.measure(logp.detach(), engine_logp, seqs, cfg.prompt_len)  # pre-step weights
-        engine.backward(loss)
-        t2 = time.perf_counter()
-        engine.step()
-        t3 = time.perf_counter()
-        engine_columns.update(source.after_step())  # the engine gets the new served weights
-        policy = view.policy() if view is not None else None
-        policy = policy if policy is not None else engine.module
-        kl = step_kl(logits.detach(), policy, seqs, cfg.prompt_len) if cfg.kl_every and step % cfg.kl_every == 0 \
-            else math.nan
-        served_eval = master_eval = math.nan
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            with torch.no_grad():
-                served_eval = evaluate(policy, eval_batch, task)
-                master_eval = evaluate(master_view.policy(), eval_batch, task) if master_view is not None \
-                    else served_eval
-        if fair_cast is not None:
-            cast = fair_cast.caster.last  # this step's counts and cast time, from the caster itself
-            changed, numel, cast_s = cast.changed, cast.numel, cast.seconds
-            figures = fair_cast.diagnostics.last
-            fresh = bool(figures) and int(figures["step"]) == cast.step
-            keys = ("gap_spacings", "lag_steps", "lag_drift_steps", "bias_spacings")
-            gap, lag, lag_drift, bias = (figures[k] for k in keys) if fresh else (math.nan,) * 4
-        else:
-            changed, numel = counter.count()
-            gap, lag, lag_drift, bias, cast_s = (math.nan,) * 5
-        # what a weight sync would send now: a delta per the export's encodings (every rank holds the full
-        # persistent tensors, so rank 0's count is the count), else 6 bytes per changed element (COO)
-        delta_bytes = sync_meter.step() if sync_meter is not None else None
-        t4 = time.perf_counter()
-        totals = torch.tensor([float(rewards.sum()), rewards.numel(), changed, numel, cast_s,
-                               t1 - t0, t3 - t1, t2 - t1, t3 - t2, t4 - t3, kl, served_eval, master_eval],
-                              dtype=torch.float64)
-        dist.all_reduce(totals)
-        r_sum, r_n, changed, numel, cast_s, rollout_s, train_s, fwd_bwd_s, opt_s, extra_s = totals.tolist()[:10]
-        kl, served_eval, master_eval = (v / world for v in totals.tolist()[10:])
-        rows.append({
-            "mode": mode, "seed": seed, "step": step, "reward": r_sum / r_n, "loss": float(loss.detach()),
-            "changed": int(changed), "numel": int(numel), "changed_fraction": changed / numel,
-            "gap_spacings": gap, "lag_steps": lag, "lag_drift_steps": lag_drift, "bias_spacings": bias,
-            "kl_step": kl, "served_eval": served_eval, "master_eval": master_eval,
-            "sync_bytes": (int(numel) * served_bytes if fair_cast is None  # no delta sync of fp32 weights
-                           else delta_bytes if delta_bytes is not None else int(changed) * (4 + served_bytes)),
-            "sync_bytes_dense": int(numel) * served_bytes,
-            "cast_ms": 1e3 * cast_s / world, "rollout_ms": 1e3 * rollout_s / world,
-            "train_ms": 1e3 * train_s / world, "fwd_bwd_ms": 1e3 * fwd_bwd_s / world,
-            "opt_ms": 1e3 * opt_s / world, "extra_ms": 1e3 * extra_s / world, **engine_columns,
-        })
+        trained = train_step(run, task, step)
+        policy = policy_figures(run, task, step, trained)
+        weights = weight_figures(run)
+        delta_bytes = run.sync_meter.step() if run.sync_meter is not None else None
+        rows.append(step_row(run, step, trained, policy, weights, delta_bytes,
+                             time.perf_counter() - trained.stepped_at))
         if progress is not None:
             progress.set_postfix_str(f"{mode} seed {seed} reward {rows[-1]['reward']:.3f} "
                                      f"changed {100 * rows[-1]['changed_fraction']:.2f}%", refresh=False)
             progress.update(1)
-    final: dict[str, Any] = {"mode": mode, "seed": seed}
-    if fair_cast is not None:
-        copy = served_copy(engine, cfg, seed, rank)
-        if copy is not None:
-            final.update(mismatch(copy, seqs))
-    source.close()
-    engine.destroy()
-    del engine, opt, model
+    final = finish_run(run, trained.seqs)
+    del run, trained
     gc.collect()
     return rows, final
-
-
-def parse(argv: list[str] | None) -> JobConfig:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true",
-                        help=f"the regime's committed number of seeds: {FULL_SEEDS}")
-    for f in fields(JobConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "modes":
-            parser.add_argument(flag, default=None, help=f"comma-separated subset of {','.join(MODES)}")
-        elif f.name == "regime":
-            parser.add_argument(flag, default=None, choices=sorted(REGIMES), help=f"default {f.default!r}")
-        else:
-            parser.add_argument(flag, type=type(f.default), default=None, help=f"default {f.default!r}")
-    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    regime = args.regime or JobConfig.regime
-    cfg = replace(JobConfig(), regime=regime, **REGIMES[regime])
-    if args.full:
-        cfg = replace(cfg, seeds=FULL_SEEDS[regime])
-    given = {f.name: getattr(args, f.name) for f in fields(JobConfig) if getattr(args, f.name) is not None}
-    if "modes" in given:
-        given["modes"] = tuple(m.strip() for m in given["modes"].split(",") if m.strip())
-        unknown = [m for m in given["modes"] if m not in MODES]
-        if unknown:
-            parser.error(f"unknown mode(s) {unknown}; choose from {','.join(MODES)}")
-    cfg = replace(cfg, **given)
-    from faircast_ds.jobs.engines import ENGINES
-
-    if cfg.engine not in ENGINES:
-        parser.error(f"unknown --engine {cfg.engine!r}; choose from {', '.join(ENGINES)}")
-    if not cfg.name:
-        cfg = replace(cfg, name=f"{regime}-" + ("full-" if args.full else "") + time.strftime("%Y%m%d-%H%M%S"))
-    return cfg
 
 
 def quiet() -> None:
@@ -445,14 +462,14 @@ def main(argv: list[str] | None = None) -> None:
         from tqdm import tqdm
 
         os.makedirs(run_dir, exist_ok=True)
-        print(f"[grpo] {len(cfg.modes)} modes x {cfg.seeds} seeds x {cfg.steps} steps, world size {world} "
+        print(f"[grpo] {len(cfg.modes)} modes x {len(cfg.seed_ids)} seeds x {cfg.steps} steps, world size {world} "
               f"-> {run_dir}", flush=True)
-        progress = tqdm(total=len(cfg.modes) * cfg.seeds * cfg.steps, unit="step", file=sys.stdout,
+        progress = tqdm(total=len(cfg.modes) * len(cfg.seed_ids) * cfg.steps, unit="step", file=sys.stdout,
                         dynamic_ncols=True, mininterval=2.0)
     rows: list[dict] = []
     finals: list[dict] = []
     csv_path = os.path.join(run_dir, "steps.csv")
-    for seed in range(cfg.first_seed, cfg.first_seed + cfg.seeds):
+    for seed in cfg.seed_ids:
         for mode in cfg.modes:
             run_rows, final = run_one(mode, seed, cfg, task, progress)
             rows += run_rows
@@ -471,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(os.path.join(run_dir, "results.md"), "w") as f:
             f.write(table)
         with open(os.path.join(run_dir, "run.json"), "w") as f:
-            json.dump({"config": asdict(cfg), "world_size": world, "wall_s": wall, "finals": finals}, f, indent=1)
+            json.dump({"config": cfg.to_json(), "world_size": world, "wall_s": wall, "finals": finals}, f, indent=1)
         text = report.summary_text(summaries, cfg, world, wall, run_dir)
         with open(os.path.join(run_dir, "summary.txt"), "w") as f:
             f.write(text + "\n")

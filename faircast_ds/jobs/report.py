@@ -37,9 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from faircast_ds.jobs import stats
-
-CONTROL = "nearest"
-REFERENCE = "fp32"
+from faircast_ds.jobs.config import CONTROL, REFERENCE, JobConfig
 LAG_MIN = 20  # "the served copy lags": lag along drift at least this many steps
 
 
@@ -164,12 +162,22 @@ def summarize(rows: Sequence[dict], finals: Sequence[dict], modes: Sequence[str]
     return out
 
 
+def _seeds_text(cfg: Any) -> str:
+    listed = tuple(getattr(cfg, "seed_list", ()))
+    if not listed:
+        return f"{cfg.seeds} seed(s)"
+    if listed == tuple(range(listed[0], listed[0] + len(listed))):
+        return f"{len(listed)} seed(s) ({listed[0]}-{listed[-1]})"
+    return f"{len(listed)} seed(s) ({','.join(map(str, listed))})"
+
+
 def headline(cfg: Any, world: int) -> str:
     return (f"GRPO, tiny Qwen3 (hidden {cfg.hidden}, {cfg.layers} layers, init std {cfg.init_std}), ZeRO-3 on "
             f"{world} ranks, AdamW lr {cfg.lr:g}, {cfg.rollouts} rollouts x {cfg.gen_len} tokens/step, "
-            f"{cfg.steps} steps, {cfg.seeds} seed(s)"
+            f"{cfg.steps} steps, {_seeds_text(cfg)}"
             + (f", regime {cfg.regime}" if getattr(cfg, "regime", "") else "")
-            + (" (one fixed prompt)" if getattr(cfg, "prompt_vocab", 0) == 1 else ""))
+            + (" (one fixed prompt)" if getattr(cfg, "prompt_vocab", 0) == 1 else "")
+            + (", masters started off the bf16 grid (--off-grid)" if getattr(cfg, "off_grid", False) else ""))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -363,13 +371,10 @@ def rebuild(run_dir: str) -> str:
     import json
 
     from faircast_ds.jobs import plots
-    from faircast_ds.jobs.grpo import JobConfig
 
     with open(os.path.join(run_dir, "run.json")) as f:
         meta = json.load(f)
-    known = set(JobConfig.__dataclass_fields__)
-    config = {k: (tuple(v) if k == "modes" else v) for k, v in meta["config"].items() if k in known}
-    cfg = JobConfig(**config)
+    cfg = JobConfig.from_json(meta["config"])
     rows = read_csv(os.path.join(run_dir, "steps.csv"))
     summaries = summarize(rows, meta.get("finals", []), cfg.modes, tie=cfg.tie)
     plots.plot_run(rows, os.path.join(run_dir, "reward.png"), title=headline(cfg, meta["world_size"]))

@@ -1,0 +1,234 @@
+"""The GRPO job's settings: :class:`JobConfig`, the named regimes, the job's modes, and its command line.
+
+Pure Python (no torch, no DeepSpeed), so the job (``grpo.py``), its report (``report.py``) and the tests
+read one definition. Every setting is validated when a :class:`JobConfig` is built, whether from the
+command line (:func:`parse`, which turns the error into a usage message) or from a run's ``run.json``
+(:meth:`JobConfig.from_json`).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Sequence
+
+JOB_MODES: tuple[str, ...] = ("fp32", "nearest", "stochastic", "dither", "error_feedback")
+REFERENCE = "fp32"  # served = master: ZeRO-3 without bf16 and without Fair Cast, no rounding at all
+CONTROL = "nearest"  # round-to-nearest, DeepSpeed's own cast: what every other mode is paired against
+ROLLOUT_ENGINES: tuple[str, ...] = ("hf", "vllm")  # where rollouts come from (jobs/engines.py)
+ROLLOUT_VIA: tuple[str, ...] = ("view", "module")
+MAX_SEED = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Settings of one invocation. ``rollouts`` counts rollouts per step over all ranks. The defaults are
+    the paper regime (``REGIMES``). Seeds: ``seed_list`` when given, else ``first_seed ..
+    first_seed + seeds - 1`` (:attr:`seed_ids`)."""
+
+    steps: int = 500
+    seeds: int = 1
+    first_seed: int = 0
+    seed_list: tuple[int, ...] = ()  # explicit seeds (``--seed-list 8-19`` or ``0,3,5``); overrides the two above
+    lr: float = 1.5e-6  # AdamW learning rate (no weight decay)
+    hidden: int = 128
+    layers: int = 2
+    vocab: int = 256
+    init_std: float = 0.1  # std of the normal init of the weights, before the bf16 rounding
+    rollouts: int = 256
+    group: int = 8
+    prompt_len: int = 2
+    gen_len: int = 2
+    prompt_vocab: int = 1  # prompt tokens drawn from [0, prompt_vocab); 0: the whole vocabulary (tasks.py)
+    modes: tuple[str, ...] = JOB_MODES
+    # the off-grid control: every fp32 master starts at a seeded random position strictly inside the
+    # round-to-nearest cell of its bf16 initial value (jobs/offgrid.py), the same for every mode of a seed
+    off_grid: bool = False
+    tie: float = 0.01  # |reward difference| below this is a tie in the per-seed comparison with nearest
+    diag_every: int = 1
+    horizon: int = 128
+    sample: int = 16384  # diagnostics: sampled elements for the lags (at most the model's size)
+    # checkpoint consistency: every ``eval_every`` steps and at the end, the reward of the fp32 master
+    # policy and of the served policy on one fixed evaluation batch (0: off)
+    eval_every: int = 100
+    kl_every: int = 1  # KL(served before step || served after step) on the step's rollouts (0: off)
+    # ZeRO-3 keeps parameters up to this size gathered after each step (DeepSpeed's default is 1e5); 1e6
+    # keeps this tiny model's (<= 65k elements each) so that rollouts do not all-gather per forward
+    persist_threshold: int = 1_000_000
+    # "view": sample from the persistent served tensors through a plain model (same bits, no ZeRO-3 hooks);
+    # "module": through the engine's module (ZeRO-3 hooks gather what is not persistent)
+    rollout_via: str = "view"
+    # where rollouts come from: "hf" (the trainer's forward on the served copy) or "vllm" (a vLLM engine
+    # on rank 0, pushed the served weights after every step; faircast_ds/jobs/engines.py). Flag: --engine
+    rollout_engine: str = "hf"
+    regime: str = "paper"
+    out: str = "runs"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        problems = _problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def seed_ids(self) -> tuple[int, ...]:
+        """The seeds this job runs, in order."""
+        return self.seed_list or tuple(range(self.first_seed, self.first_seed + self.seeds))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, config: dict[str, Any]) -> "JobConfig":
+        """A config from a run's ``run.json`` (older runs: ``engine`` was ``rollout_engine``; keys this
+        version does not know are left out)."""
+        config = dict(config)
+        if "engine" in config and "rollout_engine" not in config:
+            config["rollout_engine"] = config.pop("engine")
+        known = {f.name for f in fields(cls)}
+        values = {k: (tuple(v) if k in ("modes", "seed_list") else v) for k, v in config.items() if k in known}
+        return cls(**values)
+
+
+def _problems(cfg: JobConfig) -> list[str]:
+    """Every invalid setting of ``cfg``, each named with its flag."""
+    out = []
+
+    def positive_int(name: str, value: Any, low: int = 1) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            out.append(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+
+    for name in ("steps", "seeds", "hidden", "layers", "vocab", "rollouts", "group", "prompt_len", "gen_len",
+                 "horizon", "sample", "diag_every"):
+        positive_int(name, getattr(cfg, name))
+    for name in ("first_seed", "prompt_vocab", "eval_every", "kl_every", "persist_threshold"):
+        positive_int(name, getattr(cfg, name), low=0)
+    for name in ("lr", "init_std"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            out.append(f"--{name.replace('_', '-')} must be a finite number > 0, got {value!r}")
+    if isinstance(cfg.tie, bool) or not isinstance(cfg.tie, (int, float)) or not math.isfinite(cfg.tie) or cfg.tie < 0:
+        out.append(f"--tie must be a finite number >= 0, got {cfg.tie!r}")
+    if isinstance(cfg.hidden, int) and cfg.hidden % 4:
+        out.append(f"--hidden must be a multiple of 4 (4 attention heads), got {cfg.hidden!r}")
+    if not isinstance(cfg.prompt_vocab, bool) and isinstance(cfg.prompt_vocab, int) and isinstance(cfg.vocab, int) \
+            and cfg.prompt_vocab > cfg.vocab:
+        out.append(f"--prompt-vocab must be at most --vocab ({cfg.vocab}), got {cfg.prompt_vocab}")
+    if not cfg.modes:
+        out.append(f"--modes needs at least one of {','.join(JOB_MODES)}")
+    unknown = [m for m in cfg.modes if m not in JOB_MODES]
+    if unknown:
+        out.append(f"unknown mode(s) {', '.join(map(repr, unknown))} in --modes; choose from {','.join(JOB_MODES)}")
+    repeated = sorted({m for m in cfg.modes if cfg.modes.count(m) > 1})
+    if repeated:
+        out.append(f"--modes names {', '.join(repeated)} more than once")
+    bad_seeds = [s for s in cfg.seed_list if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED]
+    if bad_seeds:
+        out.append(f"--seed-list seeds must be integers in [0, {MAX_SEED}], got {bad_seeds}")
+    elif len(set(cfg.seed_list)) != len(cfg.seed_list):
+        out.append(f"--seed-list names a seed more than once: {list(cfg.seed_list)}")
+    if not isinstance(cfg.off_grid, bool):
+        out.append(f"off_grid must be true or false, got {cfg.off_grid!r}")
+    if cfg.rollout_engine not in ROLLOUT_ENGINES:
+        out.append(f"unknown --engine {cfg.rollout_engine!r}; choose from {', '.join(ROLLOUT_ENGINES)}")
+    if cfg.rollout_via not in ROLLOUT_VIA:
+        out.append(f"unknown --rollout-via {cfg.rollout_via!r}; choose from {', '.join(ROLLOUT_VIA)}")
+    if cfg.regime not in REGIMES:
+        out.append(f"unknown --regime {cfg.regime!r}; choose from {', '.join(sorted(REGIMES))}")
+    return out
+
+
+# Named settings (``--regime``); flags given on the command line override them.
+REGIMES: dict[str, dict[str, Any]] = {
+    # RN changes <= 1% of served weights per step and its served copy trails the master by tens of
+    # steps: lr 1.5e-6 on init std 0.1; one fixed prompt so every rollout pushes the weights the same
+    # way and the fp32 policy learns within the run
+    "paper": {},
+    # the earlier main job: lr 1e-4, random prompts; RN changes ~12% per step, the lag reads ~0
+    "large-step": {"steps": 300, "lr": 1e-4, "hidden": 256, "rollouts": 64, "prompt_len": 4, "gen_len": 8,
+                   "prompt_vocab": 0, "eval_every": 60},
+}
+FULL_SEEDS = {"paper": 8, "large-step": 5}  # --full: the seeds of the committed run of each regime
+
+
+def parse_seed_list(text: str) -> tuple[int, ...]:
+    """``"8-19"``, ``"0,3,5"`` or ``"0-2,7"`` -> the seeds in the order given (ranges inclusive)."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"--seed-list {text!r}: empty item")
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"--seed-list {text!r}: {part!r} is not a seed or a range a-b of seeds >= 0") from None
+        if last < first:
+            raise ValueError(f"--seed-list {text!r}: range {part!r} runs backwards")
+        seeds += range(first, last + 1)
+    return tuple(seeds)
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """``"fp32,nearest,dither"`` -> the modes in the order given (names checked by :class:`JobConfig`)."""
+    modes = tuple(m.strip() for m in text.split(","))
+    if "" in modes:
+        raise ValueError(f"--modes {text!r}: empty item; give a comma-separated subset of {','.join(JOB_MODES)}")
+    return modes
+
+
+DESCRIPTION = """GRPO on a tiny Qwen3 under the deepspeed runner, one ZeRO-3 engine per (cast mode, seed):
+does the cast of the served weights change what RL learns? (docs/grpo.md)
+
+  deepspeed --num_gpus 2 --module faircast_ds.jobs.grpo [options]     (bash launch/main.sh [options])"""
+
+_SPECIAL = {"modes", "seed_list", "off_grid", "regime", "rollout_engine"}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The job's command line: ``--full``, and one flag per :class:`JobConfig` field."""
+    p = argparse.ArgumentParser(prog="faircast_ds.jobs.grpo", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help=f"the regime's committed number of seeds: {FULL_SEEDS}")
+    p.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(JOB_MODES)} (default: all)")
+    p.add_argument("--seed-list", default=None,
+                   help="explicit seeds, e.g. 8-19 or 0,3,5 (ranges inclusive); not with --seeds/--first-seed/--full")
+    p.add_argument("--off-grid", action="store_true", default=None,
+                   help="start every fp32 master at a seeded random point inside its bf16 cell (same for every mode)")
+    p.add_argument("--regime", default=None, choices=sorted(REGIMES), help=f"default {JobConfig.regime!r}")
+    p.add_argument("--engine", "--rollout-engine", dest="rollout_engine", default=None, choices=ROLLOUT_ENGINES,
+                   help=f"where rollouts come from; default {JobConfig.rollout_engine!r}")
+    for f in fields(JobConfig):
+        if f.name not in _SPECIAL:
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
+                           help=f"default {f.default!r}")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p
+
+
+def parse(argv: Sequence[str] | None) -> JobConfig:
+    """The job's settings from its command line: the regime's, then ``--full``, then the flags given.
+    A bad value exits with a usage message naming the flag."""
+    p = parser()
+    args = p.parse_args(argv)
+    regime = args.regime or JobConfig.regime
+    given = {f.name: getattr(args, f.name) for f in fields(JobConfig) if getattr(args, f.name, None) is not None}
+    try:
+        if "modes" in given:
+            given["modes"] = parse_modes(given["modes"])
+        if "seed_list" in given:
+            clash = [flag for flag, on in (("--seeds", "seeds" in given), ("--first-seed", "first_seed" in given),
+                                           ("--full", args.full)) if on]
+            if clash:
+                raise ValueError(f"--seed-list names the seeds itself; drop {' and '.join(clash)}")
+            given["seed_list"] = parse_seed_list(given["seed_list"])
+        cfg = replace(JobConfig(regime=regime), **REGIMES[regime])
+        if args.full:
+            cfg = replace(cfg, seeds=FULL_SEEDS[regime])
+        cfg = replace(cfg, **given)
+    except ValueError as e:
+        p.error(str(e))
+    if not cfg.name:
+        cfg = replace(cfg, name=f"{regime}-" + ("full-" if args.full else "") + time.strftime("%Y%m%d-%H%M%S"))
+    return cfg
