@@ -16,7 +16,7 @@ from faircast_ds import dist
 from faircast_ds.adapter import Adapter, UnsupportedSetupError
 from faircast_ds.config import FairCastConfig
 from faircast_ds.diagnostics import Diagnostics
-from faircast_ds.routes import ROUTES, Route
+from faircast_ds.routes import ROUTES, Route, RouteKind
 from faircast_ds.shard_caster import ShardCaster
 
 ATTR = "_fair_cast"  # where an engine (or optimizer) keeps its handle
@@ -29,7 +29,7 @@ class FairCast:
 
     config: FairCastConfig
     adapters: list[Adapter]
-    route: str  # e.g. "deepspeed-runtime", "deepspeed-hook", "megatron-runtime", "megatron-hook"
+    route: RouteKind  # faircast_ds.routes.KINDS
     diagnostics: Diagnostics | None = None
     alignment: Any = None  # faircast_ds.align.AlignmentHandle when fair_cast.align_rounding is set
     source: str | None = None  # where the section came from (faircast_ds.config_source), for the banner
@@ -93,7 +93,7 @@ def resolve(config: FairCastConfig | Mapping[str, Any] | None) -> FairCastConfig
     return config
 
 
-def build(config: FairCastConfig, adapters: list[Adapter], *, route: str, owner: Any,
+def build(config: FairCastConfig, adapters: list[Adapter], *, route: RouteKind, owner: Any,
           connect: Callable[[Adapter], None], module: Any = None, model_numel: int | None = None,
           source: str | None = None) -> FairCast:
     """Route ``adapters`` and make their handle, kept on ``owner`` (the engine or optimizer that

@@ -9,20 +9,55 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal, get_args
 
 from faircast_ds.adapter import Adapter
 
 _ATTR = "_fair_cast_route"
 
+Choice = Literal["auto", "runtime", "hook"]
+"""What ``attach(..., route=)`` takes, for either framework: ``runtime`` replaces the optimizer's refresh
+sites at run time; ``hook`` registers with a patched framework's cast hook (``patches/``); ``auto`` takes
+the hook when the importable framework carries it, else the runtime route."""
+CHOICES: tuple[str, ...] = get_args(Choice)
+
+Framework = Literal["deepspeed", "megatron"]
+RouteKind = Literal["deepspeed-runtime", "deepspeed-hook", "megatron-runtime", "megatron-hook"]
+"""One route: a framework and how its refreshes reach the caster (the banner's ``route=``)."""
+KINDS: tuple[str, ...] = get_args(RouteKind)
+DEEPSPEED_RUNTIME: RouteKind = "deepspeed-runtime"
+DEEPSPEED_HOOK: RouteKind = "deepspeed-hook"
+MEGATRON_RUNTIME: RouteKind = "megatron-runtime"
+MEGATRON_HOOK: RouteKind = "megatron-hook"
+
+
+def resolve_choice(route: str, *, has_hook: Callable[[], bool]) -> Literal["runtime", "hook"]:
+    """``route`` as "runtime" or "hook" (``auto``: the hook when ``has_hook()``); ValueError otherwise."""
+    if route not in CHOICES:
+        raise ValueError(f"route must be one of {', '.join(map(repr, CHOICES))}, got {route!r}")
+    if route == "auto":
+        return "hook" if has_hook() else "runtime"
+    return route  # type: ignore[return-value]
+
+
+def kind(framework: Framework, choice: Literal["runtime", "hook"]) -> RouteKind:
+    """The route kind of ``framework`` taken ``choice``'s way."""
+    name = f"{framework}-{choice}"
+    if name not in KINDS:
+        raise ValueError(f"no route {name!r} (routes: {', '.join(KINDS)})")
+    return name  # type: ignore[return-value]
+
 
 @dataclass(frozen=True)
 class Route:
-    """``adapter`` serves its optimizer's refreshes; ``kind`` says how ("deepspeed-runtime", "deepspeed-hook",
-    "megatron-runtime", "megatron-hook")."""
+    """``adapter`` serves its optimizer's refreshes; ``kind`` says how (one of :data:`KINDS`)."""
 
     adapter: Adapter
-    kind: str
+    kind: RouteKind
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown route kind {self.kind!r} (routes: {', '.join(KINDS)})")
 
 
 class RouteRegistry:

@@ -194,3 +194,60 @@ def test_the_package_import_graph_has_no_cycle():
         if name not in state:
             visit(name, [])
     assert not cycles, "\n".join(cycles)
+
+
+# ---- routes -----------------------------------------------------------------------------------------------
+
+def test_one_route_type_for_both_frameworks():
+    from faircast_ds import routes
+
+    assert routes.resolve_choice("auto", has_hook=lambda: True) == "hook"
+    assert routes.resolve_choice("auto", has_hook=lambda: False) == "runtime"
+    assert routes.resolve_choice("runtime", has_hook=lambda: True) == "runtime"
+    with pytest.raises(ValueError, match="route must be one of 'auto', 'runtime', 'hook', got 'patched'"):
+        routes.resolve_choice("patched", has_hook=lambda: True)
+    assert {routes.kind(f, c) for f in ("deepspeed", "megatron") for c in ("runtime", "hook")} == set(routes.KINDS)
+    with pytest.raises(ValueError, match="unknown route kind 'deepspeed-runtim'"):
+        routes.Route(adapter=None, kind="deepspeed-runtim")
+
+
+def test_every_route_is_named_from_the_route_type():
+    """No module spells a route kind out as a string literal but routes.py."""
+    from faircast_ds import routes
+
+    offenders = []
+    for name, path in modules().items():
+        if name == "faircast_ds.routes":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in routes.KINDS:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not offenders, offenders
+
+
+def test_the_deepspeed_hook_route_connects_only_the_adapter_registered_under_it():
+    from faircast_ds.config import FairCastConfig
+    from faircast_ds.deepspeed import hook
+    from faircast_ds.routes import DEEPSPEED_RUNTIME, ROUTES, Route
+    from faircast_ds.shard_caster import ShardCaster
+
+    class Optimizer:
+        pass
+
+    adapter = types.SimpleNamespace(optimizer=Optimizer(), caster=ShardCaster(FairCastConfig(mode="dither")))
+    with pytest.raises(RuntimeError, match="registered: nothing"):
+        hook.connect(adapter)
+    ROUTES.add(adapter.optimizer, Route(adapter, DEEPSPEED_RUNTIME))
+    try:
+        with pytest.raises(RuntimeError, match="registered: deepspeed-runtime"):
+            hook.connect(adapter)
+    finally:
+        ROUTES.remove(adapter.optimizer)
+
+
+def test_nothing_but_megatron_compat_reads_the_megatron_release():
+    """Megatron's release check lives in faircast_ds/megatron/compat.py, as DeepSpeed's does in its compat."""
+    offenders = [str(path.relative_to(ROOT)) for name, path in modules().items()
+                 if name != "faircast_ds.megatron.compat" and ("package_info" in path.read_text()
+                                                              or "VERIFIED_MEGATRON" in path.read_text())]
+    assert offenders == [], offenders

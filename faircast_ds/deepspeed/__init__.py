@@ -1,7 +1,10 @@
 """The DeepSpeed integration: everything that reads DeepSpeed's internals lives in this package.
 
-- ``engine``: the runtime route (``install()`` wraps ``DeepSpeedEngine.__init__``; ``attach(engine)``).
+- ``engine``: the attach pipeline and the runtime route (``install()`` wraps ``DeepSpeedEngine.__init__``;
+  ``attach(engine, route="auto")`` for either route).
 - ``hook``: the route through a patched DeepSpeed's cast hook (``patches/``).
+- ``hooks``: the one object per engine that runs diagnostics, checkpoint state and the guard around
+  ``engine.step`` and the checkpoint methods (and the list of every other replacement we make).
 - ``autoload``: the interpreter-start hook that ``faircast-ds.pth`` loads.
 - ``adapters``: one adapter per DeepSpeed optimizer class; ``support``: setups we refuse;
   ``compat``: the differences between DeepSpeed releases; ``params``: ZeRO-3 parameter attributes.
@@ -20,8 +23,9 @@ def install() -> None:
     _install()
 
 
-def attach(engine: Any, config: Any = None) -> Any:
-    """Attach Fair Cast to a built engine (see :func:`faircast_ds.deepspeed.engine.attach`)."""
+def attach(engine: Any, config: Any = None, *, route: str = "auto") -> Any:
+    """Attach Fair Cast to a built engine; ``route``: ``"auto"``, ``"runtime"`` or ``"hook"``
+    (:data:`faircast_ds.routes.Choice`; see :func:`faircast_ds.deepspeed.engine.attach`)."""
     from faircast_ds.deepspeed.engine import attach as _attach
 
-    return _attach(engine, config)
+    return _attach(engine, config, route=route)

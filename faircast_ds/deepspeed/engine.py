@@ -1,8 +1,9 @@
 """The runtime route: Fair Cast on an unmodified DeepSpeed, config -> caster -> adapter -> shard.
 
 ``install()`` wraps ``DeepSpeedEngine.__init__`` so that every engine whose config has a
-``fair_cast`` section is attached as it is built (the interpreter-start hook calls it for you).
-``attach(engine)`` does the same for one engine explicitly. The adapter replaces the optimizer's
+``fair_cast`` section is attached as it is built, on the runtime route (the interpreter-start hook
+calls it for you). ``attach(engine, route="auto")`` attaches one engine explicitly, on either route
+(the hook route's own half is ``faircast_ds.deepspeed.hook``). The adapter replaces the optimizer's
 refresh sites; ``wire_engine`` registers periodic diagnostics, Fair Cast's checkpoint state
 (``checkpointing``) and the guard into the engine's one ``hooks.EngineHooks`` (what runs around
 ``engine.step`` and the checkpoint methods is listed there).
@@ -13,7 +14,7 @@ import functools
 import json
 from typing import Any, Callable, Mapping
 
-from faircast_ds import config_source, dist, partitioned
+from faircast_ds import config_source, dist, partitioned, routes
 from faircast_ds.config import FairCastConfig
 from faircast_ds.config_source import Source
 from faircast_ds.deepspeed.adapters import make_adapter
@@ -24,7 +25,7 @@ from faircast_ds.deepspeed.support import check_supported, engine_config, raw_co
 from faircast_ds.handle import ATTR, FairCast, build, get_fair_cast, resolve
 from faircast_ds.shard_caster import ShardCaster
 
-ROUTE = "deepspeed-runtime"
+ROUTE = routes.DEEPSPEED_RUNTIME
 
 partitioned.register(ZERO3)  # the core's export reads ZeRO-3 parameters through it
 
@@ -46,19 +47,30 @@ def model_numel(engine: Any) -> int:
     return sum(full_numel(p) for p in engine.module.parameters() if p.requires_grad)
 
 
-def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | None = None) -> FairCast | None:
+def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | None = None, *,
+           route: routes.Choice = "auto") -> FairCast | None:
     """Attach Fair Cast to a built DeepSpeed engine.
 
     ``config`` defaults to the engine's own ``fair_cast`` section, else ``FAIRCAST_DS_CONFIG``.
+    ``route`` (:data:`faircast_ds.routes.Choice`): ``"runtime"`` wraps the optimizer's refresh sites;
+    ``"hook"`` goes through a patched DeepSpeed's cast hook (``faircast_ds.deepspeed.hook``; nothing of
+    the optimizer wrapped); ``"auto"`` takes the hook when the importable DeepSpeed carries it. An
+    engine a route already serves (e.g. attached as it was built, by ``install()``) gets that route's
+    handle back, whatever ``route`` says.
     Returns None when there is no section or it says ``enabled: false``, and for an engine without a
     training optimizer (a reference or evaluation copy: rank 0 says so in one line). Raises
     FairCastConfigError for a malformed section and UnsupportedSetupError for a setup we cannot route
     through the cast.
     """
+    from faircast_ds.deepspeed import hook
+
     existing = get_fair_cast(engine)
     if existing is not None:
         return existing
-    return attach_route(engine, to_source(engine, config), route=ROUTE, connect=lambda a: a.install())
+    source = to_source(engine, config)
+    if routes.resolve_choice(route, has_hook=hook.deepspeed_has_cast_hook) == "hook":
+        return attach_route(engine, source, route=hook.ROUTE, connect=hook.connect, before_build=hook.require_hook)
+    return attach_route(engine, source, route=ROUTE, connect=lambda a: a.install())
 
 
 def to_source(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | None) -> Source | None:
@@ -71,7 +83,7 @@ def to_source(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source |
                   config_source.FROM_ARGUMENT)
 
 
-def attach_route(engine: Any, source: Source | None, *, route: str, connect: Callable[[Any], None],
+def attach_route(engine: Any, source: Source | None, *, route: routes.RouteKind, connect: Callable[[Any], None],
                  before_build: Callable[[], None] | None = None) -> FairCast | None:
     """The DeepSpeed half of the attach pipeline, shared by the runtime and the cast-hook route: skip
     engines without a training optimizer, agree on the section across ranks, check the setup, make the
@@ -235,7 +247,7 @@ def install() -> None:
             if source is not None and source.config.enabled and will_train(optimizer, parsed):
                 check_supported(parsed)  # an engine without an optimizer is left alone: never refused
         original(self, *args, **kwargs)
-        attach(self, source)  # None: resolved from the built engine's config
+        attach(self, source, route="runtime")  # None: resolved from the built engine's config
 
     __init__._faircast_wrapped = True  # type: ignore[attr-defined]
     DeepSpeedEngine.__init__ = __init__  # type: ignore[method-assign]

@@ -1,11 +1,13 @@
-"""Fair Cast through DeepSpeed's own cast hook (``patches/deepspeed-0.19.8-fair-cast.patch``).
+"""Fair Cast through DeepSpeed's own cast hook (the patches in ``patches/``: ``deepspeed-0.16.9``,
+``0.18.9``, ``0.19.5`` and ``0.19.8-fair-cast.patch``, one per release family; ``patches/README.md``).
 
-A DeepSpeed with that patch refreshes every bf16 shard from its fp32 master through
+A DeepSpeed with one of those patches refreshes every bf16 shard from its fp32 master through
 ``deepspeed.runtime.lp_cast.cast_hp_to_lp``: the ZeRO-3 step and load sites, the ZeRO-1/2 step (CPU
 offload included) and ``update_lp_params``, BF16_Optimizer's ``update_lp_params``. Here nothing of
 DeepSpeed's optimizers is wrapped: the adapters only describe the shards (their slices, built exactly
 as on the runtime route) and the hook hands each refresh to the ShardCaster. The engine gets the same
-handle, diagnostics and checkpoint state as on the runtime route (``faircast_ds.deepspeed.engine``).
+handle, diagnostics and checkpoint state as on the runtime route (``faircast_ds.deepspeed.engine``:
+``attach(engine, route="hook")``, or ``"auto"`` on a patched DeepSpeed).
 
 One route per optimizer, never both (the route registry refuses a second): ``attach`` hands back the
 runtime route's handle for an engine that route already serves.
@@ -19,12 +21,11 @@ import torch
 
 from faircast_ds.adapter import Adapter, UnsupportedSetupError
 from faircast_ds.config import FairCastConfig
-from faircast_ds.deepspeed import engine as runtime
-from faircast_ds.handle import FairCast, get_fair_cast
-from faircast_ds.routes import ROUTES
+from faircast_ds.handle import FairCast
+from faircast_ds.routes import DEEPSPEED_HOOK, ROUTES
 
 HOOK_MODULE = "deepspeed.runtime.lp_cast"
-ROUTE = "deepspeed-hook"
+ROUTE = DEEPSPEED_HOOK
 
 _installed: dict[str, Any] = {}  # "previous": the hook that was installed before ours, if any
 
@@ -76,24 +77,28 @@ def require_hook() -> None:
 
 
 def connect(adapter: Adapter) -> None:
-    """Send every refresh of ``adapter.optimizer``'s bf16 shards (its route registered as this route)
-    to its caster through DeepSpeed's cast hook. The adapter is not installed: its runtime wrapping
-    would cast too."""
+    """Send every refresh of ``adapter.optimizer``'s bf16 shards to ``adapter``'s caster through
+    DeepSpeed's cast hook: the optimizer must be registered under this route with this adapter (as
+    ``faircast_ds.handle.build`` does before connecting). The adapter is not installed: its runtime
+    wrapping would cast too."""
+    route = ROUTES.get(adapter.optimizer)
+    if route is None or route.kind != ROUTE or route.adapter is not adapter:
+        raise RuntimeError(f"fair_cast: connect() needs the optimizer registered under the {ROUTE} route with this "
+                           f"adapter (registered: {route.kind if route is not None else 'nothing'}); the hook would "
+                           "hand its refreshes to another caster or none")
     require_hook()
     _install_hook()
 
 
 def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None) -> FairCast | None:
-    """Serve ``engine``'s bf16 weights by Fair Cast through a patched DeepSpeed's cast hook.
+    """Serve ``engine``'s bf16 weights by Fair Cast through a patched DeepSpeed's cast hook:
+    ``faircast_ds.deepspeed.engine.attach(engine, config, route="hook")``.
 
     ``config`` defaults to the engine's section (its config, else ``FAIRCAST_DS_CONFIG``), validated
     strictly as on the runtime route. Returns None when the section is absent or disabled and for an
     engine without a training optimizer, and the runtime route's handle when that route already
     serves the engine.
     """
-    existing = get_fair_cast(engine)
-    if existing is not None:
-        return existing
-    # no hook: say so before anything is built
-    return runtime.attach_route(engine, runtime.to_source(engine, config), route=ROUTE, connect=connect,
-                                before_build=require_hook)
+    from faircast_ds.deepspeed.engine import attach as attach_engine
+
+    return attach_engine(engine, config, route="hook")

@@ -20,8 +20,9 @@ after the load), so a resume is bit for bit, ``error_feedback``'s residual inclu
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
+from faircast_ds import routes
 from faircast_ds.adapter import UnsupportedSetupError
 from faircast_ds.config import FairCastConfig
 from faircast_ds.handle import FairCast, build, get_fair_cast, resolve
@@ -32,11 +33,8 @@ from faircast_ds.shard_caster import ShardCaster
 
 __all__ = ["FairCast", "MegatronAdapter", "ParamShard", "attach", "megatron_has_cast_hook", "param_shard"]
 
-Route = Literal["auto", "runtime", "hook"]
-
-
 def attach(optimizer: Any, config: FairCastConfig | Mapping[str, Any], *,
-           route: Route = "auto") -> FairCast | None:
+           route: routes.Choice = "auto") -> FairCast | None:
     """Serve ``optimizer``'s bf16 parameters by Fair Cast (a DistributedOptimizer or a ChainedOptimizer of them).
 
     Returns None when the config says ``enabled: false``. Raises FairCastConfigError for a malformed
@@ -47,20 +45,17 @@ def attach(optimizer: Any, config: FairCastConfig | Mapping[str, Any], *,
         return None
     if config.align_rounding is not None:
         raise UnsupportedSetupError("fair_cast.align_rounding: rounding alignment patches HF modules, not Megatron's")
-    if route == "auto":
-        route = "hook" if megatron_has_cast_hook() else "runtime"
-    if route not in ("runtime", "hook"):
-        raise ValueError(f"route must be 'auto', 'runtime' or 'hook', got {route!r}")
+    choice = routes.resolve_choice(route, has_hook=megatron_has_cast_hook)
     if get_fair_cast(optimizer) is not None:
         raise RuntimeError("fair_cast: this optimizer already has Fair Cast attached")
     inner = distributed_optimizers(optimizer)
     for opt in inner:
         check_supported(opt)
     adapters = [MegatronAdapter(opt, ShardCaster(config), parameter_names(opt)) for opt in inner]
-    if route == "hook":
+    if choice == "hook":
         from faircast_ds.megatron import hook
 
         connect = hook.connect
     else:
         connect = MegatronAdapter.install
-    return build(config, adapters, route=f"megatron-{route}", owner=optimizer, connect=connect)
+    return build(config, adapters, route=routes.kind("megatron", choice), owner=optimizer, connect=connect)

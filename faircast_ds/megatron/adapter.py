@@ -15,11 +15,9 @@ from typing import Any, Iterator
 import torch
 
 from faircast_ds.adapter import Adapter, Setup, UnsupportedSetupError
+from faircast_ds.megatron import compat
 from faircast_ds.megatron.shards import ParamShard, fp32_shards, low_precision_shards
 from faircast_ds.shard_caster import ShardCaster, ShardSlice
-
-VERIFIED_MEGATRON_CORE = ("0.16.1",)
-
 
 def distributed_optimizers(optimizer: Any) -> list[Any]:
     """The DistributedOptimizer instances behind ``optimizer`` (itself, or a ChainedOptimizer's)."""
@@ -48,11 +46,10 @@ def check_supported(optimizer: Any) -> None:
 def _problems(optimizer: Any) -> Iterator[str]:
     from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.package_info import __version__
 
-    if __version__ not in VERIFIED_MEGATRON_CORE:
-        yield (f"megatron-core {__version__} is not verified (verified: {', '.join(VERIFIED_MEGATRON_CORE)}); "
-               "its main->model copy may have moved")
+    release = compat.release_problem()
+    if release is not None:
+        yield release
         return
     if type(optimizer) is not DistributedOptimizer:
         yield (f"optimizer class {type(optimizer).__name__}: only DistributedOptimizer "
@@ -78,6 +75,7 @@ def _problems(optimizer: Any) -> Iterator[str]:
             if size > 1:
                 yield (f"{kind}_model_parallel_size {size}: a parameter's local name and index do not name one "
                        "element on every rank (the noise id); only data parallelism is supported")
+    yield from compat.missing_internals(optimizer)  # a release that moved what the adapter reads
 
 
 class MegatronAdapter(Adapter):

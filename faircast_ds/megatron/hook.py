@@ -15,11 +15,11 @@ import torch
 
 from faircast_ds.adapter import UnsupportedSetupError
 from faircast_ds.megatron.adapter import MegatronAdapter
-from faircast_ds.routes import ROUTES
+from faircast_ds.routes import MEGATRON_HOOK, ROUTES
 from faircast_ds.shard_caster import ShardSlice
 
 HOOK_MODULE = "megatron.core.optimizer.param_cast"
-ROUTE = "megatron-hook"
+ROUTE = MEGATRON_HOOK
 
 _installed: dict[str, Any] = {}  # "previous": the hook installed before ours, if any
 

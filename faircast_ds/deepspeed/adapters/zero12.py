@@ -23,7 +23,7 @@ from deepspeed import comm as dist
 from faircast_ds.adapter import narrowed, param_name
 from faircast_ds.deepspeed import compat
 from faircast_ds.deepspeed.adapters.base import ZeroAdapter
-from faircast_ds.routes import ROUTES
+from faircast_ds.routes import DEEPSPEED_RUNTIME, ROUTES
 from faircast_ds.shard_caster import ShardSlice, with_padding
 
 
@@ -139,7 +139,7 @@ def _wrap_gather(module: Any) -> None:
     def all_gather_dp_groups(*args: Any, **kwargs: Any) -> Any:
         groups = kwargs.get("partitioned_param_groups", args[1] if len(args) > 1 else None)
         # the live optimizer whose partitions these are (routes hold optimizers weakly; no stale id)
-        route = ROUTES.find(lambda r: isinstance(r.adapter, GatherSiteAdapter) and r.kind == "deepspeed-runtime"
+        route = ROUTES.find(lambda r: isinstance(r.adapter, GatherSiteAdapter) and r.kind == DEEPSPEED_RUNTIME
                             and r.adapter.partitions() is groups)
         if route is not None:
             route.adapter.before_gather()
