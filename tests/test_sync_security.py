@@ -155,6 +155,13 @@ def hello_frame(flag: int = 1, **kw: Any) -> bytes:
     return frame(HELLO, os.urandom(32) + bytes([flag]), **kw)
 
 
+def other_bits(rx: WeightReceiver, name: str) -> torch.Tensor:
+    """A valid payload for parameter ``name`` whose every element differs from what the receiver serves
+    (the lowest mantissa bit flipped: still finite): a case that sends it and is refused shows, in the
+    receiver's unchanged digest, that none of it was applied."""
+    return delta.bits_view(rx.targets[name]).clone() ^ 1
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().contiguous().view(-1)
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -786,7 +793,7 @@ def parameter_index_negative(rx):
 
 def parameter_duplicated(rx):
     a = Authed(rx).update()
-    t = delta.bits_view(rx.targets["0.weight"]).clone()
+    t = other_bits(rx, "0.weight")
     a.send(a.tensor([0, delta.DENSE, t.numel()]), a.tensor(t), a.tensor([0, delta.DENSE, t.numel()])).end()
 
 
@@ -795,7 +802,7 @@ def parameter_duplicated(rx):
 
 def parameters_out_of_order(rx):
     a = Authed(rx).update()
-    t = delta.bits_view(rx.targets["1.weight"]).clone()
+    t = other_bits(rx, "1.weight")
     a.send(a.tensor([1, delta.DENSE, t.numel()]), a.tensor(t), a.tensor([0, delta.DENSE, 3232])).end()
 
 
@@ -865,7 +872,7 @@ def end_marker_miscounts(rx):
 
 def dense_update_incomplete(rx):
     a = Authed(rx).update()
-    t = delta.bits_view(rx.targets["0.weight"]).clone()
+    t = other_bits(rx, "0.weight")
     a.send(a.tensor([0, delta.DENSE, t.numel()]), a.tensor(t), a.tensor([-1, 0, 1])).end()
 
 
@@ -995,6 +1002,20 @@ def version_goes_back_within_a_session(rx):
     return version
 
 
+def documented_cases() -> tuple[int, dict[str, int]]:
+    """The number of hostile cases docs/security.md states, and its count for each group (the group's
+    name up to any colon, followed by its number: "framing before the handshake 22 (...)")."""
+    text = " ".join((ROOT / "docs" / "security.md").read_text().split())
+    found = re.search(r"\*\*(\d+) hostile cases tried, (\d+) refused\*\*(.*?)(?:- \*\*|$)", text)
+    assert found and found[1] == found[2], "docs/security.md no longer states the hostile cases tried and refused"
+    by_group = {}
+    for name in dict.fromkeys(where.split(":")[0] for *_, where in CASES):
+        counted = re.search(rf"\b{re.escape(name)} (\d+)\b", found[3])
+        assert counted, f"docs/security.md does not count the group {name!r}"
+        by_group[name] = int(counted[1])
+    return int(found[1]), by_group
+
+
 def test_hostile_inputs_are_each_refused_and_the_receiver_serves_on(served, caplog, capsys):
     rx, server = served
     deliver(rx, server, version=1, seed=1)
@@ -1020,7 +1041,9 @@ def test_hostile_inputs_are_each_refused_and_the_receiver_serves_on(served, capl
         deliver(rx, server, version=rx.version + 1, seed=i, sparse=i % 10 == 0)  # open to the next sender
     assert rx.largest_allocation <= largest_param <= served_bytes, "a length field sized an allocation"
     assert rx.peak_staged_bytes <= served_bytes + rx.numel // 8 + len(rx.specs)
-    assert len(CASES) >= 80
+    documented, by_group = documented_cases()
+    assert len(CASES) == documented, f"{len(CASES)} hostile cases run, docs/security.md says {documented}"
+    assert {where.split(":")[0]: n for where, n in groups.items()} == by_group, (groups, by_group)
     with capsys.disabled():
         print(f"\nhostile cases: {len(CASES)} tried, {len(CASES)} refused ({groups}); receiver served a legitimate "
               f"sender after each; largest allocation {rx.largest_allocation} B (largest parameter {largest_param} B, "
@@ -1222,13 +1245,39 @@ def test_the_secret_comes_from_the_argument_the_env_or_a_file(monkeypatch, tmp_p
         WeightSender(plain_model(), secret="too short")
 
 
-def test_listening_off_loopback_needs_a_secret():
+@pytest.fixture
+def no_outgoing_connections(monkeypatch):
+    """The socket layer patched so that any outgoing connection or datagram fails the test instead of
+    leaving the machine (a refusal that regressed must not reach 192.0.2.1); the attempts are also
+    recorded, should something catch the error."""
+    attempts: list[Any] = []
+
+    def refuse(what: str):
+        def blocked(sock, address, *args, **kwargs):
+            attempts.append((what, address))
+            raise AssertionError(f"the test tried to {what} {address!r}: a refusal did not happen")
+        return blocked
+
+    for name in ("connect", "connect_ex"):
+        monkeypatch.setattr(socket.socket, name, refuse(name))
+    monkeypatch.setattr(socket.socket, "sendto", lambda sock, data, *rest: refuse("sendto")(sock, rest[-1]))
+    with pytest.raises(AssertionError, match="tried to connect"):  # the patch is in force
+        socket.create_connection(("127.0.0.1", 9), timeout=1)
+    attempts.clear()
+    yield attempts
+    assert attempts == [], f"outgoing connections attempted: {attempts}"
+
+
+def test_listening_off_loopback_needs_a_secret(no_outgoing_connections):
     model = plain_model()
     for host in ("0.0.0.0", "::"):
         with pytest.raises(WeightSyncError, match=f"refusing to listen on {re.escape(host)} without a shared secret"):
             WeightReceiver(model, host=host, port=0)
+    # 192.0.2.1 (TEST-NET-1) is off loopback: refused before any socket is opened (the fixture fails the
+    # test on any connect, so nothing can be sent there even if this refusal regressed)
     with pytest.raises(WeightSyncError, match="refusing to send weights to 192.0.2.1 without a shared secret"):
         WeightSender(model, host="192.0.2.1", port=9, timeout=5).sync(version=1)
+    assert no_outgoing_connections == []
     rx = WeightReceiver(model, host="0.0.0.0", port=0, secret=SECRET)  # with one, it may
     assert rx.authenticated
     rx.close()
