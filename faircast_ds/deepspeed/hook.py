@@ -6,8 +6,8 @@ A DeepSpeed with one of those patches refreshes every bf16 shard from its fp32 m
 offload included) and ``update_lp_params``, BF16_Optimizer's ``update_lp_params``. Here nothing of
 DeepSpeed's optimizers is wrapped: the adapters only describe the shards (their slices, built exactly
 as on the runtime route) and the hook hands each refresh to the ShardCaster. The engine gets the same
-handle, diagnostics and checkpoint state as on the runtime route (``faircast_ds.deepspeed.engine``:
-``attach(engine, route="hook")``, or ``"auto"`` on a patched DeepSpeed).
+handle, diagnostics and checkpoint state as on the runtime route: ``faircast_ds.deepspeed.attach(engine,
+route="hook")`` (or ``"auto"`` on a patched DeepSpeed) takes this route, through :func:`connect`.
 
 One route per optimizer, never both (the route registry refuses a second): ``attach`` hands back the
 runtime route's handle for an engine that route already serves.
@@ -15,13 +15,11 @@ runtime route's handle for an engine that route already serves.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from faircast_ds.adapter import Adapter, UnsupportedSetupError
-from faircast_ds.config import FairCastConfig
-from faircast_ds.handle import FairCast
 from faircast_ds.routes import DEEPSPEED_HOOK, ROUTES
 
 HOOK_MODULE = "deepspeed.runtime.lp_cast"
@@ -81,24 +79,10 @@ def connect(adapter: Adapter) -> None:
     DeepSpeed's cast hook: the optimizer must be registered under this route with this adapter (as
     ``faircast_ds.handle.build`` does before connecting). The adapter is not installed: its runtime
     wrapping would cast too."""
+    require_hook()
     route = ROUTES.get(adapter.optimizer)
     if route is None or route.kind != ROUTE or route.adapter is not adapter:
         raise RuntimeError(f"fair_cast: connect() needs the optimizer registered under the {ROUTE} route with this "
                            f"adapter (registered: {route.kind if route is not None else 'nothing'}); the hook would "
                            "hand its refreshes to another caster or none")
-    require_hook()
     _install_hook()
-
-
-def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | None = None) -> FairCast | None:
-    """Serve ``engine``'s bf16 weights by Fair Cast through a patched DeepSpeed's cast hook:
-    ``faircast_ds.deepspeed.engine.attach(engine, config, route="hook")``.
-
-    ``config`` defaults to the engine's section (its config, else ``FAIRCAST_DS_CONFIG``), validated
-    strictly as on the runtime route. Returns None when the section is absent or disabled and for an
-    engine without a training optimizer, and the runtime route's handle when that route already
-    serves the engine.
-    """
-    from faircast_ds.deepspeed.engine import attach as attach_engine
-
-    return attach_engine(engine, config, route="hook")

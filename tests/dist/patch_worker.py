@@ -1,6 +1,6 @@
 """One launch per route for tests/test_patch_deepspeed.py: the same training cases on the runtime route
 (an unmodified DeepSpeed, Fair Cast from the interpreter-start hook) or on a patched DeepSpeed copy
-(FAIRCAST_DS_AUTOLOAD=0, Fair Cast through ``faircast_ds.deepspeed.hook.attach``).
+(FAIRCAST_DS_AUTOLOAD=0, Fair Cast through ``faircast_ds.deepspeed.attach(engine, route="hook")``).
 
 Each case starts from deterministic fp32 masters, trains a few steps and then runs the optimizer's
 checkpoint-load refresh site; rank 0 saves every parameter's served bits after each of those, so the
@@ -47,9 +47,9 @@ def build(stage: str, mode: str | None):
 def attach(engine):
     if ROUTE == "runtime" or get_fair_cast(engine) is not None:
         return get_fair_cast(engine)
-    from faircast_ds.deepspeed import hook as patched
+    from faircast_ds.deepspeed import attach as attach_engine
 
-    return patched.attach(engine)
+    return attach_engine(engine, route="hook")
 
 
 def load_site_refresh(engine) -> None:
@@ -87,11 +87,11 @@ def _routed(engine) -> bool:
     """Whether the patched route serves this engine (and only it: attach hands back a runtime handle)."""
     if ROUTE != "patched":
         return False
-    from faircast_ds.deepspeed import hook as patched
+    from faircast_ds.deepspeed import attach as attach_engine, hook as patched
 
-    again = patched.attach(engine)
+    again = attach_engine(engine, route="hook")
     runtime = get_fair_cast(engine)
-    assert runtime is None or again is runtime, "patched.attach did not hand back the runtime route's handle"
+    assert runtime is None or again is runtime, "attach(route='hook') did not hand back the runtime route's handle"
     from faircast_ds.routes import ROUTES
 
     route = ROUTES.get(engine.optimizer)
@@ -145,12 +145,12 @@ def main() -> None:
     if ROUTE == "patched":
         from deepspeed.runtime.engine import DeepSpeedEngine
 
-        from faircast_ds.deepspeed import hook as patched
+        from faircast_ds.deepspeed import attach as attach_engine, hook as patched
 
         report["has_hook"] = patched.deepspeed_has_cast_hook()
         report["engine_init_hooked"] = bool(getattr(DeepSpeedEngine.__init__, "_faircast_wrapped", False))
         first = build(*CASES[0])  # installs our hook; from here on every refresh is counted
-        patched.attach(first)
+        attach_engine(first, route="hook")
         count_hook_calls(counts)
         from faircast_ds.routes import ROUTES
 
