@@ -388,3 +388,14 @@ def test_bad_paths(tmp_path, capsys) -> None:
     assert rc == 2 and "no 'latest' file" in err
     rc, _, err = run_cli(capsys, str(tags / "global_step1"), "--lr", "1e-6")
     assert rc == 2 and "cannot read it as a DeepSpeed checkpoint file" in err
+
+
+def test_job_save_at_option() -> None:
+    """The GRPO job's --save-at (checkpoints for predict): steps in order, bad values named."""
+    from faircast_ds.jobs.config import parse
+
+    assert parse(["--steps", "500", "--save-at", "500,50"]).save_steps == (50, 500)
+    assert parse([]).save_steps == ()
+    for bad in ("0", "501", "x", "5,-1"):
+        with pytest.raises(SystemExit):
+            parse(["--steps", "500", "--save-at", bad])

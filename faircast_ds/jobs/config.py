@@ -62,6 +62,9 @@ class JobConfig:
     # where rollouts come from: "hf" (the trainer's forward on the served copy) or "vllm" (a vLLM engine
     # on rank 0, pushed the served weights after every step; faircast_ds/jobs/engines.py). Flag: --engine
     rollout_engine: str = "hf"
+    # comma-separated steps after which each engine saves a DeepSpeed checkpoint (ZeRO optimizer state with
+    # AdamW's moments, for `faircast-ds predict`) to <out>/<name>/checkpoints/<mode>-seed<seed>/global_step<N>
+    save_at: str = ""
     regime: str = "paper"
     out: str = "runs"
     name: str = ""
@@ -70,6 +73,11 @@ class JobConfig:
         problems = _problems(self)
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def save_steps(self) -> tuple[int, ...]:
+        """The steps of ``--save-at``, in order (empty: no checkpoints)."""
+        return tuple(sorted({int(x) for x in self.save_at.split(",") if x.strip()}))
 
     @property
     def seed_ids(self) -> tuple[int, ...]:
@@ -128,6 +136,9 @@ def _problems(cfg: JobConfig) -> list[str]:
         out.append(f"--seed-list seeds must be integers in [0, {MAX_SEED}], got {bad_seeds}")
     elif len(set(cfg.seed_list)) != len(cfg.seed_list):
         out.append(f"--seed-list names a seed more than once: {list(cfg.seed_list)}")
+    save = [x.strip() for x in cfg.save_at.split(",")] if isinstance(cfg.save_at, str) and cfg.save_at.strip() else []
+    if not isinstance(cfg.save_at, str) or any(not x.isdigit() or not 1 <= int(x) <= cfg.steps for x in save):
+        out.append(f"--save-at must be comma-separated steps in [1, --steps ({cfg.steps})], got {cfg.save_at!r}")
     if not isinstance(cfg.off_grid, bool):
         out.append(f"off_grid must be true or false, got {cfg.off_grid!r}")
     if cfg.rollout_engine not in ROLLOUT_ENGINES:

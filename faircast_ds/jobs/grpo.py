@@ -414,6 +414,9 @@ def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: 
         delta_bytes = run.sync_meter.step() if run.sync_meter is not None else None
         rows.append(step_row(run, step, trained, policy, weights, delta_bytes,
                              time.perf_counter() - trained.stepped_at))
+        if step in cfg.save_steps:  # after the step's row: its timings leave the save out
+            run.engine.save_checkpoint(os.path.join(cfg.out, cfg.name, "checkpoints", f"{mode}-seed{seed}"),
+                                       tag=f"global_step{step}")
         if progress is not None:
             progress.set_postfix_str(f"{mode} seed {seed} reward {rows[-1]['reward']:.3f} "
                                      f"changed {100 * rows[-1]['changed_fraction']:.2f}%", refresh=False)
