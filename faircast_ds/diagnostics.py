@@ -28,10 +28,36 @@ import torch
 from faircast_ds import dist
 from faircast_ds.casts import bf16_spacing
 from faircast_ds.config import DiagnosticsConfig
-from faircast_ds.noise import MASK32, mix32, name_id
+from faircast_ds.noise import MASK32, mix32_, name_id
 from faircast_ds.shard_caster import CastStats, ShardSlice
 
 _SAMPLE_SALT = 0x5A17
+# Elements hashed (sample selection) or compared (the gap) at once. Every temporary of the two is a few
+# bytes per element of one chunk, so their memory is bounded by this, not by the shard: hashing a
+# 155M-element embedding slice whole made ~1.2 GB int64 temporaries at the first cast (issue 23).
+CHUNK = 1 << 18
+
+
+def sampled_indices(part: ShardSlice, threshold: int, chunk: int = CHUNK) -> torch.Tensor:
+    """Indices (relative to the slice) of the elements of ``part`` in the sample: those whose hash of
+    (parameter, element index) is below ``threshold``. Hashed ``chunk`` elements at a time in buffers
+    made once and reused: the temporaries are bounded by the chunk, the result by the sample. (Fresh
+    chunk-sized temporaries on every chunk, interleaved with the small kept results, fragment the host
+    heap until it grows with the slice anyway.)"""
+    salt = name_id(part.name) ^ _SAMPLE_SALT
+    n = min(chunk, part.numel)
+    index, scratch = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    keep = torch.empty(n, dtype=torch.bool)
+    picked = []
+    for first in range(0, part.numel, chunk):
+        n = min(chunk, part.numel - first)
+        x, tmp, below = index[:n], scratch[:n], keep[:n]
+        torch.arange(part.start + first, part.start + first + n, dtype=torch.int64, out=x)
+        x.bitwise_and_(MASK32).bitwise_xor_(salt)
+        mix32_(x, tmp)
+        torch.lt(x, threshold, out=below)
+        picked.append(first + below.nonzero().flatten())
+    return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.int64)
 
 
 class Diagnostics:
@@ -44,28 +70,10 @@ class Diagnostics:
         self._positions: dict[Hashable, torch.Tensor] = {}
         self._history: dict[Hashable, torch.Tensor] = {}
         self._first: dict[Hashable, int] = {}  # key -> first step recorded by this process
-        self._masks: dict[Hashable, torch.Tensor] = {}
         self.last: dict[str, float] = {}
 
-    def _parameter_mask(self, key: Hashable, slices: Sequence[ShardSlice], numel: int) -> torch.Tensor:
-        """Which elements of a flat group belong to a parameter (not alignment padding); cached."""
-        mask = self._masks.get(key)
-        if mask is None:
-            mask = torch.zeros(numel, dtype=torch.bool)
-            for s in slices:
-                if not s.is_padding:
-                    mask[s.offset:s.offset + s.numel] = True
-            self._masks[key] = mask
-        return mask
-
     def _sample_positions(self, slices: Sequence[ShardSlice]) -> torch.Tensor:
-        picked = []
-        for s in slices:
-            if s.is_padding:
-                continue
-            index = torch.arange(s.start, s.start + s.numel, dtype=torch.int64)
-            keep = mix32((index & MASK32) ^ name_id(s.name) ^ _SAMPLE_SALT) < self._threshold
-            picked.append(s.offset + keep.nonzero().flatten())
+        picked = [s.offset + sampled_indices(s, self._threshold) for s in slices if not s.is_padding]
         return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.int64)
 
     def on_cast(self, key: Hashable, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
@@ -87,7 +95,7 @@ class Diagnostics:
         horizon = self.config.horizon
         first = min(self._first.values(), default=step)
         depth = min(step - first + 1, horizon)  # how many past steps this process has recorded
-        gap_sum = torch.zeros((), dtype=torch.float64)
+        gap_sum = 0.0
         count = 0
         distances = torch.zeros(horizon, dtype=torch.float64)  # by lag k
         # along the drift: <master - served, D>, |D|^2, sum of sign(D) (served - master) / spacing x |D|, sum |D|
@@ -97,10 +105,15 @@ class Diagnostics:
         for key, master, served, slices in flat_groups:
             m = master.detach().view(-1)
             s = served.detach().view(-1).to(m.device)  # fp32 master offloaded: compare on its device
-            mask = self._parameter_mask(key, slices, m.numel()).to(m.device)
-            gap = (m - s.float()).abs() / bf16_spacing(s)
-            gap_sum += gap[mask].sum(dtype=torch.float64).cpu()
-            count += int(mask.sum())
+            for part in slices:  # the parameters' elements only (not the alignment padding), a chunk at a time
+                if part.is_padding:
+                    continue
+                for at in range(part.offset, part.offset + part.numel, CHUNK):
+                    n = min(CHUNK, part.offset + part.numel - at)
+                    got = s.narrow(0, at, n)
+                    gap_sum += float(((m.narrow(0, at, n) - got.float()).abs() / bf16_spacing(got)).sum(
+                        dtype=torch.float64))  # a Python float: no small tensor kept between the chunks
+                count += part.numel
             if key in self._positions and self._positions[key].numel():
                 current = s[self._positions[key]].float()
                 history = self._history[key].index_select(0, rows.to(m.device))  # (depth, sample), row k = lag k

@@ -53,6 +53,17 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """:func:`mix32` in place on ``x`` (int64, values in [0, 2^32)), with ``scratch`` (same shape and
+    dtype) as its one temporary: no allocation, for loops over chunks of a large slice."""
+    torch.bitwise_right_shift(x, 16, out=scratch)
+    x.bitwise_xor_(scratch).mul_(_M1).bitwise_and_(MASK32)
+    torch.bitwise_right_shift(x, 15, out=scratch)
+    x.bitwise_xor_(scratch).mul_(_M2).bitwise_and_(MASK32)
+    torch.bitwise_right_shift(x, 15, out=scratch)
+    return x.bitwise_xor_(scratch)
+
+
 def name_id(name: str) -> int:
     """FNV-1a (32-bit) of the parameter name: a stable id that does not depend on Python's hash seed."""
     h = 0x811C9DC5

@@ -1,0 +1,114 @@
+"""Defects that only a real model size exposes (issue 23), each checked at or near that size without
+a model: memory that must be bounded by a chunk or a sample rather than by the shard, on a slice as
+large as Qwen3-0.6B's 151,936 x 1,024 embedding half (one rank of two).
+
+Peak memory is read in a fresh interpreter (``ru_maxrss`` after the inputs are made, against the
+peak before the call), so torch's own allocations count, which tracemalloc does not see."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT, cpu_env
+
+MIB = 1 << 20
+EMBEDDING_HALF = 151_936 * 1024 // 2  # elements of the tied embedding on one of two ranks
+
+
+def _peak_growth(setup: str, call: str) -> dict:
+    """Run ``setup`` then ``call`` in a fresh interpreter; return the peak RSS growth the call caused
+    (bytes) and what ``call`` left in ``result`` (JSON-able)."""
+    script = textwrap.dedent(f"""
+        import json, resource, torch
+        torch.set_num_threads(1)
+        {setup}
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        {call}
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps({{"growth": (after - before) * 1024, "result": result}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cpu_env(), cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- the diagnostics' sample selection
+
+def _independent_hash(i: int, salt: int) -> int:
+    """mix32((i mod 2^32) ^ salt), written from the specification in faircast_ds/noise.py's docstring."""
+    x = (i & 0xFFFFFFFF) ^ salt
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+
+def _fnv1a(name: str) -> int:
+    h = 0x811C9DC5
+    for byte in name.encode():
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 18])
+def test_sample_selection_is_the_documented_hash_whatever_the_chunk(chunk):
+    from faircast_ds.diagnostics import _SAMPLE_SALT, sampled_indices
+    from faircast_ds.shard_caster import ShardSlice
+
+    part = ShardSlice("model.layers.0.mlp.up_proj.weight", 1_000, 3_001, 40)
+    threshold = 1 << 30  # about a quarter of the elements
+    got = sampled_indices(part, threshold, chunk=chunk).tolist()
+    salt = _fnv1a(part.name) ^ _SAMPLE_SALT
+    want = [j for j in range(part.numel) if _independent_hash(part.start + j, salt) < threshold]
+    assert got == want and 600 < len(want) < 900
+
+
+def test_sample_selection_memory_is_bounded_by_the_chunk_not_the_slice():
+    # the whole-slice hash made int64 temporaries of ~20 bytes per element: ~780 MB here
+    out = _peak_growth(
+        "from faircast_ds.diagnostics import Diagnostics\n"
+        "        from faircast_ds.config import DiagnosticsConfig\n"
+        "        from faircast_ds.shard_caster import ShardSlice\n"
+        f"        d = Diagnostics(DiagnosticsConfig(), model_numel={2 * EMBEDDING_HALF})\n"
+        f"        part = ShardSlice('model.embed_tokens.weight', {EMBEDDING_HALF}, {EMBEDDING_HALF}, 0)",
+        "result = int(d._sample_positions([part]).numel())")
+    assert 6_000 < out["result"] < 10_000  # half the model: about half the default 16,384 sample
+    assert out["growth"] < 48 * MIB, f"sample selection grew the peak by {out['growth'] / MIB:.0f} MiB"
+
+
+def test_diagnostics_report_memory_is_bounded_by_the_chunk_not_the_shard():
+    # the gap over the whole flat group made fp32 and int64 temporaries of ~30 bytes per element
+    out = _peak_growth(
+        "from faircast_ds.diagnostics import Diagnostics\n"
+        "        from faircast_ds.config import DiagnosticsConfig\n"
+        "        from faircast_ds.shard_caster import CastStats, ShardSlice\n"
+        f"        n = {EMBEDDING_HALF // 4}\n"
+        "        master = torch.randn(n) * 0.02\n"
+        "        served = master.to(torch.bfloat16)\n"
+        "        slices = [ShardSlice('w', 0, n - 5, 0), ShardSlice(None, 0, 5, n - 5)]\n"
+        "        d = Diagnostics(DiagnosticsConfig(), model_numel=n)\n"
+        "        d.on_cast('g', master, served, slices, 1)",
+        "report = d.compute([('g', master, served, slices)], CastStats(step=1, numel=n, changed=0), 1)\n"
+        "        result = report['gap_spacings']")
+    assert 0.05 < out["result"] < 0.5  # round-to-nearest's mean |error| is a quarter spacing
+    assert out["growth"] < 48 * MIB, f"the report grew the peak by {out['growth'] / MIB:.0f} MiB"
+
+
+def test_in_place_mix32_matches_the_allocating_one():
+    import torch
+
+    from faircast_ds.noise import MASK32, mix32, mix32_
+
+    x = torch.randint(0, 1 << 32, (10_000,), dtype=torch.int64, generator=torch.Generator().manual_seed(5))
+    x[:3] = torch.tensor([0, MASK32, 1 << 31])
+    want = mix32(x.clone())
+    got = x.clone()
+    assert mix32_(got, torch.empty_like(got)) is not None
+    assert torch.equal(got, want)
+    assert [_independent_hash(int(v), 0) for v in x[:50]] == got[:50].tolist()
