@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -463,15 +464,15 @@ def test_sender_killed_mid_update_leaves_the_previous_weights_and_a_new_sender_r
     sender = procs("export_sender.py", "--port", str(rx.port), "--versions", "1,2", "--pause-in", "2")
     v1 = json.loads(sender.wait_for('"version": 1'))
     sender.wait_for("PAUSED")  # version 2 is on the wire, 5 parameters sent
-    killed_at = time.monotonic()
     sender.kill(signal.SIGKILL)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 300  # a liveness limit only: what ended the session is read from the error
     while not serving.events or not isinstance(serving.events[-1], tuple):
         assert time.monotonic() < deadline, "the receiver did not notice the dead sender"
         time.sleep(0.05)
-    exc, when = serving.events[-1]
+    exc, _ = serving.events[-1]
     assert isinstance(exc, SyncAborted) and "mid-update (version 2, 5 of" in str(exc)
-    assert when - killed_at < 10, "detected by the broken connection, not the 30 s timeout"
+    # detected by the broken connection, not by the receiver's 30 s timeout ("went silent for 30.0s")
+    assert re.search(r"closed the connection|reset by peer", str(exc)) and "went silent" not in str(exc), str(exc)
     assert rx.version == 1 and "update was discarded" in rx.last_error
     assert digest(rx.targets.items()) == v1["digest"], "the receiver's weights changed"
     assert v1["kind"] == "dense"
@@ -490,9 +491,8 @@ def test_stalled_sender_times_out_and_the_weights_stay(receiver, procs):
     serving = Serving(rx)
     sender = procs("export_sender.py", "--port", str(rx.port), "--versions", "1", "--pause-in", "1")
     sender.wait_for("PAUSED")  # alive, connected, silent
-    stalled_at = time.monotonic()
-    (event,) = serving.join(timeout=30)
-    exc, when = event
+    (event,) = serving.join(timeout=300)  # a liveness limit only
+    exc, _ = event
     assert isinstance(exc, SyncAborted) and "mid-update (version 1, 5 of 14" in str(exc)
-    assert 2 < when - stalled_at < 15
+    assert "went silent for 3.0s" in str(exc), str(exc)  # ended by the receiver's 3 s timeout, nothing else
     assert rx.version is None and digest(rx.targets.items()) == before

