@@ -45,6 +45,14 @@ def test_console_command_reports_the_hook():
 
 @pytest.mark.slow
 def test_hf_trainer_script_gets_fair_cast_from_its_deepspeed_config(tmp_path):
+    """Served bits, bit for bit: after each of the Trainer's 3 steps and one engine.step() outside
+    it, every element is the oracle's cast of its fp32 master (tests/served_oracle.py) with the
+    config's mode and seed at the step the Trainer (then DeepSpeed) counted, and every Linear's
+    forward at step k multiplied by the bits served after k steps (the initial weights at step 0)."""
+    import torch
+
+    from served_oracle import check_forward, check_snapshot, rn_fraction
+
     changed = {}
     for mode in ("stochastic", "nearest"):
         out = tmp_path / mode
@@ -54,5 +62,14 @@ def test_hf_trainer_script_gets_fair_cast_from_its_deepspeed_config(tmp_path):
         result = json.loads((out / "hf_trainer.json").read_text())
         assert result["engine"] == "DeepSpeedEngine"
         changed[mode] = result["changed"] / result["numel"]
+        record = torch.load(out / "hf_trainer.pt", weights_only=False)
+        snaps = record["snapshots"]
+        assert [(s["step"], s["ds_step"]) for s in snaps] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+        expected = {0: record["initial"]}
+        for snap in snaps:
+            expected[snap["step"]] = check_snapshot(snap, mode, seed=7)
+        if mode == "stochastic":
+            assert rn_fraction(snaps[-1]) > 0.05  # the oracle's cast is not round-to-nearest here
+        check_forward(record["tap"], expected, {"train": 15}, steps=[0, 1, 2, 3])  # 2 x 7 Linear + lm_head
     # the same script, step and data: stochastic rounding changes far more served weights than RN
     assert changed["stochastic"] > 1.3 * changed["nearest"], changed

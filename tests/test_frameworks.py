@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import DIST, ROOT, cpu_env, deepspeed_launch, free_port, run_logged
+from served_oracle import check_forward, check_snapshot, expected_bits, rn_fraction
 from faircast_ds import config_source
 from faircast_ds.config import FairCastConfig, FairCastConfigError
 
@@ -179,6 +180,18 @@ def test_lora_merge_refuses_what_it_cannot_cast():
 
 # -- the real clients --------------------------------------------------------------------------------
 
+def _served_is_the_cast(record: dict, steps: int) -> dict[int, dict[str, torch.Tensor]]:
+    """TRL's runs (mode stochastic, seed 11): after each optimizer step, as the Trainer numbered it,
+    every trainable element is the oracle's cast of its fp32 master and every frozen one is served as
+    loaded. Returns the expected served bits by step (step 0: as loaded)."""
+    assert [s["step"] for s in record["snapshots"]] == list(range(1, steps + 1))
+    expected = {0: record["initial"]}
+    for snap in record["snapshots"]:
+        expected[snap["step"]] = check_snapshot(snap, "stochastic", seed=11, frozen=record["initial"])
+    assert rn_fraction(record["snapshots"][-1]) > 0.05  # the oracle's cast is not round-to-nearest here
+    return expected
+
+
 def _rn_fraction(result: dict) -> float:
     return result["served_vs_rn"] / result["numel"]
 
@@ -195,12 +208,20 @@ def test_trl_grpo_zero3_with_reference_engine(tmp_path):
     # the reference engine: no optimizer, left as built, one line, no error
     assert (result["ref_engine"], result["ref_optimizer"], result["ref_attached"]) == \
         ("DeepSpeedEngine", "DeepSpeedZeRoOffload", False)
-    assert result["ref_changed"] == 0
     assert log.count("[fair_cast] not attached to this engine: it has no training optimizer (DeepSpeedZeRoOffload") == 1
     assert "[fair_cast] active: mode=stochastic zero_stage=3 seed=11" in log and "source=config" in log
-    # the served copy is not round-to-nearest of the masters (it would be, bit for bit, without Fair Cast)
-    per_param = result["served_vs_rn"]
-    assert sum(d for d, _ in per_param.values()) > 0.05 * sum(n for _, n in per_param.values()), per_param
+    record = torch.load(out / "trl_grpo.pt", weights_only=False)
+    expected = _served_is_the_cast(record, steps=3)
+    # TRL's generation and the loss's forward of steps 1-3 multiplied by the bits served before them
+    # (the loss's forward reads lm_head.weight directly in TRL's fused LM head, not through lm_head's
+    # forward: 2 x 7 Linear there, and lm_head too in generation)
+    check_forward(record["tap"], expected, {"generate": 15, "train": 14}, steps=[0, 1, 2])
+    # the reference engine stays as loaded: served before and after training, and in its forward
+    initial = record["initial"]
+    for when in ("ref_before", "ref_after"):
+        assert record[when].keys() == initial.keys()
+        assert all(torch.equal(record[when][n], initial[n]) for n in initial), when
+    check_forward(record["ref_tap"], {k: initial for k in range(4)}, {"no_grad": 14}, steps=[0, 1, 2])
     # FairCastCallback: the figures are in the Trainer's log history, every step, and a callback
     # registered before it (as W&B's and TensorBoard's are) was shown them
     steps = [h for h in result["history"] if "fair_cast/changed_fraction" in h]
@@ -231,6 +252,18 @@ def test_trl_grpo_lora_casts_the_trainable_part_and_merges_through_the_cast(tmp_
     # merged through the cast: not round-to-nearest of W + B A s (PEFT's own merge rounds to nearest, up to a double rounding)
     assert sum(layer["vs_rn"] for layer in layers.values()) > 0.05 * sum(layer["numel"] for layer in layers.values())
     assert result["history_has_figures"]
+    record = torch.load(out / "trl_grpo_lora.pt", weights_only=False)
+    frozen = {n for n, m in record["snapshots"][0]["master"].items() if m is None}
+    assert len(frozen) == 25 and all(".lora_" not in n for n in frozen)
+    expected = _served_is_the_cast(record, steps=3)  # the adapters cast, the frozen base served as loaded
+    # 15 base Linear + 4 x (lora_A, lora_B): generation and the loss's forward run the adapters (the
+    # loss's forward reads lm_head.weight directly: one fewer there)
+    check_forward(record["tap"], expected, {"generate": 23, "train": 22}, steps=[0, 1, 2])
+    # each merge is the oracle's cast of W + B A s, noise keyed by the layer's name and the Trainer's step
+    assert record["merge_step"] == 3 and len(record["merges"]) == 4
+    for layer, merge in record["merges"].items():
+        want = expected_bits(merge["target"], "stochastic", seed=11, step=3, name=f"{layer}.base_layer.weight@lora_merge")
+        assert torch.equal(merge["merged"], want), f"{layer}: {int((merge['merged'] != want).sum())} merged bits differ"
 
 
 @pytest.mark.slow
@@ -277,4 +310,13 @@ def test_accelerate_launch_with_deepspeed_config_file(tmp_path):
     assert (result["world"], result["source"], result["step"]) == (2, "config", 3)
     assert "[fair_cast] active: mode=stochastic zero_stage=3 seed=21 local_shard_elements=12544" in \
         (out / "launch.log").read_text()
-    assert _rn_fraction(result) > 0.05
+    # bit for bit: after each of the loop's 3 steps every element is the oracle's cast of its master,
+    # and each rank's forward at step k multiplied by the bits served after k steps
+    record = torch.load(out / "accelerate.pt", weights_only=False)
+    expected = {0: record["initial"]}
+    for snap in record["snapshots"]:
+        expected[snap["step"]] = check_snapshot(snap, "stochastic", seed=21)
+    assert sorted(expected) == [0, 1, 2, 3] and rn_fraction(record["snapshots"][-1]) > 0.05
+    assert len(record["taps"]) == 2
+    for tap in record["taps"]:
+        check_forward(tap, expected, {"train": 15}, steps=[0, 1, 2])  # 2 x 7 Linear + lm_head

@@ -6,9 +6,13 @@ refuses bf16 without a GPU unless use_cpu=True, which turns DeepSpeed off). One 
 ranks Accelerate's gather over gloo fails inside TRL's generation step.
 
 The model and tokenizer are built in code and saved to a local folder (TRL loads the reference
-model from the policy's path). Afterwards it writes trl_grpo.json: per-parameter served bits vs
-round-to-nearest of the fp32 masters, the reference engine's class and whether its weights moved,
-and what the Trainer logged.
+model from the policy's path). Afterwards it writes trl_grpo.json (the reference engine's class, what
+the Trainer logged) and trl_grpo.pt for the bitwise checks (tests/served_oracle.py): the initial
+weights; after every optimizer step (a callback at on_step_end) the fp32 masters and served bits
+(tests/dist/served_record.py); the weights every Linear of the policy multiplied by, by step and
+phase (TRL's generation, the loss's forward, other no-grad forwards); the reference engine's served
+bits before and after training and the weights its forward multiplied by. With FAIR_CAST_LORA=1 the
+same (frozen base weights included) in trl_grpo_lora.pt, plus TRL's LoRA weight-sync sequence.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import torch
 import transformers.training_args
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import finish_and_exit, full_served_bits, gather_shards, tiny_qwen3, write_json  # noqa: E402
+from common import finish_and_exit, tiny_qwen3, write_json  # noqa: E402
+from served_record import ForwardTap, initial_bits, served, snapshot  # noqa: E402
 
 transformers.training_args.is_torch_bf16_gpu_available = lambda: True  # CPU-only machine
 
@@ -85,34 +90,41 @@ def main() -> None:
         from peft import LoraConfig
 
         peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    snapshots: list[dict] = []
+
+    class Snapshots(TrainerCallback):
+        """After each optimizer step, with the Trainer's step number."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            snapshots.append(snapshot(trainer.model_wrapped.module, state.global_step))
+
     trainer = GRPOTrainer(model=path, reward_funcs=reward_w7, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
                           processing_class=tokenizer(), peft_config=peft,
-                          callbacks=[Reporter(), FairCastCallback(lora_merge=LORA)])
+                          callbacks=[Reporter(), FairCastCallback(lora_merge=LORA), Snapshots()])
+    policy = trainer.model  # not wrapped by DeepSpeed until train()
+    initial = initial_bits(policy)
+    tap = ForwardTap(policy, step=lambda: trainer.state.global_step, phase=phase_of(policy))
+    record = {"initial": initial, "snapshots": snapshots, "tap": tap}
     if LORA:
         trainer.train()
-        return lora_report(trainer, out, rank)
+        return lora_report(trainer, out, rank, record)
     ref = trainer.ref_model
-    ref_before = full_served_bits(ref)
+    ref_tap = ForwardTap(ref.module, step=lambda: trainer.state.global_step)
+    ref_before = served(ref.module)
     trainer.train()
     engine = trainer.model_wrapped
     fc = get_fair_cast(engine)
-    numels = {n: int(getattr(p, "ds_numel", p.numel())) for n, p in engine.module.named_parameters()}
-    masters, served = gather_shards(fc, numels)
-    per_param = {}
-    for name in numels:
-        rn = masters[name].to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-        per_param[name] = [int((served[name] != rn).sum()), numels[name]]
-    ref_after = full_served_bits(ref)
+    ref_after = served(ref.module)
     keys = ("fair_cast/changed_fraction", "fair_cast/gap_spacings", "fair_cast/lag_steps")
     if rank == 0:
+        torch.save({**record, "tap": tap.record(), "ref_before": ref_before, "ref_after": ref_after,
+                    "ref_tap": ref_tap.record()}, os.path.join(out, "trl_grpo.pt"))
         write_json(os.path.join(out, "trl_grpo.json"), {
             "engine": type(engine).__name__,
             "optimizer": type(engine.optimizer).__name__,
             "ref_engine": type(ref).__name__,
             "ref_optimizer": type(ref.optimizer).__name__,
             "ref_attached": get_fair_cast(ref) is not None,
-            "ref_changed": sum(int((ref_before[n] != ref_after[n]).sum()) for n in ref_before),
-            "served_vs_rn": per_param,
             "caster_step": fc.caster.step,
             "global_step": trainer.state.global_step,
             "history": [{k: h[k] for k in keys if k in h} | {"step": h.get("step")} for h in trainer.state.log_history],
@@ -122,36 +134,57 @@ def main() -> None:
     finish_and_exit()
 
 
-def lora_report(trainer, out, rank) -> None:
+def phase_of(model):
+    """The phase a forward of ``model`` runs in: "generate" inside its generate() (TRL calls it on the
+    unwrapped model, gathered under ZeRO-3), else "train" with gradients, "no_grad" without."""
+    inside = {"generate": False}
+    generate = model.generate
+
+    def tracked(*args, **kwargs):
+        inside["generate"] = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            inside["generate"] = False
+
+    model.generate = tracked  # an instance attribute: what TRL's unwrapped_model.generate finds
+    return lambda: "generate" if inside["generate"] else ("train" if torch.is_grad_enabled() else "no_grad")
+
+
+def lora_report(trainer, out, rank, record) -> None:
     """What TRL's weight sync does for a PEFT model under ZeRO-3 (trl/generation/vllm_generation.py):
-    gather everything, merge_adapter, read the merged weights, unmerge_adapter. Per merged layer: how
-    many merged bits differ from round-to-nearest of W + B A s computed in fp32, and whether the
-    unmerge gave the base weights back bit for bit."""
+    gather everything, merge_adapter, read the merged weights, unmerge_adapter. Per merged layer: the
+    fp32 W + B A s (computed here from the served bits), the merged bits, how many of them differ from
+    round-to-nearest of it, and whether the unmerge gave the base weights back bit for bit."""
     import deepspeed
+    from peft.tuners.lora.layer import Linear
 
     from faircast_ds import get_fair_cast
-    from faircast_ds.transformers import lora_layers
 
     engine = trainer.model_wrapped
     model = engine.module
     fc = get_fair_cast(engine)
-    layers = lora_layers(model)
-    report = {}
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    report, merges = {}, {}
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         before = {n: l.get_base_layer().weight.detach().clone() for n, l in layers}
-        rn = {}
+        target = {}
         for n, l in layers:
             a, b = l.lora_A["default"].weight.float(), l.lora_B["default"].weight.float()
-            rn[n] = (before[n].float() + (b @ a) * l.scaling["default"]).to(torch.bfloat16)
+            target[n] = before[n].float() + (b @ a) * l.scaling["default"]
         model.merge_adapter()
         merged = {n: l.get_base_layer().weight.detach().clone() for n, l in layers}
         model.unmerge_adapter()
         for n, l in layers:
-            report[n] = {"vs_rn": int((merged[n].view(torch.int16) != rn[n].view(torch.int16)).sum()),
+            rn = target[n].to(torch.bfloat16)
+            report[n] = {"vs_rn": int((merged[n].view(torch.int16) != rn.view(torch.int16)).sum()),
                          "numel": merged[n].numel(),
                          "restored": bool(torch.equal(l.get_base_layer().weight.view(torch.int16),
                                                       before[n].view(torch.int16)))}
+            merges[n] = {"target": target[n].reshape(-1).clone(), "merged": merged[n].reshape(-1).view(torch.int16).clone()}
     if rank == 0:
+        torch.save({**record, "tap": record["tap"].record(), "merges": merges, "merge_step": trainer.state.global_step},
+                   os.path.join(out, "trl_grpo_lora.pt"))
         write_json(os.path.join(out, "trl_grpo_lora.json"), {
             "attached": fc is not None, "caster_step": fc.caster.step, "global_step": trainer.state.global_step,
             "ref_model": trainer.ref_model is None, "local_numel": fc.local_numel(), "layers": report,
