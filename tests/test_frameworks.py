@@ -3,7 +3,9 @@
 In-process: where the section comes from (``FAIRCAST_DS_CONFIG`` as JSON or a path, both-and-differ),
 and PEFT LoRA merges through the cast (real PEFT on the tiny Qwen3).
 
-Launched, against the real libraries (``launch/setup.d/30-frameworks.sh`` installs them):
+Launched, against the real libraries (``launch/setup.d/30-frameworks.sh`` installs them); TRL's,
+Accelerate's (and, in test_activation.py, the HF Trainer's) served bits and forward weights are checked
+bit for bit against the slow reference's cast of DeepSpeed's own fp32 masters (tests/served_oracle.py):
 - TRL's GRPOTrainer, ZeRO-3, beta > 0 (a reference engine without optimizer), FairCastCallback;
 - a script building its config with OpenRLHF's own get_train_ds_config, FAIRCAST_DS_CONFIG set by
   the launcher, 2 ranks: the same served bits as the JSON route;
@@ -199,7 +201,10 @@ def _rn_fraction(result: dict) -> float:
 @pytest.mark.slow
 def test_trl_grpo_zero3_with_reference_engine(tmp_path):
     """TRL GRPOTrainer, ZeRO-3, beta=0.04, 3 steps, one CPU rank (at two, Accelerate's gather over gloo
-    fails inside TRL's generation step)."""
+    fails inside TRL's generation step). Bits, not "differs from RN": after each step every served
+    element is the oracle's cast of DeepSpeed's fp32 master (tests/served_oracle.py), TRL's generation
+    and the loss's forward multiplied by the bits served before the step, and the reference engine
+    serves and multiplies by the loaded weights throughout."""
     out = tmp_path / "trl"
     deepspeed_launch(DIST / "trl_grpo_script.py", 1, out, timeout=900)
     log = (out / "launch.log").read_text()
