@@ -89,9 +89,11 @@ class JobConfig:
 
     @classmethod
     def from_json(cls, config: dict[str, Any]) -> "JobConfig":
-        """A config from a run's ``run.json`` (older runs: ``engine`` was ``rollout_engine``; keys this
-        version does not know are left out)."""
+        """A config from a run's ``run.json``. Older runs: ``engine`` was ``rollout_engine``, and a run
+        without ``regime`` predates the regimes (:data:`LEGACY`); keys this version does not know are left out."""
         config = dict(config)
+        if "regime" not in config:  # before regimes: the large-step job, without evaluations, KL or prompt_vocab
+            config = {**LEGACY, **config}
         if "engine" in config and "rollout_engine" not in config:
             config["rollout_engine"] = config.pop("engine")
         known = {f.name for f in fields(cls)}
@@ -160,6 +162,8 @@ REGIMES: dict[str, dict[str, Any]] = {
     "large-step": {"steps": 300, "lr": 1e-4, "hidden": 256, "rollouts": 64, "prompt_len": 4, "gen_len": 8,
                    "prompt_vocab": 0, "eval_every": 60},
 }
+# what a run.json written before regimes existed ran with (the settings it does not list)
+LEGACY: dict[str, Any] = {"regime": "large-step", "prompt_vocab": 0, "eval_every": 0, "kl_every": 0}
 FULL_SEEDS = {"paper": 8, "large-step": 5}  # --full: the seeds of the committed run of each regime
 
 

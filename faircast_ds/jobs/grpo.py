@@ -13,7 +13,9 @@ too. ``fp32`` is the reference: ZeRO-3 without bf16 and without ``fair_cast``. E
 initial weights, prompts and sampling noise for a given seed.
 
 Writes ``<out>/<name>/``: ``steps.csv`` (every step of every run), ``reward.png``, ``results.md`` (the
-table), ``summary.txt`` (what is printed at the end) and ``run.json`` (settings and wall time).
+table), ``summary.txt`` and ``endpoints.md`` (what is printed at the end) and ``run.json`` (settings and
+wall time). ``python3 -m faircast_ds.jobs.report --rebuild <out>/<name>`` rewrites all but the CSV and
+run.json from those two.
 """
 from __future__ import annotations
 
@@ -495,7 +497,13 @@ def main(argv: list[str] | None = None) -> None:
         text = report.summary_text(summaries, cfg, world, wall, run_dir)
         with open(os.path.join(run_dir, "summary.txt"), "w") as f:
             f.write(text + "\n")
-        print("\n" + text, flush=True)
+        # the pre-registered endpoints (AUC, steps to 0.30): the delay that a final-window tie can hide
+        from faircast_ds.jobs import endpoints
+
+        table = endpoints.markdown(rows)
+        with open(os.path.join(run_dir, "endpoints.md"), "w") as f:
+            f.write(table)
+        print("\n" + text + "\n\n" + table, flush=True)
     dist.barrier()
     torch.distributed.destroy_process_group()
 

@@ -85,5 +85,5 @@ def plot_run(rows: Sequence[dict], path: str, title: str = "") -> None:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": None})  # no version: rebuilds give the same bytes
     plt.close(fig)

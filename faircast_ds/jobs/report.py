@@ -248,11 +248,11 @@ def markdown(summaries: Sequence[ModeSummary], cfg: Any, world: int, wall: float
             f"| {_fmt(t.get('rollout_ms', math.nan), '.1f')} | {_fmt(t.get('fwd_bwd_ms', math.nan), '.1f')} "
             f"| {_fmt(t.get('opt_ms', math.nan), '.1f')} ({_fmt(t.get('cast_ms', math.nan), '.1f')}) "
             f"| {_fmt(t.get('extra_ms', math.nan), '.1f')} |")
-    spread_note = (f"95% Student-t interval over {len(summaries[0].final_by_seed)} seeds" if many
-                   else "± the sd of the step rewards in that window (one seed)")
+    spread_note = (f"then the mean over seeds with a 95% Student-t interval over {len(summaries[0].final_by_seed)} seeds"
+                   if many else "± the sd of the step rewards in that window (one seed)")
     lines += [
         "",
-        f"Final reward: mean over the last 20% of steps per seed, then the mean over seeds with a {spread_note}. "
+        f"Final reward: mean over the last 20% of steps per seed, {spread_note}. "
         f"W/T/L: per seed against nearest (RN) with the same seed; |difference| < {cfg.tie} is a tie. "
         "− RN, − fp32: per seed the mode's final reward minus that mode's on the same seed; mean over seeds, "
         "percentile-bootstrap 95% interval (10,000 resamples), W/T/L (same tie band), the signs (+ seeds above, "
@@ -365,28 +365,66 @@ def engine_table(rows: Sequence[dict], modes: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def rebuild(run_dir: str) -> str:
-    """Rewrite a finished run's results.md, summary.txt and reward.png from its steps.csv and run.json
-    (``python3 -m faircast_ds.jobs.report runs/<name>``); returns the summary text."""
+REBUILT = ("results.md", "summary.txt", "reward.png", "endpoints.md")  # what rebuild() writes
+
+
+def rebuild(run_dir: str, out_dir: str | None = None) -> str:
+    """Rewrite a finished run's results.md, summary.txt, reward.png and endpoints.md from its steps.csv
+    and run.json alone (into ``out_dir``, default the run directory); returns the summary text. The same
+    inputs give the same bytes (the PNG carries no version or date)."""
     import json
 
-    from faircast_ds.jobs import plots
+    from faircast_ds.jobs import endpoints, plots
 
+    out_dir = out_dir or run_dir
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(run_dir, "run.json")) as f:
         meta = json.load(f)
     cfg = JobConfig.from_json(meta["config"])
     rows = read_csv(os.path.join(run_dir, "steps.csv"))
     summaries = summarize(rows, meta.get("finals", []), cfg.modes, tie=cfg.tie)
-    plots.plot_run(rows, os.path.join(run_dir, "reward.png"), title=headline(cfg, meta["world_size"]))
-    with open(os.path.join(run_dir, "results.md"), "w") as f:
+    plots.plot_run(rows, os.path.join(out_dir, "reward.png"), title=headline(cfg, meta["world_size"]))
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(markdown(summaries, cfg, meta["world_size"], meta["wall_s"]) + engine_table(rows, cfg.modes))
     text = summary_text(summaries, cfg, meta["world_size"], meta["wall_s"], run_dir)
-    with open(os.path.join(run_dir, "summary.txt"), "w") as f:
+    with open(os.path.join(out_dir, "summary.txt"), "w") as f:
         f.write(text + "\n")
+    with open(os.path.join(out_dir, "endpoints.md"), "w") as f:
+        f.write(endpoints.markdown(rows))
     return text
 
 
-if __name__ == "__main__":
-    import sys
+def run_dirs(path: str) -> list[str]:
+    """``path`` itself if it holds a run (steps.csv and run.json), else every run directory below it, sorted."""
+    def is_run(d: str) -> bool:
+        return all(os.path.isfile(os.path.join(d, f)) for f in ("steps.csv", "run.json"))
 
-    print(rebuild(sys.argv[1]))
+    if is_run(path):
+        return [path]
+    found = sorted(root for root, _, _ in os.walk(path) if is_run(root))
+    if not found:
+        raise FileNotFoundError(f"{path}: no run directory (steps.csv + run.json) here or below")
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="faircast_ds.jobs.report",
+        description="Rebuild a GRPO run's tables and plot from its steps.csv and run.json: "
+                    "python3 -m faircast_ds.jobs.report --rebuild docs/grpo (every committed run below it)")
+    parser.add_argument("run_dir", nargs="*", help="run directories (or folders holding them)")
+    parser.add_argument("--rebuild", nargs="+", default=[], metavar="DIR", help="same as the positional directories")
+    args = parser.parse_args(argv)
+    targets = list(args.run_dir) + list(args.rebuild)
+    if not targets:
+        parser.error("name at least one run directory, e.g. --rebuild docs/grpo")
+    for target in targets:
+        for run_dir in run_dirs(target):
+            text = rebuild(run_dir)
+            print(text if len(targets) == 1 and run_dir == target else f"rebuilt {run_dir}: {', '.join(REBUILT)}")
+
+
+if __name__ == "__main__":
+    main()
