@@ -118,3 +118,39 @@ def test_report_summarize_pairs_by_seed():
     assert out["nearest"].lag_drift_share == pytest.approx(0.7) and out["dither"].lag_drift_share == 0
     assert out["nearest"].consistency_end == {s: pytest.approx(0.05) for s in range(8)}
     assert out["fp32"].final_ci[0] < out["fp32"].final_mean < out["fp32"].final_ci[1]
+
+
+def test_endpoints_on_known_curves():
+    """jobs/endpoints.py (docs/grpo.md, "Pre-registered") on curves whose endpoints are known by hand."""
+    from faircast_ds.jobs import endpoints as ep
+
+    r = [0.2] * 10 + [0.4] * 10
+    assert ep.steps_to(r) == 20  # (10 x 0.2 + 10 x 0.4) / 20 = 0.30 first at step 20
+    assert ep.steps_to([0.2] * 30) == 31  # never: censored at T + 1
+    assert ep.steps_to([0.2] * 25 + [0.5] * 10) == 25 + 9  # trailing 25: (16 x 0.2 + 9 x 0.5) / 25 = 0.308
+    assert ep.auc(r) == pytest.approx(0.3) and ep.auc(r, 11, 20) == pytest.approx(0.4)
+    assert ep.final_window(r) == pytest.approx(0.4)  # the last 4 of 20 steps
+    with pytest.raises(ValueError, match="outside steps"):
+        ep.auc(r, 5, 21)
+
+    def rows(shift: dict[int, float]) -> list[dict]:
+        out = []
+        for seed, d in shift.items():
+            for step in range(1, 11):
+                base = 0.2 + 0.01 * step + 0.001 * seed
+                out += [{"mode": "nearest", "seed": seed, "step": step, "reward": base},
+                        {"mode": "dither", "seed": seed, "step": step, "reward": base + d}]
+        return out
+
+    def primary(shift: dict[int, float]) -> ep.Contrast:
+        return next(c for c in ep.contrasts(rows(shift)) if (c.a, c.b, c.endpoint) == ep.PRIMARY)
+
+    up = primary({s: 0.01 + 0.001 * s for s in range(12)})
+    assert up.paired.n == 12 and up.paired.mean == pytest.approx(0.0155) and ep.verdict(up) == "confirms"
+    # 9 of 12 positive: the interval may exclude 0, the sign test (p = 0.146) does not: inconclusive
+    nine = primary({s: (0.02 if s < 9 else -0.001) for s in range(12)})
+    assert nine.paired.ci_boot[0] > 0 and nine.paired.p_sign > 0.05 and ep.verdict(nine) == "inconclusive"
+    assert ep.verdict(primary({s: -0.01 - 0.001 * s for s in range(12)})) == "contradicts"
+    # a seed missing a mode is left out of the pairing
+    partial = [r for r in rows({s: 0.01 for s in range(3)}) if not (r["seed"] == 2 and r["mode"] == "dither")]
+    assert next(c for c in ep.contrasts(partial) if c.endpoint == "auc").paired.n == 2
