@@ -19,10 +19,23 @@ ROOT = Path(__file__).resolve().parent.parent
 DIST = ROOT / "tests" / "dist"
 
 
+_RESERVED: list[socket.socket] = []  # the sockets holding the ports free_port handed out, oldest first
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port for a job's rendezvous that nothing else will take: the OS picks a free one (bind to port
+    0) and this process keeps that socket bound, with SO_REUSEADDR and never listening, for the rest of the
+    session. While it is bound, no other bind to port 0 (another launch here or in a parallel process)
+    and no outgoing connection's local port gets that port, and a bind without SO_REUSEADDR is refused;
+    the job's own listener (torch's TCPStore sets SO_REUSEADDR) binds and listens on it. Unlike picking a
+    port and closing the socket, two launches started at once can never be handed the same port."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    _RESERVED.append(s)
+    if len(_RESERVED) > 512:  # a long session: release the oldest (its launch finished long ago)
+        _RESERVED.pop(0).close()
+    return s.getsockname()[1]
 
 
 def assert_bitwise(a: dict, b: dict, what: str) -> None:
