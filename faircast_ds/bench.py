@@ -331,6 +331,17 @@ def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     parser.add_argument("--no-torchao", action="store_true", help="skip torchao's SR even if importable")
     parser.add_argument("--threads", type=int, help="torch intra-op threads for every path (default: torch's)")
     parser.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
+    model = parser.add_argument_group("a real model through DeepSpeed (faircast_ds.bench_model; 2 CPU ranks)")
+    model.add_argument("--model", choices=("qwen3-0.6b", "qwen2.5-0.5b"),
+                       help="benchmark plain DeepSpeed and each mode on this architecture instead of the casts alone")
+    model.add_argument("--layers", type=int, help="cut the depth to N layers (vocabulary and widths stay real)")
+    model.add_argument("--stages", default="3,2", help="ZeRO stages, comma-separated (default 3,2)")
+    model.add_argument("--steps", type=int, default=3, help="timed optimizer steps per configuration")
+    model.add_argument("--warmup", type=int, default=1, help="untimed steps first (the first carries the guard's "
+                                                             "full check)")
+    model.add_argument("--rounds", type=int, default=1, help="repeat every configuration this many times, "
+                                                             "interleaved")
+    model.add_argument("--out", help="folder for the launches' logs and JSON (default: a temporary one)")
     parser.add_argument("--offload", action="store_true",
                         help="also time the CPU-offload route (master on the host, served on the accelerator; "
                              "forced on the CPU without one), 1M and 16M elements")
@@ -339,6 +350,10 @@ def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
 def run_cli(args) -> int:  # type: ignore[no-untyped-def]
     import sys
 
+    if getattr(args, "model", None):
+        from faircast_ds import bench_model
+
+        return bench_model.main_from_args(args)
     sizes = tuple(args.sizes) if args.sizes else (DEFAULT_SIZES[:2] if args.quick else DEFAULT_SIZES)
     if args.threads:
         import torch
