@@ -2,6 +2,7 @@
 
     python3 benchmarks/predict_validation.py collect RUN_DIR... [--paper docs/grpo/paper] --out docs/predict/delay.csv
     python3 benchmarks/predict_validation.py plot docs/predict/delay.csv docs/predict/delay.png
+    python3 benchmarks/predict_validation.py summary docs/predict/delay.csv
 
 ``collect`` reads each run's ``run.json`` and ``steps.csv`` (the job's outputs) and, for each (run, seed),
 predicts from three checkpoints of that run: ``init`` (the job's initial bf16 weights, rebuilt from its
@@ -172,6 +173,53 @@ def plot(csv_path: str, png: str) -> None:
     plt.close(fig)
 
 
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log(y) on log(x)."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def summary(csv_path: str) -> str:
+    """The law's fit (measured delay against lr and init std, log-log) and predicted-vs-measured errors."""
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    init = [r for r in rows if r["source"] == "init"]
+    lines = []
+    by_lr = [r for r in init if float(r["init_std"]) == 0.1]
+    if len({r["lr"] for r in by_lr}) > 1:
+        lines.append(f"measured delay vs lr (init std 0.1, {len(by_lr)} runs x seeds): log-log slope "
+                     f"{_slope([float(r['lr']) for r in by_lr], [float(r['meas_delay_steps']) for r in by_lr]):+.3f} "
+                     f"(law: -1); delay x lr = " + ", ".join(
+                         f"{float(r['meas_delay_steps']) * float(r['lr']):.3g}" for r in by_lr))
+    by_std = [r for r in init if float(r["lr"]) == 1.5e-6]
+    if len({r["init_std"] for r in by_std}) > 1:
+        lines.append(f"measured delay vs init std (lr 1.5e-6, {len(by_std)} runs x seeds): log-log slope "
+                     f"{_slope([float(r['init_std']) for r in by_std], [float(r['meas_delay_steps']) for r in by_std]):+.3f}"
+                     f" (law: +1)")
+    pairs = [("pred_delay_steps", "meas_delay_steps", "delay (peak lag)"),
+             ("pred_delay_peak_step", "meas_delay_peak_step", "step of the peak"),
+             ("pred_mean_lag_steps", "meas_mean_lag_steps", "mean lag over the run"),
+             ("pred_end_lag_steps", "meas_end_lag_steps", "lag at the end (last 5%)"),
+             ("pred_changed_fraction_run", "meas_changed_fraction_run", "changed fraction over the run"),
+             ("pred_changed_fraction", "meas_changed_fraction_last20", "changed/step (steady) vs last 20%"),
+             ("pred_lag_at_fp32_cross_steps", "meas_reward_delay_steps", "reward delay at 0.30")]
+    for source in ("init", "first", "last"):
+        chosen = [r for r in rows if (r["source"] == "init") == (source == "init") and
+                  (source == "init" or (int(r["source"][7:]) == int(r["steps"])) == (source == "last"))]
+        if not chosen:
+            continue
+        lines.append(f"{source} checkpoint ({chosen[0]['model']}), {len(chosen)} rows: predicted / measured, "
+                     f"median [min, max]")
+        for pred, meas, label in pairs:
+            ratios = [float(r[pred]) / float(r[meas]) for r in chosen
+                      if r[pred] != "" and r[meas] != "" and float(r[meas]) > 0]
+            if ratios:
+                lines.append(f"  {label:<36} {statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]"
+                             f" (n={len(ratios)})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,11 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     pl = sub.add_parser("plot")
     pl.add_argument("csv")
     pl.add_argument("png")
+    sm = sub.add_parser("summary", help="the law's fit and the prediction errors, from the CSV")
+    sm.add_argument("csv")
     args = parser.parse_args(argv)
     if args.command == "collect":
         collect(args.runs, args.out)
-    else:
+    elif args.command == "plot":
         plot(args.csv, args.png)
+    else:
+        print(summary(args.csv))
     return 0
 
 
