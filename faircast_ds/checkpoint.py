@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from faircast_ds.adapter import Adapter
-from faircast_ds.casts import bf16_bits, bf16_from_bits, cast
+from faircast_ds.casts import bf16_from_bits, cast
 from faircast_ds.config import FairCastConfig
 from faircast_ds.shard_caster import ShardCaster
 
@@ -49,7 +49,8 @@ def state_dir(tag_dir: str) -> str:
 
 
 def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    # over the tensor's own buffer (no bytes copy: a slice of a real embedding is hundreds of MB)
+    return zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy())
 
 
 def _write_atomically(payload: Any, path: str) -> None:
@@ -85,26 +86,33 @@ def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int
     complete_step(adapter, caster)  # never a served copy half of one step and half of the next
     cfg = caster.config
     keep_values = cfg.mode == "error_feedback"
-    slices, residuals, served_bits = [], [], []
-    for key, master, served, group_slices in adapter.flat_groups():
+    groups = [(key, served, [s for s in group_slices if not s.is_padding])
+              for key, _, served, group_slices in adapter.flat_groups()]
+    total = sum(s.numel for _, _, parts in groups for s in parts) if keep_values else 0
+    # Written in place, slice by slice, into the two arrays the file holds: no per-slice copies joined
+    # at the end, no int64 bits (issue 23: at a real size those made the save's peak ~3x the payload).
+    residuals = torch.empty(total, dtype=torch.float32)
+    served_bits = torch.empty(total, dtype=torch.int32)
+    slices, at = [], 0
+    for key, served, parts in groups:
         residual = caster.residuals.get(key)
-        for s in group_slices:
-            if s.is_padding:
-                continue
+        for s in parts:
             entry: dict[str, Any] = {"name": s.name, "start": s.start, "numel": s.numel}
             if keep_values:
-                res = (residual.narrow(0, s.offset, s.numel) if residual is not None
-                       else torch.zeros(s.numel, dtype=torch.float32))
-                bits = bf16_bits(served.detach().narrow(0, s.offset, s.numel)).to(torch.int32).cpu()
+                res, bits = residuals.narrow(0, at, s.numel), served_bits.narrow(0, at, s.numel)
+                if residual is not None:
+                    res.copy_(residual.detach().narrow(0, s.offset, s.numel))
+                else:
+                    res.zero_()
+                bits.copy_(served.detach().narrow(0, s.offset, s.numel).view(torch.int16))  # sign-extends
+                bits.bitwise_and_(0xFFFF)  # the bit pattern in [0, 2^16), as bf16_bits gives it
                 entry.update(crc_residual=_crc(res), crc_served=_crc(bits))
-                residuals.append(res.detach().cpu())
-                served_bits.append(bits)
+                at += s.numel
             slices.append(entry)
     payload = {
         "format": FORMAT, "mode": cfg.mode, "seed": cfg.seed, "step": caster.step, "engine_step": engine_step,
         **adapter.setup.state(), "rank": rank, "world_size": world, "slices": slices,
-        "residual": torch.cat(residuals) if residuals else torch.zeros(0),
-        "served": torch.cat(served_bits) if served_bits else torch.zeros(0, dtype=torch.int32),
+        "residual": residuals, "served": served_bits,
     }
     directory = state_dir(tag_dir)
     os.makedirs(directory, exist_ok=True)

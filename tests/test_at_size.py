@@ -112,3 +112,76 @@ def test_in_place_mix32_matches_the_allocating_one():
     assert mix32_(got, torch.empty_like(got)) is not None
     assert torch.equal(got, want)
     assert [_independent_hash(int(v), 0) for v in x[:50]] == got[:50].tolist()
+
+
+# ---------------------------------------------------------------- error feedback's checkpoint state
+
+_ONE_GROUP_ADAPTER = """
+        from faircast_ds.adapter import Adapter
+        from faircast_ds.config import FairCastConfig
+        from faircast_ds.shard_caster import ShardCaster, ShardSlice
+        n = {n}
+        class OneGroup(Adapter):
+            def install(self): pass
+            def publish(self): pass
+            def flat_groups(self):
+                yield 'g', self.master, self.served, self.slices
+        caster = ShardCaster(FairCastConfig(mode='error_feedback', seed=3))
+        a = OneGroup(optimizer=None, caster=caster, names={{}})
+        a.master = torch.randn(n) * 0.02
+        a.served = torch.empty(n, dtype=torch.bfloat16)
+        a.slices = [ShardSlice('model.embed_tokens.weight', 0, n - 3, 0), ShardSlice(None, 0, 3, n - 3)]
+        caster.begin_step()
+        caster.cast_flat('g', a.master, a.served, a.slices)
+        import tempfile
+        from faircast_ds.checkpoint import save_state
+        tag = tempfile.mkdtemp()
+"""
+
+
+def test_error_feedback_save_holds_the_payload_and_little_more():
+    # the payload is the residual (4 bytes) and the served bits (4: int32) per element; the save made
+    # int64 bits, per-slice copies joined at the end and a bytes copy per CRC on top (~2x the payload)
+    n = 20_000_000
+    out = _peak_growth(_ONE_GROUP_ADAPTER.format(n=n),
+                       "path = save_state(a, caster, tag, rank=0, world=1)\n"
+                       "        import os; result = os.path.getsize(path)")
+    payload = 8 * (n - 3)
+    assert payload < out["result"] < payload + MIB
+    assert out["growth"] < payload + 48 * MIB, f"the save grew the peak by {out['growth'] / MIB:.0f} MiB"
+
+
+def test_error_feedback_state_round_trips_after_the_in_place_save(tmp_path):
+    import torch
+
+    from faircast_ds.adapter import Adapter
+    from faircast_ds.casts import bf16_bits
+    from faircast_ds.checkpoint import restore_state, save_state
+    from faircast_ds.config import FairCastConfig
+    from faircast_ds.shard_caster import ShardCaster, ShardSlice
+
+    class OneGroup(Adapter):
+        def install(self): pass
+        def publish(self): pass
+        def flat_groups(self):
+            yield "g", self.master, self.served, self.slices
+
+    def make():
+        a = OneGroup(optimizer=None, caster=ShardCaster(FairCastConfig(mode="error_feedback", seed=3)), names={})
+        a.master = torch.linspace(-0.05, 0.05, 1000)
+        a.served = torch.full((1000,), 7.0, dtype=torch.bfloat16)
+        a.slices = [ShardSlice("w", 5, 600, 0), ShardSlice(None, 0, 10, 600), ShardSlice("v", 0, 390, 610)]
+        return a
+
+    a = make()
+    for _ in range(3):
+        a.caster.begin_step()
+        a.caster.cast_flat("g", a.master, a.served, a.slices)
+        a.master += 1e-4
+    save_state(a, a.caster, str(tmp_path), rank=0, world=1)
+    b = make()
+    assert restore_state(b, b.caster, str(tmp_path)) == 3
+    keep = torch.ones(1000, dtype=torch.bool)
+    keep[600:610] = False  # padding is not state
+    assert torch.equal(bf16_bits(b.served)[keep], bf16_bits(a.served)[keep])
+    assert torch.equal(b.caster.residuals["g"][keep].view(torch.int32), a.caster.residuals["g"][keep].view(torch.int32))
