@@ -124,3 +124,24 @@ def test_recording_inside_a_prepared_step_allocates_nothing_new():
     adapter.caster.begin_step()
     adapter.cast_all()
     assert {k: r.values.data_ptr() for k, r in g.records.items()} == values
+
+
+def test_bits_a_restore_writes_itself_are_taken_as_fair_casts():
+    """error_feedback's restore puts the saved served bits into the shards without a cast; the caster tells
+    its observers (checkpoint.publish_restored), so the full check after the load passes on them, and
+    still catches a later overwrite."""
+    from faircast_ds.checkpoint import publish_restored
+
+    adapter, g = setup("error_feedback")
+    step(adapter, g, full=True)
+    g.prepare(full=True)  # a load
+    for served in adapter.served:  # the saved bits: a cast of other masters, written in place
+        served.copy_((torch.randn(N, generator=torch.Generator().manual_seed(5)) * 0.05).to(torch.bfloat16))
+    publish_restored(adapter, adapter.caster)
+    g.check("load_checkpoint(x)")
+    g.prepare(full=True)
+    publish_restored(adapter, adapter.caster)
+    overwrite(adapter, 1, 100, 101)  # after the restore: not ours
+    adapter.served[1][100] = adapter.served[1][100] + 1.0
+    with pytest.raises(UnsupportedSetupError, match="element 0, flat group 1"):
+        g.check("load_checkpoint(x)")
