@@ -352,6 +352,19 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch):
         cast_into(out, x, "stochastic", seed=1, step=1, name="w")
 
 
+def test_the_cached_build_is_named_after_its_source(tmp_path, monkeypatch):
+    """torch's loader rebuilds a cached extension by file times alone; a changed source that a copy
+    or an install left older than the cached object must still get its own build, so the name
+    carries the source's hash (and each arch its own name)."""
+    before = cpu.build_name("native")
+    changed = tmp_path / "fused_cast.cpp"
+    changed.write_text(cpu.SOURCE.read_text() + "\n// one more line\n")
+    os.utime(changed, (0, 0))  # older than any cached build
+    monkeypatch.setattr(cpu, "SOURCE", changed)
+    assert cpu.build_name("native") != before
+    assert cpu.build_name("native") != cpu.build_name("x86-64-v3")
+
+
 def test_kernel_mode_codes_are_the_ones_modes_defines():
     import re
 

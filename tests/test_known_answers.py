@@ -578,11 +578,13 @@ def test_fused_cpu_kernel_equals_the_literals(cpu_kernel, monkeypatch, arch):
             assert _bits32(res) == LITERALS["error_feedback/residual"], f"fused {arch} residual"
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("mode", ["nearest", "stochastic", "dither", "error_feedback"])
-def test_shard_caster_serves_the_literals_for_a_slice_at_an_offset(mode):
+def test_shard_caster_serves_the_literals_for_a_slice_at_an_offset(mode, staged):
     """A flat shard holding padding, the known inputs as elements [start, start + n) of one
     parameter at flat offset 5, and another parameter: the served slice is the literals, at the
-    ShardCaster's own step and the config's seed; error feedback's residual too."""
+    ShardCaster's own step and the config's seed; error feedback's residual too. Both of the
+    caster's routes: casting in place, and through a staging buffer (offload's)."""
     from faircast_ds.config import FairCastConfig
     from faircast_ds.shard_caster import ShardCaster, ShardSlice, with_padding
 
@@ -590,7 +592,7 @@ def test_shard_caster_serves_the_literals_for_a_slice_at_an_offset(mode):
     n, offset = len(X_BITS), 5
     total = offset + n + 4
     slices = with_padding([ShardSlice(name, start, n, offset), ShardSlice("other", 0, 4, offset + n)], total)
-    caster = ShardCaster(FairCastConfig(mode=mode, seed=seed, on_nonfinite="propagate"))
+    caster = ShardCaster(FairCastConfig(mode=mode, seed=seed, on_nonfinite="propagate"), force_staging=staged)
     caster.step = step - 1
     assert caster.begin_step() == step
     master = torch.cat([torch.full((offset,), 0.3), _f32(X_BITS), torch.full((4,), -0.7)])

@@ -3,7 +3,10 @@
 The build is torch's JIT extension loader (as DeepSpeed builds its CPU ops): about 6 s with g++ on
 two cores, cached under torch's extensions folder (``TORCH_EXTENSIONS_DIR`` moves it). The code is
 compiled for the CPU it runs on (``-march=native``), so the cached build is named after that CPU: a
-shared home folder used by two kinds of machine keeps two builds rather than one that crashes.
+shared home folder used by two kinds of machine keeps two builds rather than one that crashes. The
+name also carries a hash of the source and the flags: torch's loader decides whether to rebuild by
+file times alone (ninja), and a copy or an install can leave a changed source older than the cached
+object, which would then keep serving the old kernel's bits.
 
 Bits do not depend on the flags: the hash and the rounding are integer arithmetic, and error
 feedback's fp32 add and subtract are compiled without ``-ffast-math`` and with
@@ -56,6 +59,14 @@ def _cpu_tag() -> str:
     return hashlib.sha1(desc.encode()).hexdigest()[:10]
 
 
+def build_name(arch: str) -> str:
+    """The cached build's name: the arch, this CPU, and a hash of the source and the flags."""
+    digest = hashlib.sha1(SOURCE.read_bytes())
+    digest.update(repr((CFLAGS, LDFLAGS)).encode())
+    return (f"faircast_ds_fused_cast_{arch.replace('-', '_').replace('.', '_')}_{_cpu_tag()}_"
+            f"{digest.hexdigest()[:10]}")
+
+
 def _build(arch: str) -> ModuleType:
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
@@ -68,7 +79,7 @@ def _build(arch: str) -> ModuleType:
         raise KernelUnavailable("torch's extension builder needs ninja, which is not installed")
     try:
         return cpp_extension.load(
-            name=f"faircast_ds_fused_cast_{arch.replace('-', '_').replace('.', '_')}_{_cpu_tag()}",
+            name=build_name(arch),
             sources=[str(SOURCE)],
             extra_cflags=[*CFLAGS, f"-march={arch}"],
             extra_ldflags=list(LDFLAGS),
