@@ -72,10 +72,12 @@ def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [runner, "--num_gpus", "2", "--master_port", str(port), bench_model_worker.__file__,
+    # as a module: run as a script, its folder (faircast_ds/, which has a deepspeed/ package) would come
+    # first on sys.path and shadow DeepSpeed itself
+    cmd = [runner, "--num_gpus", "2", "--master_port", str(port), "--module", bench_model_worker.__name__,
            stem, model, str(layers), str(stage), config, str(warmup), str(steps)]
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=root)
     for leftover in _shm_buffers(port):  # DeepSpeed's CPU all-reduce never unlinks its /dev/shm buffers
         os.unlink(leftover)
     if proc.returncode != 0:
