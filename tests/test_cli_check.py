@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, cpu_env
+from conftest import DIST, ROOT, cpu_env
 from faircast_ds import cli
 
 GOOD = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
@@ -148,3 +148,132 @@ def test_an_unsupported_deepspeed_release_is_an_error(tmp_path, capsys, monkeypa
     monkeypatch.setattr(deepspeed, "__version__", "0.99.0")
     status, out = check(tmp_path, capsys, {**GOOD, "fair_cast": {}})
     assert status == 1 and "DeepSpeed 0.99.0 is not supported" in out, out
+
+
+# ---- every refusal initialize raises, found by the check ---------------------------------------------
+# What initialize refuses, from reading the attach path: faircast_ds/deepspeed/support.py's
+# check_supported (run on DeepSpeed's parsed config before the engine is built: each `yield` below),
+# adapters/registry.py (the built optimizer's class: ZeRO stage 0's FP16_Optimizer/FP16_UnfusedOptimizer,
+# MiCS_Optimizer), compat.release_problem (the release range) and the section itself (config.py,
+# config_source.py: FairCastConfigError). tests/test_initialize.py sees initialize raise each of them on
+# its worker's configs; the check must report each, from the same config, with the same words.
+# Not from a config, so not the check's to find: a non-finite weight (NonFiniteWeightError at the first
+# step's cast; the check reports the policy, on_nonfinite=error, instead: test_the_nonfinite_policy_is_reported),
+# ranks that disagree or lack Fair Cast (per node: launch/preflight.py), a release whose optimizer
+# internals moved (compat.require_internals, on the built optimizer), a parameter without a name.
+sys.path.insert(0, str(DIST))
+from initialize_worker import CASES as INITIALIZE_CONFIGS  # noqa: E402
+from test_initialize import EXPECTED as INITIALIZE_RAISES  # noqa: E402
+
+NOT_FROM_A_CONFIG = {"nonfinite"}
+SUPPORT_YIELDS = {  # words of each refusal check_supported yields -> the cases that raise it
+    "outside": ["unverified_deepspeed"],
+    "fp16.enabled": ["fp16"],
+    "bf16 is not enabled": ["no_bf16"],
+    "grad_accum_dtype fp32": ["bf16_optimizer_name_clash"],
+    "torch_autocast": ["torch_autocast"],
+    "NVMe offload": ["nvme_param_offload", "nvme_optimizer_offload"],
+    "SuperOffload": ["super_offload"],
+    "ZenFlow": ["zenflow"],
+    "low-precision master weights": ["low_precision_masters"],
+    "zero_quantized_weights": ["quantized_weights", "quantized_nontrainable_weights"],
+    "hierarchical partitioning": ["hpz"],
+}
+# refusals of releases other than the installed one, their config made as such a release reads it
+OTHER_RELEASES = {
+    # 0.18.0 - 0.18.4 build FP16_UnfusedOptimizer for BF16_Optimizer's config (compat.bf16_optimizer_buildable)
+    "bf16_optimizer_name_clash": ("bf16 + zero_optimization.stage 1 + data_types.grad_accum_dtype fp32",
+                                  {"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}),
+    # before 0.19.8 mics_shard_size > 0 builds MiCS_Optimizer (0.19.8's own parser refuses the key)
+    "mics": ("optimizer would be MiCS_Optimizer", {"zero_optimization": {"stage": 3, "mics_shard_size": 2}}),
+}
+
+
+def error_blocks(out: str) -> list[str]:
+    """Each ERROR line of the check's output with its continuation lines."""
+    blocks: list[list[str]] = []
+    current: list[str] | None = None
+    for line in out.splitlines():
+        if line.startswith("  ERROR "):
+            current = [line]
+            blocks.append(current)
+        elif current is not None and line.startswith(" " * 9):
+            current.append(line)
+        else:
+            current = None
+    return ["\n".join(block) for block in blocks]
+
+
+@pytest.mark.parametrize("case", sorted(set(INITIALIZE_RAISES) - NOT_FROM_A_CONFIG))
+def test_the_check_finds_every_refusal_initialize_raises(tmp_path, capsys, monkeypatch, case):
+    """Each config tests/test_initialize.py sees initialize refuse: the check exits 1 with an ERROR that
+    names the same exception and carries the same words as initialize's message."""
+    import deepspeed
+
+    kind, words = INITIALIZE_RAISES[case]
+    if case == "unverified_deepspeed":  # the worker's good config, on a release outside the range
+        monkeypatch.setattr(deepspeed, "__version__", "0.99.0")
+        config = {**GOOD, "fair_cast": {"mode": "stochastic"}}
+    else:
+        config = INITIALIZE_CONFIGS[case]
+    status, out = check(tmp_path, capsys, config)
+    assert status == 1, out
+    blocks = [b for b in error_blocks(out) if words in b]
+    assert blocks, f"{case}: no ERROR with {words!r}:\n{out}"
+    assert f"initialize would raise {kind}" in blocks[0], blocks[0]
+    assert out.rstrip().endswith("(exit 1)")
+
+
+@pytest.mark.parametrize("case", sorted(OTHER_RELEASES))
+def test_the_check_finds_the_refusals_of_other_releases(tmp_path, capsys, monkeypatch, case):
+    """Refusals the installed release cannot reach, with the config read as that release reads it."""
+    from deepspeed.runtime import config as ds_config_module
+
+    from faircast_ds.deepspeed import compat
+
+    words, extra = OTHER_RELEASES[case]
+    if case == "bf16_optimizer_name_clash":
+        monkeypatch.setattr(compat, "bf16_optimizer_buildable", lambda: False)
+    else:
+        parse = ds_config_module.DeepSpeedConfig.__init__
+
+        def parse_as_before_0198(self, cfg, *args, **kwargs):  # 0.16.9/0.18.9 config.py: mics_shard_size kept
+            zero = dict(cfg.get("zero_optimization", {}))
+            mics = zero.pop("mics_shard_size", -1)
+            parse(self, {**cfg, "zero_optimization": zero}, *args, **kwargs)
+            self.mics_shard_size = mics
+
+        monkeypatch.setattr(ds_config_module.DeepSpeedConfig, "__init__", parse_as_before_0198)
+    status, out = check(tmp_path, capsys, {**GOOD, **extra, "fair_cast": {}})
+    blocks = [b for b in error_blocks(out) if words in b]
+    assert status == 1 and blocks and "initialize would raise UnsupportedSetupError" in blocks[0], out
+    if case == "mics":
+        assert "MiCS partitions differently and is not verified" in blocks[0]
+
+
+def test_the_refusal_list_is_every_refusal_support_py_yields():
+    """Each ``yield`` of support._problems has its words in SUPPORT_YIELDS, and each of their cases is
+    checked above: a refusal added to support.py without a case here fails."""
+    import ast
+    import inspect
+
+    from faircast_ds.deepspeed import support
+
+    source = inspect.getsource(support._problems)
+    yields = [ast.get_source_segment(source, node) for node in ast.walk(ast.parse(source))
+              if isinstance(node, ast.Yield)]
+    assert len(yields) == len(SUPPORT_YIELDS), yields
+    for text in yields:
+        found = [words for words in SUPPORT_YIELDS if words in text]
+        assert len(found) == 1, (text, found)
+        for case in SUPPORT_YIELDS[found[0]]:
+            assert case in INITIALIZE_RAISES or case in OTHER_RELEASES, case
+
+
+def test_the_nonfinite_policy_is_reported(tmp_path, capsys):
+    """A non-finite weight is found by the first step's cast, not in a config: the check states what
+    the section will do with one."""
+    for policy in ("error", "propagate"):
+        status, out = check(tmp_path, capsys, {**GOOD, "fair_cast": {"mode": "dither", "on_nonfinite": policy}})
+        assert status == 0, out
+        assert f"(banner: source=config): mode=dither seed=0 on_nonfinite={policy} diagnostics.every=10" in out

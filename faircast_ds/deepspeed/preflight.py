@@ -184,6 +184,8 @@ def _predicted_optimizer(parsed) -> str:
     accum = getattr(getattr(parsed, "grad_accum_dtype", None), "value", getattr(parsed, "grad_accum_dtype", None))
     fp32_accum = accum in (torch.float32, "fp32", "float32", "torch.float32")
     offload = compat.offload_device(getattr(parsed.zero_config, "offload_optimizer", None))
+    if stage == 3 and (getattr(parsed, "mics_shard_size", -1) or -1) > 0:
+        return "MiCS_Optimizer"  # releases before 0.19.8 (from 0.19.8 DeepSpeed's own parser refuses the key)
     if stage == 0:  # bf16 without ZeRO: FP16_Optimizer around a fused optimizer, else FP16_UnfusedOptimizer
         return "BF16_Optimizer" if fp32_accum else "FP16_Optimizer" if parsed.optimizer_name else "FP16_UnfusedOptimizer"
     if stage == 1 and fp32_accum and offload in ("none", "None"):

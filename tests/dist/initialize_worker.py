@@ -20,6 +20,12 @@ def with_zero(**zero):
     return cfg
 
 
+def with_top(**keys):
+    cfg = ds_config("stochastic")
+    cfg.update(keys)
+    return cfg
+
+
 def fp16_instead_of_bf16():
     cfg = ds_config("stochastic")
     del cfg["bf16"]
@@ -48,6 +54,10 @@ CASES = {
     "hpz": with_zero(zero_hpz_partition_size=2),
     "super_offload": with_zero(offload_optimizer={"device": "cpu", "super_offload": True}),
     "zenflow": with_zero(offload_optimizer={"device": "cpu"}, zenflow={"topk_ratio": 0.1}),
+    "nvme_optimizer_offload": with_zero(offload_optimizer={"device": "nvme", "nvme_path": "/tmp/faircast_nvme_unused"}),
+    "quantized_nontrainable_weights": with_zero(zero_quantized_nontrainable_weights=True),
+    "torch_autocast": with_top(torch_autocast={"enabled": True}),
+    "low_precision_masters": with_top(bf16={"enabled": True, "bf16_master_weights_and_grads": True}),
     "misspelled_key": fair_cast({"enabled": True, "moed": "stochastic"}),
     "wrong_type": fair_cast({"enabled": True, "seed": "1234"}),
     "unknown_mode": fair_cast({"mode": "stochastc"}),
