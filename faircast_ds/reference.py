@@ -124,7 +124,8 @@ def error_feedback_element(v: float, e: float) -> tuple[int, float]:
         return (_f32_bits(v) >> 16) | 0x0040, 0.0
     if math.isinf(v):
         return _f32_bits(v) >> 16, 0.0
-    y = v if e == 0 else float(np.float32(v) + np.float32(e))  # the fp32 sum, rounded once
+    with np.errstate(over="ignore"):  # a sum past the fp32 range is Inf, as the rules expect
+        y = v if e == 0 else float(np.float32(v) + np.float32(e))  # the fp32 sum, rounded once
     lo, hi = _neighbours(v)
     candidate = _bf16_value(nearest_bits(y))
     served = min(max(candidate, min(_bf16_value(lo), _bf16_value(hi))), max(_bf16_value(lo), _bf16_value(hi)))
@@ -132,7 +133,8 @@ def error_feedback_element(v: float, e: float) -> tuple[int, float]:
         served = _bf16_value(lo)
     if math.isinf(served) and not math.isinf(_bf16_value(nearest_bits(v))):
         served = _bf16_value(lo)
-    r = float(np.float32(y) - np.float32(served)) if math.isfinite(y) else math.inf
+    with np.errstate(over="ignore"):
+        r = float(np.float32(y) - np.float32(served)) if math.isfinite(y) else math.inf
     bits = _f32_bits(served) >> 16
     return bits, (r if math.isfinite(r) else 0.0)
 
