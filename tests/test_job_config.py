@@ -82,6 +82,9 @@ def test_config_validates_outside_the_command_line_too():
     assert cfg.rollout_engine == "vllm" and cfg.modes == ("nearest", "dither") and cfg.seed_ids == (0,)
     assert JobConfig.from_json(JobConfig(seed_list=(3, 4), off_grid=True).to_json()) == \
         JobConfig(seed_list=(3, 4), off_grid=True)
+    # a run.json from before the regimes (docs/grpo/default): the large-step job, no evaluations or KL
+    legacy = JobConfig.from_json({"steps": 300, "lr": 1e-4, "hidden": 256, "modes": ["fp32", "nearest"]})
+    assert (legacy.regime, legacy.prompt_vocab, legacy.eval_every, legacy.kl_every) == ("large-step", 0, 0, 0)
     assert set(JOB_MODES) == {"fp32", "nearest", "stochastic", "dither", "error_feedback"}
 
 
