@@ -10,7 +10,8 @@ deepspeed, torch and packaging.
 
 Per rank, in one launch:
 1. env route: the actor engine (OpenRLHF's train config) and a reference engine (its eval config,
-   ZeRO-3 without optimizer: DeepSpeedZeRoOffload), 3 steps; served bits, masters, the banner's source;
+   ZeRO-3 without optimizer: DeepSpeedZeRoOffload), 3 steps; served bits, the banner's source, and
+   DeepSpeed's fp32 masters with the served bits for the oracle (openrlhf_style.pt);
 2. JSON route: FAIRCAST_DS_CONFIG removed, the same section put into the same dict, the same model
    and steps; served bits;
 3. FAIRCAST_DS_CONFIG on rank 0 only: the ranks disagree, and initialize says so on every rank;
@@ -33,7 +34,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import finish, full_served_bits, gather_shards, tiny_qwen3, train_step, write_json  # noqa: E402
+from common import finish, full_served_bits, tiny_qwen3, train_step, write_json  # noqa: E402
+from served_record import snapshot  # noqa: E402
 
 
 def openrlhf_builders():
@@ -103,11 +105,8 @@ def main() -> None:
                   ref_optimizer=type(ref.optimizer).__name__, ref_attached=get_fair_cast(ref) is not None,
                   config_has_section="fair_cast" in cfg)
     env_bits = run_steps(actor, rank)
-    numels = {n: int(p.ds_numel) for n, p in actor.module.named_parameters()}
-    masters, served = gather_shards(fc, numels)
-    rn_diff = sum(int((served[n] != (masters[n].to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF)).sum())
-                  for n in numels)
-    result.update(served_vs_rn=rn_diff, numel=sum(numels.values()))
+    # DeepSpeed's fp32 masters and the gathered served bits, with DeepSpeed's step count, for the oracle
+    env_snapshot = snapshot(actor.module, actor.global_steps)
 
     # 2. the JSON route: the same section inside the dict, the variable gone
     del os.environ["FAIRCAST_DS_CONFIG"]
@@ -159,6 +158,7 @@ def main() -> None:
     result["disabled_seconds"] = time.monotonic() - started
     DeepSpeedEngine.__init__ = wrapped
     if rank == 0:
+        torch.save(env_snapshot, os.path.join(out, "openrlhf_style.pt"))
         write_json(os.path.join(out, "openrlhf_style.json"), result)
     finish()
     sys.stdout.flush()
