@@ -9,6 +9,7 @@ test, the lag transient, the delay fit, the evaluation-batch gap, the KL per ste
 from __future__ import annotations
 
 import csv
+import json
 import math
 import random
 from pathlib import Path
@@ -188,6 +189,9 @@ def test_readme_text_is_the_csv(paper, headline):
         f"our reward effect is {100 * gap:+.2f} points (fp32 − RN, final window) over 8 pairs, W/T/L "
         f"{wtl(fin['fp32'] - fin['nearest'], 0.01)} (dither − RN {wtl(d_fin, 0.01)})",
     ]
+    wall_min = json.loads((PAPER.parent / "run.json").read_text())["wall_s"] / 60
+    expected += [f"(8 seeds; wall {wall_min:.0f} min)",
+                 f"GRPO on a tiny Qwen3 ({paper['fp32']['numel'][0, 0] / 1000:.0f}k parameters"]
     for phrase in expected:
         assert phrase in text, phrase
     # seed 0 is the smallest fp32 − RN gap of the eight, and a tie for every mode in the final window
