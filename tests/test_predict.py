@@ -396,3 +396,50 @@ def test_job_save_at_option() -> None:
     for bad in ("0", "501", "x", "5,-1"):
         with pytest.raises(SystemExit):
             parse(["--steps", "500", "--save-at", bad])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The committed validation (docs/predict/): the plot rebuilds from its CSV, the quoted law from the CSV
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VALIDATION_CSV = os.path.join(ROOT, "docs", "predict", "delay.csv")
+
+
+def _validation():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("predict_validation",
+                                                  os.path.join(ROOT, "benchmarks", "predict_validation.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_validation_plot_rebuilds_byte_for_byte(tmp_path) -> None:
+    out = tmp_path / "delay.png"
+    _validation().plot(VALIDATION_CSV, str(out))
+    with open(os.path.join(ROOT, "docs", "predict", "delay.png"), "rb") as f:
+        assert out.read_bytes() == f.read()
+
+
+def test_validation_law_as_docs_quote_it() -> None:
+    """docs/predict.md's fit (delay ~ lr^-1.002, ~ std^+0.87) and the median error of the delay from the
+    initial weights (1.02), recomputed from the CSV with numpy."""
+    import csv
+
+    import numpy as np
+
+    with open(VALIDATION_CSV) as f:
+        init = [r for r in csv.DictReader(f) if r["source"] == "init"]
+    by_lr = [r for r in init if float(r["init_std"]) == 0.1]
+    slope = np.polyfit(np.log([float(r["lr"]) for r in by_lr]), np.log([float(r["meas_delay_steps"]) for r in by_lr]), 1)[0]
+    assert round(slope, 3) == -1.002 and len(by_lr) == 10
+    by_std = [r for r in init if float(r["lr"]) == 1.5e-6]
+    slope = np.polyfit(np.log([float(r["init_std"]) for r in by_std]),
+                       np.log([float(r["meas_delay_steps"]) for r in by_std]), 1)[0]
+    assert round(slope, 2) == 0.87
+    ratio = np.median([float(r["pred_delay_steps"]) / float(r["meas_delay_steps"]) for r in init])
+    assert round(ratio, 2) == 1.02
+    with open(os.path.join(ROOT, "docs", "predict.md")) as f:
+        doc = f.read()
+    assert "**−1.002**" in doc and "**+0.87**" in doc and "**1.02** [0.96, 1.20]" in doc
