@@ -99,3 +99,21 @@ def test_no_full_fp32_model_and_nothing_fp32_gathered(stage_runs, world, run):
         assert a["residual_numel"] == residual  # the residual is state: one fp32 per local shard element
         assert a["cast_collectives"] == [], "the cast must not communicate"
         assert a["n_gathers"] > 0 and all(g.endswith(":torch.bfloat16") for g in a["gathers"]), a["gathers"]
+
+
+@pytest.mark.parametrize("world", (1, 2, 3))
+def test_engine_methods_are_wrapped_once_with_the_documented_hooks(stage_runs, world):
+    """On a real engine of every stage: step, save, load and module-load are each one dispatcher over
+    DeepSpeed's own method, running the hooks faircast_ds/deepspeed/hooks.py lists, in that order."""
+    expected = ["engine.step: before guard", "engine.step: after guard",
+                "engine.save_checkpoint: around checkpoint state", "engine.load_checkpoint: before guard",
+                "engine.load_checkpoint: around checkpoint state", "engine.load_checkpoint: after guard",
+                "engine.load_module_state_dict: around checkpoint state"]
+    for rank_report in reports(stage_runs, world):
+        for run, r in rank_report["training"].items():
+            if not r["attached"]:
+                continue
+            assert all(r["wrapped_once"].values()), (run, r["wrapped_once"])
+            owners = [":".join(line.split(":")[:2]) for line in r["hooks"]]
+            diagnostics = ["engine.step: after diagnostics"] if "engine.step: after diagnostics" in owners else []
+            assert owners == expected[:1] + diagnostics + expected[1:], (run, owners)

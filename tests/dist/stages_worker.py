@@ -51,6 +51,10 @@ def training_checks(mode: str, stage: str) -> dict:
            "optimizer": optimizer_class(engine), "zero_stage": fc.adapter.zero_stage if fc else None}
     if fc is None:
         return res
+    # each engine method Fair Cast hooks is replaced once, by one dispatcher over DeepSpeed's own method
+    res["hooks"] = fc.extras["hooks"].describe()
+    res["wrapped_once"] = {m: getattr(getattr(engine, m).__wrapped__, "__func__", None) is getattr(DeepSpeedEngine, m)
+                           for m in ("step", "save_checkpoint", "load_checkpoint", "load_module_state_dict")}
     adapter, cfg = fc.adapter, fc.config
     groups = list(adapter.flat_groups())
     replay_res = {k: torch.zeros(m.numel()) for k, m, _, _ in groups}
