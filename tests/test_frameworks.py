@@ -109,7 +109,7 @@ def test_find_handle_reaches_the_handle_through_the_trainers_optimizer_wrappers(
     from test_guard import TwoGroups
 
     from faircast_ds.handle import build
-    from faircast_ds.routes import ROUTES
+    from faircast_ds.routes import DEEPSPEED_RUNTIME, ROUTES  # the route a Trainer's DeepSpeed engine takes
     from faircast_ds.shard_caster import ShardCaster
     from faircast_ds.transformers import find_handle
 
@@ -120,7 +120,7 @@ def test_find_handle_reaches_the_handle_through_the_trainers_optimizer_wrappers(
     adapter = TwoGroups(ShardCaster(config))
     adapter.optimizer = Optimizer()
     engine = SimpleNamespace()
-    handle = build(config, [adapter], route="test", owner=engine, connect=lambda a: None)
+    handle = build(config, [adapter], route=DEEPSPEED_RUNTIME, owner=engine, connect=lambda a: None)
     try:
         wrapped = SimpleNamespace(optimizer=SimpleNamespace(optimizer=adapter.optimizer))
         assert find_handle(None, wrapped) is handle
