@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ DIST = ROOT / "tests" / "dist"
 
 
 _RESERVED: list[socket.socket] = []  # the sockets holding the ports free_port handed out, oldest first
+_HANDED_OUT: set[int] = set()  # every port free_port handed out in this session
 
 
 def free_port() -> int:
@@ -33,6 +35,7 @@ def free_port() -> int:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("127.0.0.1", 0))
     _RESERVED.append(s)
+    _HANDED_OUT.add(s.getsockname()[1])
     if len(_RESERVED) > 512:  # a long session: release the oldest (its launch finished long ago)
         _RESERVED.pop(0).close()
     return s.getsockname()[1]
@@ -130,11 +133,14 @@ def _release_deepspeed_shm_buffers():
     """After each test module: remove the per-rank /dev/shm all-reduce buffers DeepSpeed's CPU backend
     leaves behind (66 MiB each, never unlinked) by launches that did not go through deepspeed_launch
     (the job, vLLM, Accelerate and soak launches; a SIGKILLed rank never cleans up either), so that a
-    long suite does not fill the machine's memory with them. Only buffers created during this session."""
+    long suite does not fill the machine's memory with them. Only buffers of this session's launches (named
+    after a port free_port handed out here): a pytest session running beside this one keeps its live
+    jobs' buffers (deleting them left its ranks waiting for each other's buffer forever)."""
     yield
     for leftover in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+        port = re.search(r"_(\d+)_\d+$", leftover.name)
         try:
-            if leftover.stat().st_mtime >= _SESSION_START:
+            if port and int(port[1]) in _HANDED_OUT and leftover.stat().st_mtime >= _SESSION_START:
                 leftover.unlink()
         except FileNotFoundError:
             pass
