@@ -8,16 +8,20 @@ those a run that never stopped had at that step — or refuse naming what is inc
 killed save left behind must be refused the same way or load completely; and at the end the served
 bits, the masters and the residual equal those of the run that never stopped.
 
-CI runs the chosen kill points and one random one (about a minute on a quiet machine). By hand, a
-longer seeded schedule:
+CI runs the chosen kill points and then, drawn at random, one at each documented site they leave out, so
+that every site is killed at in every run (about a minute and a half on a quiet machine); the test
+checks the sites the launches actually died at against the worker's documented list. By hand, a longer
+seeded schedule:
 
     FAIRCAST_SOAK_RESTARTS=30 FAIRCAST_SOAK_STEPS=24 FAIRCAST_SOAK_SEED=7 DS_ACCELERATOR=cpu \
         python3 -m pytest -q -s -p no:cacheprovider tests/test_soak.py
 
 (FAIRCAST_SOAK_RUNS=zero3/error_feedback,zero3/stochastic,... picks the runs.) A random kill point is
 drawn among the moments the next launch will reach (from what the runs' `latest` say is left to do),
-at most two save rounds or three steps ahead, so kills keep landing until the job is done; the draw
-depends only on the seed and on the checkpoints on disk, so a failing schedule replays from its seed.
+at most two save rounds or three steps ahead, so kills keep landing until the job is done; its site
+rotates: drawn among the sites the schedule has not killed at yet while there are such sites, then
+among all. The draw depends only on the seed and on the checkpoints on disk, so a failing schedule
+replays from its seed.
 The outcome table is printed and written to soak_table.md in pytest's base folder.
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -41,6 +46,8 @@ STEPS, EVERY = int(os.environ.get("FAIRCAST_SOAK_STEPS", "6")), 2
 SITES = ("save:before_state", "save:between", "save:zero_file", "save:latest", "save:after_latest", "load:zero",
          "load:state", "step:cast")
 CHOSEN = ["save:between:2", "save:zero_file:1", "save:latest:1", "load:zero:1"]  # each one is reached
+# the kill sites the worker's docstring lists (two-space indent, site, two or more spaces, what it is)
+DOCUMENTED = tuple(re.findall(r"^  ((?:save|load|step):\w+)  +\S", WORKER.read_text().split('"""')[1], re.M))
 REFUSALS = ("IncompleteCheckpointError", "FairCastStateError")
 
 
@@ -49,8 +56,9 @@ def latest_step(run_dir: Path) -> int:
     return int(latest.read_text().strip().removeprefix("global_step")) if latest.exists() else 0
 
 
-def random_kill(rng: random.Random, root: Path) -> str | None:
-    """A kill point the next launch reaches, drawn from what is left to do (None: the job is done)."""
+def random_kill(rng: random.Random, root: Path, tried: set[str]) -> str | None:
+    """A kill point the next launch reaches, drawn from what is left to do (None: the job is done), at a
+    site not in ``tried`` while one is reachable."""
     done = [latest_step(root / run.replace("/", "-")) for run in RUNS]
     saves = sum(sum(1 for t in range(at + 1, STEPS + 1) if t % EVERY == 0 or t == STEPS) for at in done)
     steps = sum(STEPS - at for at in done)
@@ -59,7 +67,8 @@ def random_kill(rng: random.Random, root: Path) -> str | None:
     reach.update({"load:zero": loads, "load:state": loads, "step:cast": min(steps, 3 * len(RUNS))})
     if saves == 0:
         return None
-    site = rng.choice([site for site in SITES if reach[site] > 0])
+    reachable = [site for site in SITES if reach[site] > 0]
+    site = rng.choice([site for site in reachable if site not in tried] or reachable)
     rank = 0 if site in ("save:latest", "save:after_latest") else rng.randint(0, 1)
     return f"{site}:{rng.randint(1, reach[site])}:{rank}"
 
@@ -73,17 +82,21 @@ def launch(root: Path, out: Path, *args: str, **env: str):
 def soak(tmp_path_factory):
     root = tmp_path_factory.mktemp("soak_ckpt")
     rng = random.Random(SEED)
-    planned = list(CHOSEN) + [None] if RESTARTS == 0 else [None] * RESTARTS  # None: drawn at random
-    launches = []
+    left_out = len(set(SITES) - {":".join(kill.split(":")[:2]) for kill in CHOSEN})
+    planned = list(CHOSEN) + [None] * left_out if RESTARTS == 0 else [None] * RESTARTS  # None: drawn at random
+    launches, tried = [], set()
     for i, kill in enumerate(planned + ["last"]):
-        kill = None if kill == "last" else kill or random_kill(rng, root)  # None: the job is done
+        kill = None if kill == "last" else kill or random_kill(rng, root, tried)  # None: the job is done
+        if kill:
+            tried.add(":".join(kill.split(":")[:2]))
         out = tmp_path_factory.mktemp(f"soak_{i:02d}")
         # the last launch, never killed, also trains the runs that never stopped (the reference)
         proc = launch(root, out, FAIRCAST_TEST_KILL_AT=kill) if kill else launch(root, out, "--reference")
         log = (out / "launch.log").read_text()
         report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {"runs": {}}
+        died = json.loads((out / "killed.json").read_text()) if (out / "killed.json").exists() else None
         launches.append({"kill": kill, "rc": proc.returncode, "killed": "exits with return code = -9" in log,
-                         "out": out, "report": report, "log_tail": log[-3000:]})
+                         "died_at": died, "out": out, "report": report, "log_tail": log[-3000:]})
         if kill is None:
             break
     reference = launches[-1]["out"]
@@ -146,6 +159,27 @@ def test_every_launch_was_killed_or_completed(soak, tmp_path_factory):
     # every kill point, chosen or drawn, is one the launch reaches
     assert all(item["killed"] for item in soak["launches"][:-1]), [(i["kill"], i["killed"]) for i in soak["launches"]]
     assert soak["launches"][-1]["rc"] == 0 and soak["launches"][-1]["report"].get("completed")
+
+
+def test_every_documented_site_is_killed_at(soak):
+    """The sites the launches died at (each rank records its site before its SIGKILL) are the sites the
+    worker documents, all of them, in CI's schedule: none can silently go untried."""
+    assert set(DOCUMENTED) == set(SITES) and len(DOCUMENTED) == len(SITES) == 8, (DOCUMENTED, SITES)
+    died = []
+    for item in soak["launches"]:
+        if item["kill"] is None:
+            assert item["died_at"] is None, item["died_at"]
+            continue
+        kind, name, n, *rank = item["kill"].split(":")
+        site = f"{kind}:{name}"
+        planned = {"site": site, "n": int(n),
+                   "rank": int(rank[0]) if rank else 0 if site in ("save:latest", "save:after_latest") else 1}
+        assert item["died_at"] == planned, f"{item['kill']}: the launch died at {item['died_at']}"
+        died.append(site)
+    if RESTARTS == 0:  # CI's schedule: every documented site, each one killed at
+        assert sorted(set(died)) == sorted(DOCUMENTED), f"seed {SEED}: killed at {sorted(set(died))}"
+    else:
+        print(f"\nseed {SEED}: killed at {len(set(died))} of the {len(DOCUMENTED)} sites: {sorted(set(died))}")
 
 
 def test_every_restart_resumes_a_complete_checkpoint_of_one_step(soak):

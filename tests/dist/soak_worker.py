@@ -3,7 +3,8 @@
 Each run (a ZeRO stage and a Fair Cast mode, its own checkpoint folder under --root) resumes from the
 checkpoint `latest` names, if any, trains up to --steps and saves every --every steps, the runs in
 lockstep. FAIRCAST_TEST_KILL_AT=<site>:<n>[:<rank>] SIGKILLs that rank the n-th time this process
-reaches the site (rank 1 by default; the `latest` sites are rank 0's):
+reaches the site (rank 1 by default; the `latest` sites are rank 0's) and records the site it died at in
+OUT_DIR/killed.json. The sites (tests/test_soak.py checks that its CI schedule kills at each one):
 
   save:before_state   inside save_checkpoint, before Fair Cast's state is written
   save:between        after our state, before DeepSpeed's model file (its _save_checkpoint)
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import re
 import signal
@@ -66,6 +68,10 @@ class Killer:
         return self.count == self.n
 
     def die(self) -> None:
+        """Record where this rank dies (OUT_DIR/killed.json: the test checks that every documented site
+        was reached), then SIGKILL this process."""
+        with open(os.path.join(os.environ["OUT_DIR"], "killed.json"), "w") as f:  # closed before the kill
+            json.dump({"site": self.site, "n": self.n, "rank": dist.get_rank()}, f)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
