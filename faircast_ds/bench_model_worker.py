@@ -121,7 +121,10 @@ def main(argv: list[str]) -> None:
     load_guard_s = guard_clock.take()
     if rank == 0:
         shutil.rmtree(ckpt, ignore_errors=True)
-    shard = sum(int(master.numel()) for _, master, _, _ in fc.adapter.flat_groups()) if fc is not None else None
+    if fc is not None:
+        shard = sum(int(master.numel()) for _, master, _, _ in fc.adapter.flat_groups())
+    else:  # plain ZeRO-3: this rank's partitions (ZeRO-2 keeps no per-parameter record of them)
+        shard = sum(int(p.ds_tensor.numel()) for p in engine.module.parameters() if hasattr(p, "ds_tensor")) or None
     result = {"rank": rank, "config": config, "stage": stage, "model": model_name, "layers": layers,
               "params": sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()),
               "shard_elements": shard, "build_s": build_s, "warmup": warmup, "steps": rows,
