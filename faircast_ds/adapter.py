@@ -53,7 +53,7 @@ class Setup:
         return " ".join(f"{k}={v}" for k, v in self.fields)
 
     def state(self) -> dict[str, int | str | None]:
-        """The entries the state file records (``faircast_ds.checkpoint.save_state``)."""
+        """The entries the state file records (``faircast_ds.cast_state.save_state``)."""
         return dict(self.fields)
 
 

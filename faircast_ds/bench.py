@@ -314,7 +314,7 @@ def to_json(report: Report) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``faircast-ds bench`` (see ``faircast_ds.cli``)."""
+    """``faircast-ds bench`` (see ``faircast_ds.deepspeed.cli``)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="faircast-ds bench", description=__doc__.splitlines()[0])

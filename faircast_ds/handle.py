@@ -5,7 +5,7 @@ one handle type, :class:`FairCast`.
 ``build`` does what every route needs and nothing framework-specific: it builds the fused kernel for
 the masters' devices, registers each adapter's route, wires diagnostics as the caster's first observer,
 applies rounding-location alignment to the module, and prints the one banner. The integrations do the
-rest around it (DeepSpeed: ``faircast_ds.deepspeed.hooks`` lists what runs around an engine's methods).
+rest around it (DeepSpeed: ``faircast_ds.deepspeed.engine_hooks`` lists what runs around an engine's methods).
 """
 from __future__ import annotations
 

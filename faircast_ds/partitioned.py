@@ -2,7 +2,7 @@
 full shape and gathers them, without knowing the framework.
 
 An integration registers a :class:`Layout` for the parameters it partitions
-(``faircast_ds.deepspeed.params.ZERO3``, registered when ``faircast_ds.deepspeed.engine`` is imported:
+(``faircast_ds.deepspeed.params.ZERO3``, registered when ``faircast_ds.deepspeed.attachment`` is imported:
 by the interpreter-start hook with DeepSpeed's engine module, or by ``attach``). A parameter no
 registered layout claims is an ordinary one: its data is all of it.
 """

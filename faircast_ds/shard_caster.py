@@ -57,7 +57,7 @@ class NonFiniteWeightError(FloatingPointError):
 
     Raised only once the whole flat shard has been cast (every slice, residual included), so that the
     served copy is one step's cast throughout, never half of this step and half of the last; the
-    caster keeps it as ``failed`` until the next step, and :func:`faircast_ds.checkpoint.complete_step`
+    caster keeps it as ``failed`` until the next step, and :func:`faircast_ds.cast_state.complete_step`
     casts the flat shards the step did not reach before a checkpoint is written."""
 
 

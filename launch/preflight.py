@@ -38,7 +38,7 @@ def describe_before_initialize(config: dict[str, Any]) -> dict[str, Any]:
     wrapped DeepSpeed's engine), and which section would the engine get. Needs no collective of
     Fair Cast's, so a node without the package is named instead of hanging the job."""
     try:
-        from faircast_ds.deepspeed.engine import installed
+        from faircast_ds.deepspeed.attachment import installed
     except ImportError:  # the package is missing on this node
         loaded = False
     else:

@@ -134,7 +134,7 @@ _ONE_GROUP_ADAPTER = """
         caster.begin_step()
         caster.cast_flat('g', a.master, a.served, a.slices)
         import tempfile
-        from faircast_ds.checkpoint import save_state
+        from faircast_ds.cast_state import save_state
         tag = tempfile.mkdtemp()
 """
 
@@ -156,7 +156,7 @@ def test_error_feedback_state_round_trips_after_the_in_place_save(tmp_path):
 
     from faircast_ds.adapter import Adapter
     from faircast_ds.casts import bf16_bits
-    from faircast_ds.checkpoint import restore_state, save_state
+    from faircast_ds.cast_state import restore_state, save_state
     from faircast_ds.config import FairCastConfig
     from faircast_ds.shard_caster import ShardCaster, ShardSlice
 

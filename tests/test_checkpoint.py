@@ -27,7 +27,7 @@ NONFINITE = ["zero3/stochastic", "zero2/error_feedback"]
 
 def convert(tag_dir: Path, out: Path, ours: bool = True) -> None:
     """``faircast-ds to-universal`` (ours) or DeepSpeed's own ds_to_universal, which drops fair_cast/."""
-    cmd = ([sys.executable, "-m", "faircast_ds.cli", "to-universal", str(tag_dir), str(out)] if ours else
+    cmd = ([sys.executable, "-m", "faircast_ds.deepspeed.cli", "to-universal", str(tag_dir), str(out)] if ours else
            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
             "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=cpu_env(), cwd=ROOT, timeout=300)

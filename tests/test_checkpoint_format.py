@@ -1,4 +1,4 @@
-"""faircast_ds.checkpoint in process, with a fake two-group adapter and fake ranks (no DeepSpeed launch).
+"""faircast_ds.cast_state in process, with a fake two-group adapter and fake ranks (no DeepSpeed launch).
 
 The fake adapter lays out parameters the way ZeRO-1/2 does: each flat group concatenates its parameters
 (each aligned to ALIGN elements, the gaps are padding), pads the whole to a multiple of the world size and
@@ -16,10 +16,10 @@ from typing import Hashable, Iterator
 import pytest
 import torch
 
-from faircast_ds import checkpoint
+from faircast_ds import cast_state as checkpoint
 from faircast_ds.adapter import Adapter, Setup
 from faircast_ds.casts import MODES, bf16_bits, cast, fp32_bits
-from faircast_ds.checkpoint import FairCastStateError, publish_restored, reset_state, restore_state, save_state
+from faircast_ds.cast_state import FairCastStateError, publish_restored, reset_state, restore_state, save_state
 from faircast_ds.config import FairCastConfig
 from faircast_ds.shard_caster import ShardCaster, ShardSlice, with_padding
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import DIST, ROOT, cpu_env
-from faircast_ds import cli
+from faircast_ds.deepspeed import cli
 
 GOOD = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
 
@@ -110,7 +110,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WO
                   FAIRCAST_DS_AUTOLOAD="0")
 import deepspeed
 from deepspeed.runtime.config import DeepSpeedConfig
-from faircast_ds.deepspeed.preflight import _predicted_optimizer
+from faircast_ds.deepspeed.check import _predicted_optimizer
 from faircast_ds.models import tiny_qwen3
 out = []
 for zero, types in json.loads(sys.argv[2]):

@@ -173,14 +173,14 @@ def test_bytes_per_step_table(run, capsys):
 
 def inspect(*args: str) -> tuple[int, str]:
     """`faircast-ds inspect ARGS` as users run it (a new process)."""
-    proc = subprocess.run([sys.executable, "-m", "faircast_ds.cli", "inspect", *map(str, args)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "faircast_ds.deepspeed.cli", "inspect", *map(str, args)], capture_output=True,
                           text=True, env=cpu_env(), cwd=ROOT, timeout=120)
     return proc.returncode, proc.stdout + proc.stderr if proc.returncode > 1 else proc.stdout
 
 
 def inspect_json(capsys, *args: str) -> dict:
     """The same command in this process, its --json output parsed."""
-    from faircast_ds import cli
+    from faircast_ds.deepspeed import cli
 
     capsys.readouterr()
     assert cli.main(["inspect", *map(str, args), "--json"]) == 0
@@ -234,7 +234,7 @@ def test_inspect_export_with_its_checkpoint(run, tmp_path, capsys):
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0x40
     weights.write_bytes(bytes(data))
-    from faircast_ds import cli
+    from faircast_ds.deepspeed import cli
 
     capsys.readouterr()
     assert cli.main(["inspect", str(damaged)]) == 1

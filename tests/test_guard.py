@@ -130,7 +130,7 @@ def test_bits_a_restore_writes_itself_are_taken_as_fair_casts():
     """error_feedback's restore puts the saved served bits into the shards without a cast; the caster tells
     its observers (checkpoint.publish_restored), so the full check after the load passes on them, and
     still catches a later overwrite."""
-    from faircast_ds.checkpoint import publish_restored
+    from faircast_ds.cast_state import publish_restored
 
     adapter, g = setup("error_feedback")
     step(adapter, g, full=True)

@@ -110,7 +110,7 @@ def node_procs(out: Path, port: int, args: list[str], tag: str) -> list[Proc]:
 
 
 def to_universal(tag_dir: Path, out: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "faircast_ds.cli", "to-universal", str(tag_dir), str(out)],
+    proc = subprocess.run([sys.executable, "-m", "faircast_ds.deepspeed.cli", "to-universal", str(tag_dir), str(out)],
                           capture_output=True, text=True, env=cpu_env(), cwd=ROOT, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

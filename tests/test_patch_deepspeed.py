@@ -1,5 +1,5 @@
 """patches/deepspeed-0.19.8-fair-cast.patch: it applies to the installed DeepSpeed, its cast hook and
-``fair_cast`` config behave as documented, ``faircast_ds.deepspeed.hook`` routes refreshes through it, and a
+``fair_cast`` config behave as documented, ``faircast_ds.deepspeed.cast_hook`` routes refreshes through it, and a
 patched copy of DeepSpeed serves bitwise the same weights as the runtime route for ZeRO-1, ZeRO-2
 (with CPU offload), ZeRO-3 and BF16_Optimizer — after training steps and after a load refresh.
 
@@ -153,7 +153,7 @@ class _OneGroup:
 
 
 def test_patched_route_casts_routed_optimizers_and_passes_others_on(patched_site, monkeypatch):
-    from faircast_ds.deepspeed import hook as patched
+    from faircast_ds.deepspeed import cast_hook as patched
     from faircast_ds.config import FairCastConfig
     from faircast_ds.shard_caster import ShardCaster
 
@@ -190,8 +190,8 @@ def test_patched_route_casts_routed_optimizers_and_passes_others_on(patched_site
 
 
 def test_second_route_on_the_same_optimizer_is_refused(patched_site, monkeypatch):
-    from faircast_ds.deepspeed import engine as runtime
-    from faircast_ds.deepspeed import hook as patched
+    from faircast_ds.deepspeed import attachment as runtime
+    from faircast_ds.deepspeed import cast_hook as patched
     from faircast_ds.config import FairCastConfig
     from faircast_ds.shard_caster import ShardCaster
 
@@ -217,7 +217,7 @@ def test_second_route_on_the_same_optimizer_is_refused(patched_site, monkeypatch
 
 
 def test_unpatched_deepspeed_has_no_hook():
-    from faircast_ds.deepspeed import hook as patched
+    from faircast_ds.deepspeed import cast_hook as patched
     from faircast_ds.adapter import UnsupportedSetupError
 
     if "deepspeed.runtime.lp_cast" in sys.modules or importlib.util.find_spec("deepspeed.runtime.lp_cast"):

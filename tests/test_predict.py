@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from faircast_ds import predict as P
 
-from faircast_ds.cli import main as cli_main
+from faircast_ds.deepspeed.cli import main as cli_main
 
 LR = 2.0 ** -16
 

@@ -73,7 +73,7 @@ def test_setup_declares_the_range_and_ci_tests_one_release_per_era():
     assert f'RELEASES="${{FAIRCAST_DS_RELEASES:-{" ".join(CI_RELEASES)}}}"' in steps
 
 
-REPORTS_THE_VERSION = {"faircast_ds/deepspeed/preflight.py", "faircast_ds/cli.py"}  # print it, decide nothing
+REPORTS_THE_VERSION = {"faircast_ds/deepspeed/check.py", "faircast_ds/deepspeed/cli.py"}  # print it, decide nothing
 
 
 def test_nothing_else_compares_deepspeed_versions():

@@ -420,7 +420,7 @@ def test_nonfinite_cast_finishes_the_flat_shard_before_raising(mode):
 def test_complete_step_casts_the_shards_a_failed_step_did_not_reach(mode, tmp_path):
     """The step raises in shard "a"; shard "b" still holds the last step's bits until complete_step (which
     save_state calls) casts it at the same step, without raising, so a checkpoint holds one step."""
-    from faircast_ds import checkpoint
+    from faircast_ds import cast_state as checkpoint
 
     c = caster(mode)
     rank = TwoShards(c)

@@ -104,7 +104,7 @@ def test_no_full_fp32_model_and_nothing_fp32_gathered(stage_runs, world, run):
 @pytest.mark.parametrize("world", (1, 2, 3))
 def test_engine_methods_are_wrapped_once_with_the_documented_hooks(stage_runs, world):
     """On a real engine of every stage: step, save, load and module-load are each one dispatcher over
-    DeepSpeed's own method, running the hooks faircast_ds/deepspeed/hooks.py lists, in that order."""
+    DeepSpeed's own method, running the hooks faircast_ds/deepspeed/engine_hooks.py lists, in that order."""
     expected = ["engine.step: before guard", "engine.step: after guard",
                 "engine.save_checkpoint: around checkpoint state", "engine.load_checkpoint: before guard",
                 "engine.load_checkpoint: around checkpoint state", "engine.load_checkpoint: after guard",

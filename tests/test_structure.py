@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from faircast_ds.deepspeed.hooks import METHODS, EngineHooks
+from faircast_ds.deepspeed.engine_hooks import METHODS, EngineHooks
 
 
 class Engine:
@@ -72,9 +72,9 @@ def test_an_around_hook_may_rewrite_the_arguments_of_the_inner_call():
 
 
 def test_wire_engine_registers_diagnostics_checkpoint_state_and_guard_in_the_documented_order(monkeypatch):
-    """What runs around engine.step is what faircast_ds.deepspeed.hooks' docstring lists."""
+    """What runs around engine.step is what faircast_ds.deepspeed.engine_hooks' docstring lists."""
     from faircast_ds.config import FairCastConfig
-    from faircast_ds.deepspeed import checkpointing, engine as runtime, hooks as hooks_mod
+    from faircast_ds.deepspeed import save_load as checkpointing, attachment as runtime, engine_hooks as hooks_mod
     from faircast_ds.shard_caster import ShardCaster
 
     monkeypatch.setattr(checkpointing, "_route_fp32_reads_to_the_loaded_tag", lambda: None)  # DeepSpeed's module
@@ -111,8 +111,7 @@ FRAMEWORKS = ("deepspeed", "megatron")
 # worker, launched under DeepSpeed), and the model builder that the job, the benchmarks and the tests share
 # (it builds ZeRO-3 models under deepspeed.zero.Init)
 MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS + ("faircast_ds.jobs", "faircast_ds.bench", "faircast_ds.bench_model_worker",
-                                         "faircast_ds.models",
-                                         "faircast_ds.cli")  # until the command moves to faircast_ds/deepspeed/
+                                         "faircast_ds.models")
 
 
 def module_name(path: Path) -> str:
@@ -229,7 +228,7 @@ def test_every_route_is_named_from_the_route_type():
 
 def test_the_deepspeed_hook_route_connects_only_the_adapter_registered_under_it(monkeypatch):
     from faircast_ds.config import FairCastConfig
-    from faircast_ds.deepspeed import hook
+    from faircast_ds.deepspeed import cast_hook as hook
     from faircast_ds.routes import DEEPSPEED_RUNTIME, ROUTES, Route
     from faircast_ds.shard_caster import ShardCaster
 

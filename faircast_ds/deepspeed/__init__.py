@@ -18,14 +18,14 @@ from typing import Any
 
 def install() -> None:
     """Attach Fair Cast to every DeepSpeed engine built from now on whose config has a ``fair_cast`` section."""
-    from faircast_ds.deepspeed.engine import install as _install
+    from faircast_ds.deepspeed.attachment import install as _install
 
     _install()
 
 
 def attach(engine: Any, config: Any = None, *, route: str = "auto") -> Any:
     """Attach Fair Cast to a built engine; ``route``: ``"auto"``, ``"runtime"`` or ``"hook"``
-    (:data:`faircast_ds.routes.Choice`; see :func:`faircast_ds.deepspeed.engine.attach`)."""
-    from faircast_ds.deepspeed.engine import attach as _attach
+    (:data:`faircast_ds.routes.Choice`; see :func:`faircast_ds.deepspeed.attachment.attach`)."""
+    from faircast_ds.deepspeed.attachment import attach as _attach
 
     return _attach(engine, config, route=route)

@@ -28,7 +28,7 @@ class _HookedLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
-        from faircast_ds.deepspeed.engine import install
+        from faircast_ds.deepspeed.attachment import install
 
         install()
 
@@ -54,7 +54,7 @@ def enable() -> None:
     if os.environ.get("FAIRCAST_DS_AUTOLOAD", "1") == "0":
         return
     if TARGET in sys.modules:  # imported before us (unusual): patch directly
-        from faircast_ds.deepspeed.engine import install
+        from faircast_ds.deepspeed.attachment import install
 
         install()
         return

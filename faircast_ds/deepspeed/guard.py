@@ -220,7 +220,7 @@ def _applied(engine: Any) -> int:
 def install(engine: Any, fair_cast: Any, hooks: Any) -> Guard:
     """Guard ``engine``: check after its first optimizer step (fully), after every later one (sampled)
     and after every ``load_checkpoint`` (fully). ``hooks``: the engine's
-    :class:`faircast_ds.deepspeed.hooks.EngineHooks`, which the checks register into."""
+    :class:`faircast_ds.deepspeed.engine_hooks.EngineHooks`, which the checks register into."""
     adapter = fair_cast.adapter
     guard = Guard(adapter, describe_sites=getattr(adapter, "cast_sites", type(adapter.optimizer).__name__))
     fair_cast.extras["guard"] = guard

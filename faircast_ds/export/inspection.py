@@ -1,6 +1,6 @@
 """``faircast-ds inspect``: what a checkpoint's Fair Cast state or an export holds, per parameter group.
 
-A checkpoint tag directory (``<tag>/fair_cast/rank*-of-*.pt``, see :mod:`faircast_ds.checkpoint`):
+A checkpoint tag directory (``<tag>/fair_cast/rank*-of-*.pt``, see :mod:`faircast_ds.cast_state`):
 mode, seed, noise step, element counts and, for ``error_feedback``, the mean |residual| in units of
 the bf16 spacing at the served value.
 
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from faircast_ds.casts import bf16_from_bits, bf16_spacing
-from faircast_ds.checkpoint import FairCastStateError, read_records, state_dir
+from faircast_ds.cast_state import FairCastStateError, read_records, state_dir
 from faircast_ds.export.hf import EXPORT_FORMAT, MANIFEST
 from faircast_ds.export.safetensors_stream import read_header, read_tensor
 

@@ -58,7 +58,7 @@ def _checked(name: str, p: torch.nn.Parameter) -> torch.nn.Parameter:
     if p.numel() == 0 and not partitioned.layouts():
         raise ValueError(f"parameter {name!r} holds no elements on this rank and no partitioned-parameter layout is "
                          "registered: a ZeRO-3 parameter is read through faircast_ds.deepspeed (import "
-                         "faircast_ds.deepspeed.engine, as the interpreter-start hook or attach() does)")
+                         "faircast_ds.deepspeed.attachment, as the interpreter-start hook or attach() does)")
     return p
 
 

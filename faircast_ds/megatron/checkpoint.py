@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from faircast_ds import dist
-from faircast_ds.checkpoint import FORMAT, FairCastStateError, MissingStateError, cast_mismatch
+from faircast_ds.cast_state import FORMAT, FairCastStateError, MissingStateError, cast_mismatch
 from faircast_ds.handle import FairCast
 
 PREFIX = "fair_cast"

@@ -17,9 +17,9 @@ from __future__ import annotations
 from faircast_ds import lazy
 
 _LAZY = {
-    "VllmEngine": "faircast_ds.vllm.engine",
-    "EngineUnavailable": "faircast_ds.vllm.engine",
-    "WORKER_EXTENSION": "faircast_ds.vllm.engine",
+    "VllmEngine": "faircast_ds.vllm.inference",
+    "EngineUnavailable": "faircast_ds.vllm.inference",
+    "WORKER_EXTENSION": "faircast_ds.vllm.inference",
     "WeightPush": "faircast_ds.vllm.push",
     "PushReport": "faircast_ds.vllm.push",
     "EngineWeightsMismatch": "faircast_ds.vllm.push",

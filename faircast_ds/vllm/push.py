@@ -67,7 +67,7 @@ def packed_groups(names: list[str], packed: dict[str, list[str]]) -> dict[str, t
 
 class WeightPush:
     """The trainer's end of a colocated engine. Construct and :meth:`push` on every rank; ``engine``
-    is the :class:`~faircast_ds.vllm.engine.VllmEngine` on rank 0 and None elsewhere.
+    is the :class:`~faircast_ds.vllm.inference.VllmEngine` on rank 0 and None elsewhere.
 
     ``delta``: after the first push, hand over only changed groups. ``verify``: read everything
     back after each push and raise :class:`EngineWeightsMismatch` unless it equals the served bits.

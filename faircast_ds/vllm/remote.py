@@ -68,14 +68,14 @@ def staging_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 class EngineServer:
-    """The engine process: a :class:`~faircast_ds.vllm.engine.VllmEngine` on ``model_dir``, a
+    """The engine process: a :class:`~faircast_ds.vllm.inference.VllmEngine` on ``model_dir``, a
     :class:`WeightReceiver` on ``port`` and a control listener on ``control_port`` (default
     ``port + 1``). :meth:`serve` runs until a client asks it to shut down."""
 
     def __init__(self, model_dir: str | os.PathLike, *, host: str = DEFAULT_HOST, port: int = 29600,
                  control_port: int | None = None, secret: str | bytes | None = None, timeout: float = 600.0,
                  **engine_kwargs: Any) -> None:
-        from faircast_ds.vllm.engine import VllmEngine
+        from faircast_ds.vllm.inference import VllmEngine
 
         self.engine = VllmEngine(model_dir, in_process=True, **engine_kwargs)
         self.staging = staging_weights(model_dir)

@@ -199,7 +199,7 @@ def checkpoint_case(mode: str, ckpt_dir: str) -> dict:
     """Save after step 3, run to step 6; fresh objects load and run to step 6: bitwise the same."""
     from megatron.core import dist_checkpointing
 
-    from faircast_ds.checkpoint import MissingStateError
+    from faircast_ds.cast_state import MissingStateError
     from faircast_ds.megatron import checkpoint as fair_cast_checkpoint
     from faircast_ds.megatron.adapter import distributed_optimizers
 

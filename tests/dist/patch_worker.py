@@ -87,7 +87,7 @@ def _routed(engine) -> bool:
     """Whether the patched route serves this engine (and only it: attach hands back a runtime handle)."""
     if ROUTE != "patched":
         return False
-    from faircast_ds.deepspeed import attach as attach_engine, hook as patched
+    from faircast_ds.deepspeed import attach as attach_engine, cast_hook as patched
 
     again = attach_engine(engine, route="hook")
     runtime = get_fair_cast(engine)
@@ -145,7 +145,7 @@ def main() -> None:
     if ROUTE == "patched":
         from deepspeed.runtime.engine import DeepSpeedEngine
 
-        from faircast_ds.deepspeed import attach as attach_engine, hook as patched
+        from faircast_ds.deepspeed import attach as attach_engine, cast_hook as patched
 
         report["has_hook"] = patched.deepspeed_has_cast_hook()
         report["engine_init_hooked"] = bool(getattr(DeepSpeedEngine.__init__, "_faircast_wrapped", False))

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_worker import build, save_rank0, snapshot  # noqa: E402
 from common import finish, train_step, write_json  # noqa: E402
 
-from faircast_ds.checkpoint import FairCastStateError  # noqa: E402
-from faircast_ds.deepspeed.checkpointing import IncompleteCheckpointError  # noqa: E402
+from faircast_ds.cast_state import FairCastStateError  # noqa: E402
+from faircast_ds.deepspeed.save_load import IncompleteCheckpointError  # noqa: E402
 
 KILL_ENV = "FAIRCAST_TEST_KILL_AT"
 SITES = ("save:before_state", "save:between", "save:zero_file", "save:latest", "save:after_latest", "load:zero",
@@ -81,7 +81,7 @@ def install_kill_points(killer: Killer) -> None:
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from faircast_ds.deepspeed import checkpointing
+    from faircast_ds.deepspeed import save_load as checkpointing
     from faircast_ds.shard_caster import ShardCaster
 
     def before(obj, name, site):

@@ -12,5 +12,5 @@ class ZeroAdapter(Adapter):
     @property
     def setup(self) -> Setup:
         """``zero_stage=N``: what the banner prints and the state file records (the load's completeness
-        check reads it: ``faircast_ds.deepspeed.checkpointing.incomplete``)."""
+        check reads it: ``faircast_ds.deepspeed.save_load.incomplete``)."""
         return Setup.of(zero_stage=self.zero_stage)

@@ -1,6 +1,6 @@
 """Fair Cast's state in a DeepSpeed engine's checkpoints: ``save_checkpoint`` writes it and
 ``load_checkpoint`` restores it, so that after any load the model serves the bits it served at save
-time. The state file format is ``faircast_ds.checkpoint``.
+time. The state file format is ``faircast_ds.cast_state``.
 
 Saving: our state first, then DeepSpeed's files, then ``latest``, which we write ourselves, once every
 rank's files are written, atomically (DeepSpeed 0.19.8 truncates and rewrites it in place, on rank 0,
@@ -35,7 +35,7 @@ import zipfile
 from typing import Any
 
 from faircast_ds import dist
-from faircast_ds.checkpoint import (FairCastStateError, MissingStateError, SavedCast, cast_mismatch, complete_step,
+from faircast_ds.cast_state import (FairCastStateError, MissingStateError, SavedCast, cast_mismatch, complete_step,
                                     publish_restored, read_records, reset_state, restore_state, save_state)
 from faircast_ds.handle import FairCast
 from faircast_ds.shard_caster import NonFiniteWeightError
@@ -146,7 +146,7 @@ def _route_fp32_reads_to_the_loaded_tag() -> None:
 def register(engine: Any, fair_cast: FairCast, hooks: Any) -> None:
     """Save Fair Cast's state with every engine checkpoint, restore it with every load: around hooks on
     ``save_checkpoint``, ``load_checkpoint`` and ``load_module_state_dict`` in the engine's
-    :class:`faircast_ds.deepspeed.hooks.EngineHooks`."""
+    :class:`faircast_ds.deepspeed.engine_hooks.EngineHooks`."""
     save_sig, load_sig, module_sig = (inspect.signature(hooks.original(m)) for m in
                                       ("save_checkpoint", "load_checkpoint", "load_module_state_dict"))
     served_cast: dict[str, SavedCast] = {}  # during a ZeRO-3 module-only load: what the checkpoint served

@@ -9,7 +9,7 @@ import sys
 
 
 def _check(args: argparse.Namespace) -> int:
-    from faircast_ds.deepspeed import preflight
+    from faircast_ds.deepspeed import check as preflight
 
     return preflight.run(args.config)
 
@@ -17,7 +17,7 @@ def _check(args: argparse.Namespace) -> int:
 def _to_universal(args: argparse.Namespace) -> int:
     """DeepSpeed's universal-checkpoint conversion, carrying Fair Cast's state along. Our state is
     already keyed by (parameter, index), so it is copied as is and re-sharded when loaded."""
-    from faircast_ds.checkpoint import STATE_DIR, state_dir
+    from faircast_ds.cast_state import STATE_DIR, state_dir
 
     source = state_dir(args.input_folder)
     if not os.path.isdir(source):

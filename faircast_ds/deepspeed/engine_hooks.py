@@ -8,7 +8,7 @@ in this order::
     before hooks (registration order) -> around hooks (first registered outermost) -> DeepSpeed's method
     -> after hooks (registration order)
 
-Every route attaches through ``faircast_ds.deepspeed.engine.wire_engine``, which registers, in order:
+Every route attaches through ``faircast_ds.deepspeed.attachment.wire_engine``, which registers, in order:
 
 - ``engine.step``: before: guard (prepare the record buffers, note the step counters); after:
   diagnostics (every ``every``-th step: reduce, log, feed DeepSpeed's monitor), then guard (the step
@@ -25,10 +25,10 @@ diagnostics and the guard through ``ShardCaster.observers`` (nothing replaces ``
 
 Replacements that are not an engine's methods, each made once and marked ``_faircast_wrapped``:
 
-- ``DeepSpeedEngine.__init__`` (``faircast_ds.deepspeed.engine.install``): engines with a section
+- ``DeepSpeedEngine.__init__`` (``faircast_ds.deepspeed.attachment.install``): engines with a section
   attach as they are built;
 - ``deepspeed.runtime.engine.get_fp32_state_dict_from_zero_checkpoint``
-  (``faircast_ds.deepspeed.checkpointing``): during our loads it reads the tag being loaded;
+  (``faircast_ds.deepspeed.save_load``): during our loads it reads the tag being loaded;
 - ``all_gather_dp_groups`` of ``deepspeed.runtime.zero.stage_1_and_2`` / ``deepspeed.runtime.bf16_optimizer``
   (``faircast_ds.deepspeed.adapters.zero12``): the runtime route's ZeRO-1/2 and BF16_Optimizer cast site;
 - the optimizer's own refresh sites, on the optimizer instance (the runtime route's adapters:

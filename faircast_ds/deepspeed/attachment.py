@@ -3,7 +3,7 @@
 ``install()`` wraps ``DeepSpeedEngine.__init__`` so that every engine whose config has a
 ``fair_cast`` section is attached as it is built, on the runtime route (the interpreter-start hook
 calls it for you). ``attach(engine, route="auto")`` attaches one engine explicitly, on either route
-(the hook route's own half is ``faircast_ds.deepspeed.hook``). The adapter replaces the optimizer's
+(the hook route's own half is ``faircast_ds.deepspeed.cast_hook``). The adapter replaces the optimizer's
 refresh sites; ``wire_engine`` registers periodic diagnostics, Fair Cast's checkpoint state
 (``checkpointing``) and the guard into the engine's one ``hooks.EngineHooks`` (what runs around
 ``engine.step`` and the checkpoint methods is listed there).
@@ -19,7 +19,7 @@ from faircast_ds.config import FairCastConfig
 from faircast_ds.config_source import Source
 from faircast_ds.deepspeed.adapters import make_adapter
 from faircast_ds.deepspeed.adapters.registry import stand_in, will_train
-from faircast_ds.deepspeed.hooks import EngineHooks
+from faircast_ds.deepspeed.engine_hooks import EngineHooks
 from faircast_ds.deepspeed.params import ZERO3
 from faircast_ds.deepspeed.support import check_supported, engine_config, raw_config
 from faircast_ds.handle import ATTR, FairCast, build, get_fair_cast, resolve
@@ -53,7 +53,7 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | No
 
     ``config`` defaults to the engine's own ``fair_cast`` section, else ``FAIRCAST_DS_CONFIG``.
     ``route`` (:data:`faircast_ds.routes.Choice`): ``"runtime"`` wraps the optimizer's refresh sites;
-    ``"hook"`` goes through a patched DeepSpeed's cast hook (``faircast_ds.deepspeed.hook``; nothing of
+    ``"hook"`` goes through a patched DeepSpeed's cast hook (``faircast_ds.deepspeed.cast_hook``; nothing of
     the optimizer wrapped); ``"auto"`` takes the hook when the importable DeepSpeed carries it. An
     engine a route already serves (e.g. attached as it was built, by ``install()``) gets that route's
     handle back, whatever ``route`` says.
@@ -62,7 +62,7 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | No
     FairCastConfigError for a malformed section and UnsupportedSetupError for a setup we cannot route
     through the cast.
     """
-    from faircast_ds.deepspeed import hook
+    from faircast_ds.deepspeed import cast_hook as hook
 
     existing = get_fair_cast(engine)
     if existing is not None:
@@ -182,10 +182,10 @@ def _report_frozen(engine: Any, fair_cast: FairCast) -> None:
 
 def wire_engine(engine: Any, fair_cast: FairCast) -> EngineHooks:
     """What every DeepSpeed route adds to the engine, registered into its one
-    :class:`faircast_ds.deepspeed.hooks.EngineHooks` in the order they run (that module's docstring
+    :class:`faircast_ds.deepspeed.engine_hooks.EngineHooks` in the order they run (that module's docstring
     lists them): periodic diagnostics after ``engine.step``, Fair Cast's state in its checkpoints, and
     the guard (after the first step and every load: served bits == what we cast)."""
-    from faircast_ds.deepspeed import checkpointing, guard
+    from faircast_ds.deepspeed import save_load as checkpointing, guard
 
     hooks = EngineHooks.of(engine)
     if fair_cast.diagnostics is not None:
