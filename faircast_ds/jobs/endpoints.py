@@ -131,11 +131,14 @@ def verdict(c: Contrast) -> str:
 
 
 def per_mode(rows: Sequence[dict], span: tuple[int, int] | None = None) -> dict[str, dict[str, float]]:
-    """Per mode, each endpoint's mean over seeds, and how many seeds never reached the threshold."""
+    """Per mode, each endpoint's mean over the seeds every mode finished (a partial run's steps.csv holds
+    some modes of its last seed), and how many of them never reached the threshold."""
     table = curves(rows)
+    modes = list(dict.fromkeys(m for m, _ in table))
+    seeds = set(complete_seeds(table, modes))
     out: dict[str, dict[str, float]] = {}
-    for mode in dict.fromkeys(m for m, _ in table):
-        mine = [c for (m, _), c in table.items() if m == mode]
+    for mode in modes:
+        mine = [c for (m, s), c in table.items() if m == mode and s in seeds]
         row = {name: sum(endpoint_fn(name, span)(c) for c in mine) / len(mine) for name in ENDPOINT_NAMES}
         horizon = span[1] if span else len(mine[0])
         row["censored"] = sum(steps_to(c[:horizon]) > horizon for c in mine)
