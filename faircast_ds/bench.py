@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 from faircast_ds.modes import MODES  # torch-free: the command line stays fast
+from faircast_ds.text_table import columns
 
 DEFAULT_SIZES = (1 << 20, 16 << 20, 64 << 20)
 GOALS = {"stochastic": 1.3, "dither": 1.3, "error_feedback": 2.5}  # fused / RN copy_
@@ -247,18 +248,10 @@ def format_offload(rows: list[OffloadRow]) -> str:
     for r in rows:
         lines.append((_size(r.size), r.mode, r.device, _fmt(r.rn_ms), _fmt(r.staged_ms), _fmt(r.staged_ratio, "x"),
                       _fmt(r.eager_ms), "-" if r.eager_ms is None else _fmt(r.eager_ms / r.staged_ms, "x")))
-    table = _table(lines)
+    table = columns(lines)
     return "\n".join(["CPU optimizer offload (fp32 master on the host, served bf16 on the device): Fair Cast's "
                       "staged route (fused CPU kernel into a pinned staging buffer, one copy to the device) against "
                       "DeepSpeed's own served.copy_(master) and the eager route it replaces", ""] + table)
-
-
-def _table(lines: list[tuple[str, ...]]) -> list[str]:
-    """Rows as left-aligned columns, a ruler under the first (the head)."""
-    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
-    table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines]
-    table.insert(1, "  ".join("-" * w for w in widths))
-    return table
 
 
 def _fmt(v: float | None, unit: str = "") -> str:
@@ -284,7 +277,7 @@ def format_report(report: Report) -> str:
         lines.append((_size(r.size), r.mode, _fmt(r.rn_ms), _fmt(r.eager_ms), _fmt(r.eager_ratio, "x"),
                       _fmt(r.fused_ms), _fmt(r.fused_ratio, "x"), verdict, _fmt(r.torchao_ms),
                       "-" if tao is None else f"{tao:.1f}x {'ok' if tao >= TORCHAO_GOAL else 'MISSED'}"))
-    table = _table(lines)
+    table = columns(lines)
     build = "" if report.build_s is None else f", kernel ready in {report.build_s:.1f} s"
     header = [f"faircast-ds cast benchmark: {report.machine}; torch {torch.__version__}, {report.threads} threads",
               f"fused backend: {report.backend}{build}; torchao: {report.torchao}; "

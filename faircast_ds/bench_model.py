@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from faircast_ds.modes import MODES
+from faircast_ds.text_table import columns
 
 CONFIGS = ("plain",) + MODES
 MIB = 1 << 20
@@ -130,7 +131,6 @@ def _verdict(ok: bool) -> str:
 
 
 def format_table(rows: list[Figures], *, model: str, layers: int, rounds: int, steps: int, command: str) -> str:
-    from faircast_ds.bench import _table
 
     lines = [("ZeRO", "config", "step s", "x plain", "step goal", "cast ms", "cast share", "peak RSS MiB",
               "+MiB vs plain", "RSS goal", "save s", "x plain", "save goal", "load s", "x plain", "ckpt MiB",
@@ -163,7 +163,7 @@ def format_table(rows: list[Figures], *, model: str, layers: int, rounds: int, s
             "cast ms: Fair Cast's cast inside it; peak RSS: the larger rank's, while training (before the "
             "checkpoint); guard/diag ms: their time in the first step (full check, sample selection) and later "
             "steps (median)"]
-    return "\n".join(head + [""] + _table(lines))
+    return "\n".join(head + [""] + columns(lines))
 
 
 def run(model: str, *, layers: int | None, stages: tuple[int, ...], configs: tuple[str, ...], warmup: int,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from faircast_ds.jobs import stats
+from faircast_ds.jobs.steps_csv import read_csv
 
 THRESHOLD = 0.30
 WINDOW = 25
@@ -183,8 +184,6 @@ def _span(text: str) -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from faircast_ds.jobs.report import read_csv
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a run directory holding steps.csv (or the CSV itself)")
     parser.add_argument("--span", type=_span, default=None, help="steps a-b (inclusive) for the endpoints")

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from faircast_ds.jobs.config import CONTROL, REFERENCE
 from faircast_ds.jobs.endpoints import auc, curves, final_window, steps_to
+from faircast_ds.jobs.steps_csv import read_csv
 
 TAIL = 0.2
 
@@ -112,8 +113,6 @@ def findings(rows: Sequence[dict]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from faircast_ds.jobs.report import read_csv
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a run directory holding steps.csv (or the CSV itself)")
     args = parser.parse_args(argv)

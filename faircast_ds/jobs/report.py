@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 from faircast_ds.jobs import stats
 from faircast_ds.jobs.config import CONTROL, REFERENCE, JobConfig
+from faircast_ds.jobs.steps_csv import read_csv
 LAG_MIN = 20  # "the served copy lags": lag along drift at least this many steps
 
 
@@ -48,20 +49,6 @@ def write_csv(path: str, rows: Sequence[dict]) -> None:
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, path)
-
-
-def read_csv(path: str) -> list[dict]:
-    """The rows of a steps.csv with numbers parsed (for re-plotting or re-tabulating a run)."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    for row in rows:
-        for key, value in row.items():
-            if key != "mode":
-                row[key] = _BOOLS[value] if value in _BOOLS else float(value) if value not in ("", "nan") else math.nan
-    return rows
-
-
-_BOOLS = {"True": 1.0, "False": 0.0}  # engine_weights_equal
 
 
 def tail(rows: Sequence[dict], fraction: float = 0.2) -> list[dict]:
