@@ -21,7 +21,7 @@ _LAZY = {
     "AlignmentHandle": "faircast_ds.align.patch",
     "UnsupportedModelError": "faircast_ds.align.families",
     "apply_from_config": "faircast_ds.align.apply",
-    "reference_logits": "faircast_ds.align.reference",
+    "reference_logits": "faircast_ds.align.profile_forward",
     "measure_mismatch": "faircast_ds.align.meter",
     "MismatchReport": "faircast_ds.align.meter",
 }
