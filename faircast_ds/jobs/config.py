@@ -16,7 +16,7 @@ from typing import Any, Sequence
 JOB_MODES: tuple[str, ...] = ("fp32", "nearest", "stochastic", "dither", "error_feedback")
 REFERENCE = "fp32"  # served = master: ZeRO-3 without bf16 and without Fair Cast, no rounding at all
 CONTROL = "nearest"  # round-to-nearest, DeepSpeed's own cast: what every other mode is paired against
-ROLLOUT_ENGINES: tuple[str, ...] = ("hf", "vllm")  # where rollouts come from (jobs/engines.py)
+ROLLOUT_ENGINES: tuple[str, ...] = ("hf", "vllm")  # where rollouts come from (jobs/rollouts.py)
 ROLLOUT_VIA: tuple[str, ...] = ("view", "module")
 MAX_SEED = 2**31 - 1
 
@@ -60,7 +60,7 @@ class JobConfig:
     # "module": through the engine's module (ZeRO-3 hooks gather what is not persistent)
     rollout_via: str = "view"
     # where rollouts come from: "hf" (the trainer's forward on the served copy) or "vllm" (a vLLM engine
-    # on rank 0, pushed the served weights after every step; faircast_ds/jobs/engines.py). Flag: --engine
+    # on rank 0, pushed the served weights after every step; faircast_ds/jobs/rollouts.py). Flag: --engine
     rollout_engine: str = "hf"
     # comma-separated steps after which each engine saves a DeepSpeed checkpoint (ZeRO optimizer state with
     # AdamW's moments, for `faircast-ds predict`) to <out>/<name>/checkpoints/<mode>-seed<seed>/global_step<N>

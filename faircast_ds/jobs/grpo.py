@@ -227,7 +227,7 @@ class Run:
     counter: ReferenceChangeCounter | None
     master_view: MasterView | None
     eval_batch: tuple[torch.Tensor, torch.Tensor]
-    source: Any  # jobs/engines.py: where rollouts come from
+    source: Any  # jobs/rollouts.py: where rollouts come from
     world: int
     per_rank: int
 
@@ -260,7 +260,7 @@ def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
     import deepspeed.comm as dist
 
     from faircast_ds import get_fair_cast
-    from faircast_ds.jobs import engines, offgrid
+    from faircast_ds.jobs import offgrid, rollouts
 
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = cfg.rollouts // world
@@ -284,7 +284,7 @@ def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
     # checkpoint consistency: the fp32 master policy against the served one, on one fixed batch (training
     # steps start at 1, so step 0's draw is never trained on); the fp32 reference serves its master
     master_view = MasterView(engine, cfg, seed) if fair_cast is not None and cfg.eval_every else None
-    source = engines.make(cfg.rollout_engine, sample=rollout, ds_engine=engine, view=view, fp32=reference,
+    source = rollouts.make(cfg.rollout_engine, sample=rollout, ds_engine=engine, view=view, fp32=reference,
                           seed=seed, max_len=cfg.prompt_len + cfg.gen_len + 8, run_dir=os.path.join(cfg.out, cfg.name))
     return Run(mode=mode, seed=seed, cfg=cfg, engine=engine, optimizer=opt, fair_cast=fair_cast, view=view,
                sync_meter=DeltaSyncBytes(view) if view is not None and fair_cast is not None else None,
@@ -481,9 +481,9 @@ def main(argv: list[str] | None = None) -> None:
             finals.append(final)
             if rank == 0:  # written as runs finish, so an interrupted job keeps what it did
                 report.write_csv(csv_path, rows)
-    from faircast_ds.jobs import engines
+    from faircast_ds.jobs import rollouts
 
-    engines.shutdown()  # the vLLM engine, if one served the rollouts
+    rollouts.shutdown()  # the vLLM engine, if one served the rollouts
     if rank == 0:
         progress.close()
         wall = time.time() - started
