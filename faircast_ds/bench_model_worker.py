@@ -69,7 +69,8 @@ def main(argv: list[str]) -> None:
     import torch
 
     from faircast_ds import get_fair_cast
-    from faircast_ds.models import real_causal_lm, real_config
+    from faircast_ds.deepspeed.models import real_causal_lm
+    from faircast_ds.models import real_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()

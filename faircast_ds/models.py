@@ -8,7 +8,7 @@ import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ContextManager, Protocol
 
 import torch
 
@@ -131,30 +131,35 @@ def real_config(name: str, *, layers: int | None = None) -> Any:
     return config_cls(**settings)
 
 
-def _zero3(ds_config: dict[str, Any] | None) -> bool:
-    return bool(ds_config) and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+class Partitioning(Protocol):
+    """How a training framework builds a model whose parameters are partitioned from the start (DeepSpeed's
+    ``zero.Init``: faircast_ds/deepspeed/models.py): a context to build it in, and a context under which
+    one parameter is whole and a write to it is kept."""
+
+    def building(self, dtype: torch.dtype) -> ContextManager[Any]: ...
+
+    def modifying(self, param: torch.nn.Parameter) -> ContextManager[Any]: ...
 
 
 def real_causal_lm(name: str, *, layers: int | None = None, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                   ds_config: dict[str, Any] | None = None, device: str | torch.device | None = None) -> Any:
+                   partitioning: Partitioning | None = None, device: str | torch.device | None = None) -> Any:
     """A randomly initialised ``*ForCausalLM`` of the published architecture ``name`` (see
     :data:`ARCHITECTURES`), at the published init: every linear and embedding weight normal with
     std ``initializer_range`` (0.02), biases zero, RMSNorm weights one — HF's own ``_init_weights`` rule.
 
-    ``ds_config``: the DeepSpeed config the model will train under; with ZeRO stage 3 the model is built
-    under ``deepspeed.zero.Init`` (each rank holds only its partition from the start, as users build large
-    models) and each weight is initialised while gathered, one at a time. The values depend only on
+    ``partitioning``: build the model partitioned from the start, as users build large models (each rank
+    holds only its partition; ZeRO-3: ``faircast_ds.deepspeed.models.real_causal_lm``), each weight
+    initialised while whole, one at a time. The values depend only on
     ``(seed, parameter name)``, drawn in fp32 and rounded to ``dtype``: the same model under ZeRO-3,
     ZeRO-2 or no DeepSpeed at all. Parameters are in ``dtype``, buffers (RoPE's ``inv_freq``) stay fp32,
     as ``from_pretrained(dtype=dtype)`` builds it. ``device="meta"`` builds shapes only (for counting).
     """
     config = real_config(name, layers=layers)
     _, model_cls = _family(architecture(name).family)
-    zero3 = _zero3(ds_config) and device is None
-    if zero3:
-        import deepspeed
-
-        building = deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype)
+    if partitioning is not None and device is not None:
+        raise ValueError("real_causal_lm: give partitioning or device, not both")
+    if partitioning is not None:
+        building = partitioning.building(dtype)
     else:
         building = torch.device(device) if device is not None else contextlib.nullcontext()
     with building, _no_init():  # HF's own init would draw every weight once more, only to be overwritten
@@ -162,7 +167,7 @@ def real_causal_lm(name: str, *, layers: int | None = None, seed: int = 0, dtype
         model.tie_weights()  # HF ties inside its weight init, which no_init_weights skips
     if device is not None and torch.device(device).type == "meta":
         return model
-    _initialise(model, config.initializer_range, seed, gathered=zero3)
+    _initialise(model, config.initializer_range, seed, partitioning)
     return model
 
 
@@ -188,15 +193,12 @@ def _initial_values(name: str, shape: torch.Size, std: float, seed: int) -> torc
 
 
 @torch.no_grad()
-def _initialise(model: torch.nn.Module, std: float, seed: int, *, gathered: bool) -> None:
-    """Overwrite every parameter with its :func:`_initial_values` (gathered one at a time under ZeRO-3;
-    every rank computes the same values, and rank 0's copy is the one re-partitioned: DeepSpeed keeps
-    what a gathered parameter's ``modifier_rank`` wrote, and drops writes without one)."""
+def _initialise(model: torch.nn.Module, std: float, seed: int, partitioning: Partitioning | None) -> None:
+    """Overwrite every parameter with its :func:`_initial_values` (partitioned: made whole one at a time;
+    every rank computes the same values)."""
     for name, param in model.named_parameters():  # a tied weight is listed once, under its first name
-        if gathered:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        if partitioning is not None:
+            with partitioning.modifying(param):
                 param.data.copy_(_initial_values(name, param.shape, std, seed))
         else:
             param.copy_(_initial_values(name, param.shape, std, seed))

@@ -107,11 +107,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "faircast_ds"
 INTEGRATIONS = ("faircast_ds.deepspeed", "faircast_ds.megatron")
 FRAMEWORKS = ("deepspeed", "megatron")
-# may import a framework: the integrations themselves, the GRPO job, the benchmarks (bench.py and its model
-# worker, launched under DeepSpeed), and the model builder that the job, the benchmarks and the tests share
-# (it builds ZeRO-3 models under deepspeed.zero.Init)
-MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS + ("faircast_ds.jobs", "faircast_ds.bench", "faircast_ds.bench_model_worker",
-                                         "faircast_ds.models")
+# may import a framework: the integrations themselves, the GRPO job and the benchmarks (bench.py and its model
+# worker, launched under DeepSpeed); the shared model builder does not (ZeRO-3's zero.Init build is
+# faircast_ds/deepspeed/models.py)
+MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS + ("faircast_ds.jobs", "faircast_ds.bench", "faircast_ds.bench_model_worker")
 
 
 def module_name(path: Path) -> str:

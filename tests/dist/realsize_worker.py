@@ -32,7 +32,8 @@ from common import finish_and_exit, write_json  # noqa: E402
 
 from faircast_ds import get_fair_cast  # noqa: E402
 from faircast_ds.export import WeightReceiver, WeightSender, save_hf, served_weights  # noqa: E402
-from faircast_ds.models import _initial_values, real_causal_lm  # noqa: E402
+from faircast_ds.deepspeed.models import real_causal_lm  # noqa: E402
+from faircast_ds.models import _initial_values  # noqa: E402
 from faircast_ds.reference import cast_reference  # noqa: E402
 
 MODE, SEED, LAYERS = "dither", 4321, 2
