@@ -65,6 +65,10 @@ def test_outputs_exist_and_are_well_formed(job_run):
         assert sum(want) == 1  # one seed
     assert "final reward" in (run_dir / "summary.txt").read_text()
     assert "final reward" in log  # the end-of-run screen
+    # it states the pre-registered primary endpoint, dither − RN in AUC (mean reward over all steps), as one seed's
+    auc = {m: sum(float(r["reward"]) for r in rows if r["mode"] == m) / STEPS for m in ("dither", "nearest")}
+    assert "Primary endpoint (pre-registered, docs/grpo.md): dither − nearest in AUC" in log
+    assert f"one seed (0): {auc['dither'] - auc['nearest']:+.4f}" in log and "One seed (0): every figure" in log
     # rank 0 announces Fair Cast once per engine that has it: the four casts, not the fp32 reference
     active = [line.split("mode=")[1].split()[0] for line in log.splitlines() if "[fair_cast] active:" in line]
     assert active == list(MODES[1:])

@@ -154,3 +154,54 @@ def test_endpoints_on_known_curves():
     # a seed missing a mode is left out of the pairing
     partial = [r for r in rows({s: 0.01 for s in range(3)}) if not (r["seed"] == 2 and r["mode"] == "dither")]
     assert next(c for c in ep.contrasts(partial) if c.endpoint == "auc").paired.n == 2
+
+
+def test_primary_endpoint_on_the_end_screen():
+    """The job's end screen states the pre-registered primary endpoint (dither − RN in AUC): one seed is
+    labelled as one seed (its difference, no interval, no verdict), several seeds get the decision rule."""
+    from faircast_ds.jobs import endpoints as ep
+
+    def rows(shift: dict[int, float], modes=("nearest", "dither")) -> list[dict]:
+        out = []
+        for seed, d in shift.items():
+            for step in range(1, 11):
+                base = 0.2 + 0.01 * step + 0.001 * seed
+                out += [{"mode": m, "seed": seed, "step": step, "reward": base + (d if m == "dither" else 0.0)}
+                        for m in modes]
+        return out
+
+    # the fewest seeds whose two-sided sign test can reach p < 0.05: 2 / 2**n < 0.05 first at n = 6
+    assert min(n for n in range(1, 20) if 2 / 2**n < 0.05) == ep.fewest_seeds_for_test() == 6
+    one = ep.primary_text(rows({7: 0.0123}))
+    auc_rn = sum(0.2 + 0.01 * t + 0.007 for t in range(1, 11)) / 10
+    assert "one seed (7): +0.0123" in one and f"nearest {auc_rn:.4f}" in one and f"dither {auc_rn + 0.0123:.4f}" in one
+    assert "steps 1–10" in one and "not a test" in one and "at least 6 paired seeds" in one
+    assert "[" not in one and "confirms" not in one and "inconclusive" not in one
+    table = ep.markdown(rows({7: 0.0123}))
+    assert "| one seed: no test |" in table and table.rstrip().endswith(one.rstrip())
+    many = ep.primary_text(rows({s: 0.01 + 0.001 * s for s in range(12)}))
+    assert "12 seeds: +0.0155 [" in many and "signs +12/−0" in many and many.endswith("decision rule: confirms.")
+    few = ep.primary_text(rows({s: 0.01 for s in range(4)}))
+    assert "decision rule: inconclusive (4 seeds cannot reach p < 0.05; at least 6 can)" in few
+    assert "steps 3–8, one seed (0): +0.0100" in ep.primary_text(rows({0: 0.01}), (3, 8))
+    assert "not measured, this run has no dither or no nearest" in ep.primary_text(rows({0: 0.0}, ("nearest", "fp32")))
+
+
+def test_report_summary_labels_one_seed_and_states_the_primary_endpoint():
+    from faircast_ds.jobs import report
+    from faircast_ds.jobs.config import JobConfig
+
+    nan = float("nan")
+    rows = []
+    for seeds in ((3,), (3, 4)):
+        rows = [{"mode": m, "seed": s, "step": t, "reward": 0.3 + (0.02 if m == "dither" else 0.0) + 0.001 * t,
+                 "changed_fraction": 0.01, "numel": 100, "gap_spacings": nan, "lag_steps": nan, "sync_bytes": 10,
+                 "sync_bytes_dense": 200, "rollout_ms": 1.0, "train_ms": 2.0}
+                for s in seeds for m in ("nearest", "dither") for t in range(1, 11)]
+        summaries = report.summarize(rows, [], ("nearest", "dither"), tie=0.01)
+        text = report.summary_text(summaries, JobConfig(), 2, 1.0, "run", rows)
+        assert ("One seed (3): every figure above is that seed's" in text) == (len(seeds) == 1)
+        assert "Primary endpoint (pre-registered, docs/grpo.md): dither − nearest in AUC" in text
+        assert ("one seed (3): +0.0200" in text) == (len(seeds) == 1)
+        assert ("2 seeds: +0.0200" in text) == (len(seeds) == 2)
+        assert "Primary endpoint" not in report.summary_text(summaries, JobConfig(), 2, 1.0, "run")

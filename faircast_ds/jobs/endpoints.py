@@ -131,6 +131,41 @@ def verdict(c: Contrast) -> str:
     return "inconclusive"
 
 
+def fewest_seeds_for_test(alpha: float = 0.05) -> int:
+    """The fewest paired seeds whose exact two-sided sign test can give p < ``alpha`` (all of them one way)."""
+    n = 1
+    while stats.sign_test(n, 0) >= alpha:
+        n += 1
+    return n
+
+
+def primary_text(rows: Sequence[dict], span: tuple[int, int] | None = None) -> str:
+    """The pre-registered primary endpoint (dither − RN in AUC) as the job's end screen states it: with one
+    seed labelled as one seed's size (no interval, no test), with more the decision rule's verdict."""
+    a, b, name = PRIMARY
+    label = f"{a} − {b} in {ENDPOINT_NAMES[name]}"
+    found = contrasts(rows, (PRIMARY,), span)
+    if not found:
+        return f"Primary endpoint (pre-registered, docs/grpo.md): {label}: not measured, this run has no {a} or no {b}."
+    p = found[0].paired
+    table = curves(rows)
+    steps = f"steps {span[0]}–{span[1]}" if span else f"steps 1–{max(len(c) for c in table.values())}"
+    head = f"Primary endpoint (pre-registered, docs/grpo.md): {label}, {steps}"
+    if p.n == 1:
+        seed = complete_seeds(table, (a, b))[0]
+        f = endpoint_fn(name, span)
+        return (f"{head}, one seed ({seed}): {p.mean:+.4f} ({a} {f(table[(a, seed)]):.4f}, {b} {f(table[(b, seed)]):.4f}). "
+                f"One seed gives the size of RN's cost on that seed, not a test of it: no interval, and the decision "
+                f"rule's sign test can reach p < 0.05 only with at least {fewest_seeds_for_test()} paired seeds "
+                f"(e.g. --seed-list 8-19).")
+    lo, hi = p.ci_boot
+    few = p.n < fewest_seeds_for_test()
+    return (f"{head}, {p.n} seeds: {p.mean:+.4f} [{lo:+.4f}, {hi:+.4f}] (bootstrap 95%), W/T/L {p.wins}/{p.ties}/"
+            f"{p.losses} (tie < {TIES[name]:g}), signs +{p.positive}/−{p.negative}, sign p = {p.p_sign:.2g}; "
+            f"decision rule: {verdict(found[0])}" + (f" ({p.n} seeds cannot reach p < 0.05; at least {fewest_seeds_for_test()} can)"
+                                       if few else "") + ".")
+
+
 def per_mode(rows: Sequence[dict], span: tuple[int, int] | None = None) -> dict[str, dict[str, float]]:
     """Per mode, each endpoint's mean over the seeds every mode finished (a partial run's steps.csv holds
     some modes of its last seed), and how many of them never reached the threshold."""
@@ -166,10 +201,11 @@ def markdown(rows: Sequence[dict], span: tuple[int, int] | None = None) -> str:
         p, s = c.paired, spec[c.endpoint]
         lo, hi = p.ci_boot
         primary = (c.a, c.b, c.endpoint) == PRIMARY
+        decision = (verdict(c) if p.n > 1 else "one seed: no test") if primary else ""
         lines.append(f"| {c.a} − {c.b}{' (primary)' if primary else ''} | {ENDPOINT_NAMES[c.endpoint]} | {p.n} "
                      f"| {p.mean:{s}} [{_cell(lo, s)}, {_cell(hi, s)}] | {p.wins}/{p.ties}/{p.losses} (< {c.tie:g}) "
-                     f"| +{p.positive}/−{p.negative} | {p.p_sign:.3g} | {verdict(c) if primary else ''} |")
-    return "\n".join(lines) + "\n"
+                     f"| +{p.positive}/−{p.negative} | {p.p_sign:.3g} | {decision} |")
+    return "\n".join(lines) + "\n\n" + primary_text(rows, span) + "\n"
 
 
 def _span(text: str) -> tuple[int, int]:

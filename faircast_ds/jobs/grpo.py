@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
             f.write(table)
         with open(os.path.join(run_dir, "run.json"), "w") as f:
             json.dump({"config": cfg.to_json(), "world_size": world, "wall_s": wall, "finals": finals}, f, indent=1)
-        text = report.summary_text(summaries, cfg, world, wall, run_dir)
+        text = report.summary_text(summaries, cfg, world, wall, run_dir, rows)
         with open(os.path.join(run_dir, "summary.txt"), "w") as f:
             f.write(text + "\n")
         # the pre-registered endpoints (AUC, steps to 0.30): the delay that a final-window tie can hide

@@ -279,7 +279,13 @@ def verdicts(summaries: Sequence[ModeSummary]) -> list[str]:
     return out
 
 
-def summary_text(summaries: Sequence[ModeSummary], cfg: Any, world: int, wall: float, run_dir: str) -> str:
+def summary_text(summaries: Sequence[ModeSummary], cfg: Any, world: int, wall: float, run_dir: str,
+                 rows: Sequence[dict] | None = None) -> str:
+    """The job's end screen (summary.txt). With ``rows`` (the run's steps) it states the pre-registered
+    primary endpoint (``endpoints.primary_text``); a one-seed run is labelled as one."""
+    from faircast_ds.jobs import endpoints
+
+    seeds = sorted({s for m in summaries for s in m.final_by_seed})
     lines = [headline(cfg, world), f"wall {wall:.0f} s", "",
              f"{'mode':<15} {'final reward [95% CI]':>24} {'W/T/L vs RN':>12} {'changed':>9} {'lag drift':>10} "
              f"{'bias':>7} {'lag L2':>7} {'master-served':>14} {'KL/step':>9} {'sync/step':>11}"]
@@ -293,7 +299,12 @@ def summary_text(summaries: Sequence[ModeSummary], cfg: Any, world: int, wall: f
             f"{_fmt(s.lag_drift, '10.1f', '         —')} {_fmt(s.bias, '+7.3f', '      —')} "
             f"{_fmt(s.lag, '7.1f', '      —')} {cons} {_fmt(s.kl_step, '9.2e', '        —')} "
             f"{_fmt_bytes(s.sync_bytes):>11}")
+    if len(seeds) == 1:
+        lines += ["", f"One seed ({seeds[0]}): every figure above is that seed's; no interval, no test (W/T/L vs RN "
+                  f"counts this one seed)."]
     lines += [""] + verdicts(summaries)
+    if rows:
+        lines += [endpoints.primary_text(rows)]
     lines += ["", f"tie threshold {cfg.tie}; final reward = mean of the last 20% of steps per seed; "
               "paired differences: bootstrap 95% CI, sign test",
               f"table: {os.path.join(run_dir, 'results.md')}   plot: {os.path.join(run_dir, 'reward.png')}   "
@@ -373,7 +384,7 @@ def rebuild(run_dir: str, out_dir: str | None = None) -> str:
     plots.plot_run(rows, os.path.join(out_dir, "reward.png"), title=headline(cfg, meta["world_size"]))
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(markdown(summaries, cfg, meta["world_size"], meta["wall_s"]) + engine_table(rows, cfg.modes))
-    text = summary_text(summaries, cfg, meta["world_size"], meta["wall_s"], run_dir)
+    text = summary_text(summaries, cfg, meta["world_size"], meta["wall_s"], run_dir, rows)
     with open(os.path.join(out_dir, "summary.txt"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(out_dir, "endpoints.md"), "w") as f:
