@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DIST, ROOT, cpu_env
 
@@ -496,3 +497,120 @@ def test_stalled_sender_times_out_and_the_weights_stay(receiver, procs):
     assert isinstance(exc, SyncAborted) and "mid-update (version 1, 5 of 14" in str(exc)
     assert "went silent for 3.0s" in str(exc), str(exc)  # ended by the receiver's 3 s timeout, nothing else
     assert rx.version is None and digest(rx.targets.items()) == before
+
+
+# ---------------------------------------------------------------- the delta's size and rank 0's memory
+
+class LargestAllocation(TorchDispatchMode):
+    """The largest tensor any torch op produced while active (bytes): what the sender allocated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and not t._is_view():
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def perturb(model: torch.nn.Module, fractions: dict[str, float], seed: int = 3) -> None:
+    """Flip the low mantissa bit of the given fraction of each named parameter's elements (a chosen
+    random subset; 0.0 leaves a parameter untouched)."""
+    g = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, fraction in fractions.items():
+            bits = params[name].data.view(-1).view(torch.int16)
+            pick = torch.randperm(bits.numel(), generator=g)[:round(fraction * bits.numel())]
+            bits[pick] ^= 1
+
+
+def smallest_payload(numel: int, nnz: int) -> int:
+    """The bytes a parameter's update needs at best (bf16 values): whole (2 per element), an int32
+    index list (4 + 2 per change), or a bitmap (1 bit per element + 2 per change)."""
+    return min(2 * numel, 6 * nnz, -(-numel // 8) + 2 * nnz)
+
+
+def test_a_delta_is_never_larger_than_dense_and_rank0_holds_one_parameter(receiver, monkeypatch):
+    """At 97% of a parameter changed a bitmap + values (2.06 bytes per element) is larger than the
+    parameter itself; the old delta also listed every change as int64 indices on rank 0 (8 bytes per
+    change). The payloads must be the smallest encoding of what really changed (counted here from the
+    bits themselves), and nothing the sender allocates may exceed one bf16 copy of a parameter."""
+    from faircast_ds.export.channel import Channel
+
+    rx = receiver(timeout=30)
+    serving = Serving(rx)
+    model = tiny()
+    sender = WeightSender(model, port=rx.port, timeout=30)
+    assert sender.sync(version=1).kind == "dense"
+    before = {n: p.detach().clone().view(-1).view(torch.int16) for n, p in model.named_parameters()}
+    fractions = {"0.weight": 0.97, "2.weight": 0.5, "3.weight": 0.01, "6.weight": 1.0, "9.weight": 0.0005}
+    perturb(model, fractions)
+    nnz = {n: int((p.detach().view(-1).view(torch.int16) != before[n]).sum()) for n, p in model.named_parameters()}
+    assert {n for n, k in nnz.items() if k} == {n for n, f in fractions.items() if round(f * before[n].numel())}
+    payloads: list[int] = []
+    send = Channel.send_tensor
+
+    def recording(self, t):
+        payloads.append((t.dtype, t.numel(), t.numel() * t.element_size()))
+        send(self, t)
+
+    monkeypatch.setattr(Channel, "send_tensor", recording)
+    with LargestAllocation() as seen:
+        report = sender.sync(version=2)
+    monkeypatch.undo()
+    numels = {n: p.numel() for n, p in model.named_parameters()}
+    # the sender's frames: per parameter a 24-byte triple and its payloads, then the end triple
+    bodies = [b for dtype, n, b in payloads if (dtype, n) != (torch.int64, 3)]
+    assert sum(bodies) == sum(smallest_payload(numels[n], k) for n, k in nnz.items() if k)
+    assert report.kind == "delta" and report.params == sum(1 for k in nnz.values() if k)
+    assert report.changed == sum(nnz.values())
+    assert seen.largest <= 2 * max(numels.values()), f"the sender allocated {seen.largest} bytes at once"
+    sender.close()
+    serving.join()
+    assert rx.version == 2 and digest(rx.targets.items()) == digest(model.named_parameters())
+
+
+# ---------------------------------------------------------------- the served-weight source (one process)
+
+def test_source_walks_dense_then_only_what_changed_since_the_acknowledged_version():
+    """Walk order, the changed set against bits compared here, and acknowledge/abort: an unacknowledged
+    walk leaves the base where it was (nothing lost), require_dense starts over."""
+    from faircast_ds.export.source import ServedSource
+
+    model = tiny()
+    names = [n for n, _ in model.named_parameters()]
+    source = ServedSource(model)
+    walk = source.walk()
+    seen = [(item.name, delta.bits_view(item.tensor).clone()) for item in walk]
+    assert walk.kind == "dense" and [n for n, _ in seen] == names and source.acknowledged is None
+    for (n, bits), (_, p) in zip(seen, model.named_parameters()):
+        assert torch.equal(bits, p.detach().view(-1).view(torch.int16))
+    with pytest.raises(ValueError, match="needs an acknowledged version"):
+        source.walk("delta")
+    walk.acknowledge()  # version: the walk's serial for a plain module
+    acked = {n: p.detach().clone().view(-1).view(torch.int16) for n, p in model.named_parameters()}
+    perturb(model, {"2.weight": 0.3, "9.weight": 0.001})
+    first = source.walk(masks=True)
+    items = [(i.name, i.changed, None if i.mask is None else i.mask.clone()) for i in first]
+    first.abort()  # the engine did not confirm: the next walk is still against `acked`
+    perturb(model, {"0.weight": 0.02}, seed=4)
+    second = source.walk(masks=True, groups={"9.weight": ("8.weight", "9.weight")})
+    got = {i.name: (i.changed, None if i.mask is None else i.mask.clone()) for i in second}
+    oracle = {n: p.detach().view(-1).view(torch.int16) != acked[n] for n, p in model.named_parameters()}
+    changed = [n for n in names if bool(oracle[n].any())]
+    assert [n for n, _, _ in items] == ["2.weight", "9.weight"]
+    assert list(got) == sorted(set(changed) | {"8.weight"}, key=names.index)  # 8.weight travels with 9.weight
+    assert second.changed_params == changed
+    for n in changed:
+        count, mask = got[n]
+        assert count == int(oracle[n].sum()) and torch.equal(mask, oracle[n])
+    assert got["8.weight"][0] == 0
+    second.acknowledge()
+    quiet = source.walk()
+    assert quiet.kind == "delta" and list(quiet) == []
+    source.require_dense()
+    assert source.walk().kind == "dense"

@@ -1,7 +1,10 @@
 """Shipping the served weights: export, weight sync, inspection.
 
-- :func:`served_weights` yields each parameter's served bf16 tensor, one at a time (a collective
-  under ZeRO-3); :func:`served_specs` lists names, shapes and dtypes without gathering.
+- :class:`ServedSource` is the one served-weight source every route reads: walks that yield each
+  parameter's served bf16 bits once (dense) or only the parameters changed since the last
+  acknowledged version (delta), with one :class:`ServedReport` type for every route.
+  :func:`served_weights` is its per-parameter primitive (a collective under ZeRO-3);
+  :func:`served_specs` lists names, shapes and dtypes without gathering.
 - :func:`save_hf` writes a Hugging Face directory (safetensors + config) atomically.
 - :class:`WeightSender` / :class:`WeightReceiver` push the weights to a separate inference process
   over an authenticated TCP channel of their own, dense or as sparse deltas, all-or-nothing.
@@ -14,8 +17,10 @@ from faircast_ds.export.channel import (DEFAULT_HOST, AcceptTimeout, Authenticat
                                         Refused, WeightSyncError)
 from faircast_ds.export.hf import ExportError, ExportResult, save_hf
 from faircast_ds.export.served import ParamSpec, local_served_slices, served_specs, served_weights
+from faircast_ds.export.source import ModelReader, ServedItem, ServedReader, ServedReport, ServedSource, Walk
 from faircast_ds.export.sync import SyncAborted, SyncReport, WeightReceiver, WeightSender
 
-__all__ = ["AcceptTimeout", "AtomicDirectory", "AuthenticationError", "ChannelError", "ProtocolError", "Refused", "DEFAULT_HOST", "ExportError", "ExportResult", "ParamSpec",
+__all__ = ["AcceptTimeout", "AtomicDirectory", "AuthenticationError", "ChannelError", "ProtocolError", "Refused", "DEFAULT_HOST", "ExportError", "ExportResult", "ModelReader", "ParamSpec", "ServedItem",
+           "ServedReader", "ServedReport", "ServedSource", "Walk",
            "SyncAborted", "SyncReport", "WeightReceiver", "WeightSender", "WeightSyncError", "local_served_slices",
            "save_hf", "served_specs", "served_weights"]

@@ -3,7 +3,8 @@
 Elements are compared by their bit patterns (so NaN payloads and -0.0 count as what they are).
 A delta of one parameter is (sorted element indices, new bit patterns), sent either as
 ``COO`` (index array + values) or as ``BITMAP`` (one bit per element + values), whichever is
-smaller; ``DENSE`` sends every element. Pure functions; no communication here.
+smaller; ``DENSE`` sends every element, and is what a delta sends for a parameter where it is the
+smallest of the three (:func:`best`). Pure functions; no communication here.
 """
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ def encoded_bytes(encoding: int, numel: int, nnz: int, element_size: int) -> int
 def choose(numel: int, nnz: int, element_size: int) -> int:
     """The smaller sparse encoding of ``nnz`` changes out of ``numel`` elements."""
     return min((COO, BITMAP), key=lambda e: encoded_bytes(e, numel, nnz, element_size))
+
+
+def best(numel: int, nnz: int, element_size: int) -> int:
+    """The smallest encoding of ``nnz`` changes out of ``numel`` elements, ``DENSE`` included: a
+    parameter most of whose elements changed travels whole (a bitmap costs 1 bit per element more)."""
+    if nnz >= numel:
+        return DENSE
+    return min((DENSE, COO, BITMAP), key=lambda e: encoded_bytes(e, numel, nnz, element_size))
 
 
 def pack_bits(indices: torch.Tensor, numel: int) -> torch.Tensor:

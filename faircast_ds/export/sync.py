@@ -15,10 +15,14 @@ Inference side, in a process that is not part of the training job::
     while (report := receiver.receive(timeout=600)) is not None:
         ...serve with model (hold receiver.lock while reading the weights)...
 
-A dense sync gathers one parameter at a time (:func:`served_weights`) and rank 0 sends it. A delta
-sync sends only the elements whose bits changed since the last acknowledged sync: each rank diffs
-its own served shard against its copy of the bits it last sent (one bf16 copy of the rank's shard),
-the changes are gathered to rank 0 one parameter at a time, and rank 0 sends them.
+Both read the served weights through one walk of :class:`~faircast_ds.export.source.ServedSource`.
+A dense sync gathers one parameter at a time and rank 0 sends it. A delta sync sends only the
+parameters whose bits changed since the last acknowledged sync: each rank compares its own served
+shard with its copy of the bits last acknowledged (one bf16 copy of the rank's shard), one
+all-reduce of per-parameter counts tells every rank which parameters changed, and only those are
+gathered, once each. Rank 0 sends each in the smallest of three encodings (whole, index list,
+bitmap; see :mod:`faircast_ds.export.delta`), from the gathered parameter and each rank's bitmap of
+its changed elements: it holds one parameter at a time.
 
 Delivery is all-or-nothing: the receiver stages an update and applies it only after the sender's
 end marker, all parameters checked; if the sender dies or stalls mid-update the staged data is
@@ -42,22 +46,21 @@ docs/security.md for what is and is not guaranteed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.distributed as dist
 
 from faircast_ds.dist import from_rank0, rank_world
 from faircast_ds.export import delta as delta_encoding
 from faircast_ds.export.channel import (DEFAULT_HOST, SECRET_ENV, AcceptTimeout, Channel, ChannelError, Limits,
                                         Listener, WeightSyncError, connect, resolve_secret)
-from faircast_ds.export.served import (LocalSlice, ParamSpec, local_served_slices, module_of, served_specs,
-                                       served_weights)
+from faircast_ds.export.served import ParamSpec, module_of
+from faircast_ds.export.source import ServedItem, ServedReport, ServedSource, Walk
 
 PROTOCOL = 2  # 2: the framed, authenticated channel (1 was the gloo channel)
 _END = -1
@@ -68,17 +71,7 @@ class SyncAborted(ChannelError):
     """The sender vanished or stalled; the receiver's weights are those of its last complete update."""
 
 
-@dataclass(frozen=True)
-class SyncReport:
-    """One update, as the sender sent it or the receiver applied it."""
-
-    version: int
-    kind: str  # "dense" or "delta"
-    params: int  # parameters carried by the update
-    changed: int  # elements carried (dense: all of them)
-    numel: int  # elements in the model
-    bytes: int  # bytes on the channel for this update, headers included
-    seconds: float
+SyncReport = ServedReport  # one report type for every route (faircast_ds.export.source)
 
 
 def spec_list(specs: list[ParamSpec]) -> list[list[Any]]:
@@ -124,19 +117,25 @@ class WeightSender:
     """
 
     def __init__(self, model: Any, host: str = DEFAULT_HOST, port: int = 29600, *, timeout: float = 60.0,
-                 delta: bool = True, bind: str | None = None, secret: str | bytes | None = None) -> None:
+                 delta: bool = True, bind: str | None = None, secret: str | bytes | None = None,
+                 source: ServedSource | None = None) -> None:
         if secret is not None:
             resolve_secret(secret)  # a short or empty secret= is refused here, on every rank alike
         self.model = model
         self.host, self.port, self.timeout, self.bind = host, port, timeout, bind
         self._secret = secret  # None: from the environment, when rank 0 connects
-        self.specs = served_specs(model)
-        self.numel = sum(s.numel for s in self.specs)
+        self.source = source if source is not None else ServedSource(model, delta=delta)
+        self.specs = self.source.specs
+        self.numel = self.source.numel
         self.rank, self.world = rank_world()
         self.channel: Channel | None = None
-        self.can_delta = delta and _can_read_local_shards(model)
-        self._baseline: dict[tuple[str, int], torch.Tensor] | None = None  # this rank's last acknowledged bits
-        self._baseline_version: int | None = None
+        self.can_delta = delta and self.source.can_delta
+        self.last_walk: Walk | None = None
+
+    @property
+    def _baseline_version(self) -> int | None:
+        """The version the receiver acknowledged in this session (what a delta is against)."""
+        return self.source.acknowledged
 
     def connect(self) -> None:
         """Join the receiver and exchange hello/welcome (collective; raises on every rank if refused)."""
@@ -144,7 +143,7 @@ class WeightSender:
         if self.rank == 0:
             error = self._on_rank0(self._hello)
         error = from_rank0(error)
-        self._baseline_version = None
+        self.source.require_dense()  # a new session: the receiver holds nothing of ours yet
         if error is not None:
             raise WeightSyncError(error)
 
@@ -172,12 +171,14 @@ class WeightSender:
         """Whether rank 0 still has a session (collective)."""
         return bool(from_rank0(self.channel is not None and not self.channel.closed if self.rank == 0 else None))
 
-    def sync(self, version: int | None = None, kind: str = "auto") -> SyncReport:
+    def sync(self, version: int | None = None, kind: str = "auto", *,
+             on_param: Callable[[ServedItem], None] | None = None) -> SyncReport:
         """Push the served weights (collective). ``version`` defaults to the engine's ``global_steps``.
         ``kind``: ``auto`` (delta when the receiver acknowledged a previous sync in this session, else
         dense), ``dense``, or ``delta``. Reconnects first if the session is gone. Raises
         WeightSyncError on every rank if the update was refused or not delivered (the receiver then
-        still serves its previous weights)."""
+        still serves its previous weights). ``on_param`` sees every parameter the walk yields, on
+        every rank, while its bits are at hand (a route's verification digests: no second walk)."""
         began = time.perf_counter()
         if version is None:
             version = getattr(self.model, "global_steps", None)
@@ -187,7 +188,7 @@ class WeightSender:
             raise ValueError(f"kind must be 'auto', 'dense' or 'delta', not {kind!r}")
         if not self._session_alive():
             self.connect()
-        use_delta = kind != "dense" and self._baseline_version is not None
+        use_delta = kind != "dense" and self.can_delta and self._baseline_version is not None
         if kind == "delta" and not use_delta:
             raise WeightSyncError("a delta sync needs a previous sync acknowledged in this session" + (
                 "" if self.can_delta else " and each rank's served shard (under ZeRO-3: Fair Cast attached)"))
@@ -199,23 +200,22 @@ class WeightSender:
             error = self._on_rank0(lambda: self._open_update(header))
         error = from_rank0(error)
         if error is not None:
-            self._baseline_version = None
+            self.source.require_dense()
             raise WeightSyncError(error)
-        failure, params, changed = self._stream_delta() if use_delta else self._stream_dense()
+        walk = self.source.walk("delta" if use_delta else "dense", masks=use_delta, version=int(version))
+        self.last_walk = walk
+        failure, carried = self._stream(walk, on_param)
         if self.rank == 0 and failure is None:
-            failure = self._on_rank0(lambda: self._finish(params))
+            failure = self._on_rank0(lambda: self._finish(walk.params))
         sent = self.channel.sent_bytes - sent_before if self.rank == 0 else 0
-        failure, params, changed, sent = from_rank0((failure, params, changed, sent))
+        failure, sent, carried = from_rank0((failure, sent, carried))
         if failure is not None:
-            self._baseline_version = None
-            self._baseline = None
+            walk.abort()
+            self.source.require_dense()  # the session is closed: the next one starts dense
             raise WeightSyncError(f"weight sync of version {version} not delivered: {failure}")
-        if self.can_delta:
-            self._baseline = {(s.name, s.start): delta_encoding.bits_view(s.values).clone()
-                              for s in local_served_slices(self.model)}
-            self._baseline_version = int(version)
-        return SyncReport(int(version), "delta" if use_delta else "dense", params, changed, self.numel, sent,
-                          time.perf_counter() - began)
+        walk.acknowledge()  # the receiver applied it whole and said so
+        report = walk.report(bytes=sent, elements=carried)
+        return dataclasses.replace(report, seconds=time.perf_counter() - began)
 
     def _open_update(self, header: dict[str, Any]) -> None:
         self.channel.send_json(header)
@@ -242,65 +242,28 @@ class WeightSender:
             return str(exc)
         return None
 
-    def _stream_dense(self) -> tuple[str | None, int, int]:
-        failure = None
-        for index, (name, tensor) in enumerate(served_weights(self.model)):  # collective under ZeRO-3
-            if self.rank == 0:
-                failure = self._send(failure, index, delta_encoding.DENSE, tensor.numel(),
-                                     [delta_encoding.bits_view(tensor)])
-        return failure, len(self.specs), self.numel
-
-    def _stream_delta(self) -> tuple[str | None, int, int]:
-        by_name: dict[str, list[LocalSlice]] = {}
-        for s in local_served_slices(self.model):
-            by_name.setdefault(s.name, []).append(s)
-        failure, params, changed = None, 0, 0
-        for index, spec in enumerate(self.specs):
-            idx_parts, val_parts = [], []
-            for s in by_name.get(spec.name, []):
-                now = delta_encoding.bits_view(s.values)
-                d = delta_encoding.changed(self._baseline[(s.name, s.start)], now)
-                idx_parts.append(d + s.start)
-                val_parts.append(now[d])
-            vdtype = delta_encoding.bits_dtype(spec.dtype)
-            idx = torch.cat(idx_parts) if idx_parts else torch.zeros(0, dtype=torch.int64)
-            vals = torch.cat(val_parts) if val_parts else torch.zeros(0, dtype=vdtype)
-            idx, vals = self._gather_to_rank0(idx, vals)
-            if idx is None:  # nothing changed anywhere (known on every rank)
+    def _stream(self, walk: Walk, on_param: Callable[[ServedItem], None] | None) -> tuple[str | None, int]:
+        """Every parameter the walk yields, encoded on rank 0 in the smallest of dense, index list and
+        bitmap; rank 0 holds one parameter's payload at a time. Returns (failure, elements carried)."""
+        failure, carried = None, 0
+        for item in walk:  # a collective under ZeRO-3: every rank consumes it to the end
+            if on_param is not None:
+                on_param(item)
+            if self.rank != 0:
                 continue
-            params += 1
-            changed += idx.numel()
-            if self.rank == 0:
-                encoding = delta_encoding.choose(spec.numel, idx.numel(), vals.element_size())
-                if encoding == delta_encoding.COO:
-                    first = idx.to(delta_encoding.index_dtype(spec.numel))
-                else:
-                    first = delta_encoding.pack_bits(idx, spec.numel)
-                failure = self._send(failure, index, encoding, idx.numel(), [first, vals])
-        return failure, params, changed
-
-    def _gather_to_rank0(self, idx: torch.Tensor,
-                         vals: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Every rank's changes of one parameter, concatenated in index order on rank 0. (None, None)
-        on every rank when no rank has a change."""
-        if self.world == 1:
-            return (idx.cpu(), vals.cpu()) if idx.numel() else (None, None)
-        device = _comm_device()
-        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world)]
-        dist.all_gather(counts, torch.tensor([idx.numel()], dtype=torch.int64, device=device))
-        counts = [int(c) for c in counts]
-        if sum(counts) == 0:
-            return None, None
-        packed = torch.zeros(2, max(counts), dtype=torch.int64, device=device)
-        packed[0, :idx.numel()] = idx.to(device)
-        packed[1, :idx.numel()] = vals.to(device=device, dtype=torch.int64)
-        parts = [torch.empty_like(packed) for _ in range(self.world)] if self.rank == 0 else None
-        dist.gather(packed, parts, dst=0)
-        if self.rank != 0:
-            return idx, vals  # only the count matters off rank 0
-        merged = torch.cat([p[:, :n] for p, n in zip(parts, counts)], dim=1).cpu()
-        order = merged[0].argsort()
-        return merged[0, order], merged[1, order].to(vals.dtype)
+            bits = delta_encoding.bits_view(item.tensor)
+            if item.mask is None:  # dense walk, or a parameter most of whose elements changed
+                carried += item.spec.numel
+                failure = self._send(failure, item.index, delta_encoding.DENSE, item.spec.numel, [bits])
+                continue
+            carried += item.changed
+            encoding = delta_encoding.choose(item.spec.numel, item.changed, bits.element_size())
+            if encoding == delta_encoding.COO:
+                first = item.mask.nonzero().view(-1).to(delta_encoding.index_dtype(item.spec.numel))
+            else:
+                first = _bitmap(item.mask)
+            failure = self._send(failure, item.index, encoding, item.changed, [first, bits[item.mask]])
+        return failure, carried
 
     def close(self) -> None:
         """End the session cleanly (the receiver's :meth:`WeightReceiver.receive` returns None)."""
@@ -311,23 +274,17 @@ class WeightSender:
                 pass
             self.channel.close()
         self.channel = None
-        self._baseline_version = None
-        self._baseline = None
+        self.source.require_dense()
 
 
-def _comm_device() -> torch.device:
-    """Where the training group's collectives take their tensors (NCCL: the current GPU)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _bitmap(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask as the protocol's little-endian bitmap (uint8), in 8-element chunks (no int64
+    index list: at most one byte per element of scratch)."""
+    padded = mask if mask.numel() % 8 == 0 else torch.cat([mask, mask.new_zeros(8 - mask.numel() % 8)])
+    return (padded.view(-1, 8).to(torch.uint8) * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
 
 
-def _can_read_local_shards(model: Any) -> bool:
-    try:
-        local_served_slices(model)
-    except ValueError:
-        return False
-    return True
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def _json_limit(specs: list[ParamSpec]) -> int:

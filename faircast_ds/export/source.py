@@ -1,0 +1,384 @@
+"""The one served-weight source: every consumer (HF export, the weight sync, every engine route) reads
+the served bf16 weights through :class:`ServedSource`.
+
+A :class:`Walk` visits the served parameters once, in a stable order (the reader's, for DeepSpeed
+``named_parameters()``), yielding each one's served bits in full exactly once: under ZeRO-3 one gather
+per parameter yielded, under ZeRO-1/2 and BF16_Optimizer none (every rank holds the bf16 model).
+
+The source knows which parameters changed since the last *acknowledged* version (a version an engine
+confirmed holding). Each rank compares its own served shard with its own copy of that version's bits
+(2 bytes per shard element, kept only once something was acknowledged) and ONE all-reduce of the
+per-parameter changed-element counts per walk tells every rank which parameters changed. A dense walk
+yields every parameter; a delta walk yields only the changed ones (optionally with the whole packed
+group each belongs to), one gather each. With ``masks=True`` rank 0 also gets, per yielded parameter
+of a delta walk whose sparse encoding is smaller than a dense one, which of its elements changed
+(each rank's packed bitmap of its own shard, gathered to rank 0: 1 bit per element).
+
+Acknowledge and abort::
+
+    walk = source.walk("auto")                  # dense until something was acknowledged
+    for item in walk:                           # every rank, to the end, in lockstep
+        ...send item.tensor (rank 0)...
+    walk.acknowledge()                          # the engine confirmed: the next delta is against this
+    # or walk.abort() / nothing: the next walk is relative to the last acknowledged version
+    source.require_dense()                      # a new engine or a reconnect: the next walk is dense
+
+Where the parameters live is a :class:`ServedReader`'s business: :class:`ModelReader` reads a
+DeepSpeed engine or a plain module (ZeRO-3 through :mod:`faircast_ds.partitioned`); another
+framework (Megatron) supplies its own reader. No framework and no engine is imported here.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Iterator, Mapping, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from faircast_ds import partitioned
+from faircast_ds.dist import _collective_device, rank_world
+from faircast_ds.export import delta as delta_encoding
+from faircast_ds.export.served import LocalSlice, ParamSpec, _checked, local_served_slices, module_of, served_specs
+
+DENSE, DELTA = "dense", "delta"
+_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class ServedReport:
+    """One route's account of one update (sync, push, export), the same type everywhere.
+
+    ``changed``: elements whose bits changed since the base version (a dense update has no base: every
+    element). ``elements``: elements carried (a parameter sent whole carries all of its elements;
+    defaults to ``changed``). ``gathers``: full-parameter gathers the walk made (ZeRO-3; 0 where every
+    rank holds the model). The engine fields are filled by routes that load into an engine.
+    """
+
+    version: int | None
+    kind: str  # "dense" or "delta"
+    params: int  # parameters carried
+    changed: int
+    numel: int  # elements in the model
+    bytes: int  # bytes handed over (on the channel: headers included)
+    seconds: float
+    elements: int | None = None
+    params_total: int | None = None
+    gathers: int = 0
+    load_seconds: float = 0.0  # inside the engine's reload
+    verify_seconds: float = 0.0
+    verified: bool | None = None  # None: not checked
+    mismatched: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.elements is None:
+            object.__setattr__(self, "elements", self.changed)
+
+
+class ServedReader(Protocol):
+    """Where a framework keeps the served weights: what :class:`ServedSource` needs of it.
+
+    - :attr:`specs`: every served parameter, in the order walks visit them (identical on every rank).
+    - :meth:`local_slices`: this rank's own pieces, read in place; over the ranks of :attr:`group` they
+      cover every element exactly once. ``start`` is the piece's offset in the flattened tensor
+      :meth:`full` yields (a piece that is not contiguous there is listed as several slices). Raises
+      ValueError when this rank's pieces cannot be read (no delta is possible then).
+    - :meth:`full`: parameter ``index`` in full, in its served dtype, for the duration (a collective
+      over :attr:`group` where :meth:`is_gathered` says so).
+    - :attr:`group`: the process group the walk's own collectives run on (None: the default group).
+    """
+
+    specs: list[ParamSpec]
+    group: Any
+
+    def local_slices(self) -> list[LocalSlice]: ...
+
+    def full(self, index: int) -> ContextManager[torch.Tensor]: ...
+
+    def is_gathered(self, index: int) -> bool: ...
+
+
+class ModelReader:
+    """A DeepSpeed engine's (any ZeRO stage, BF16_Optimizer) or a plain module's served weights."""
+
+    group = None
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.specs = served_specs(model)
+        self._params = [p for _, p in module_of(model).named_parameters()]
+
+    def local_slices(self) -> list[LocalSlice]:
+        return local_served_slices(self.model)
+
+    def is_gathered(self, index: int) -> bool:
+        return partitioned.is_partitioned(self._params[index])
+
+    @contextlib.contextmanager
+    def full(self, index: int) -> Iterator[torch.Tensor]:
+        p = self._params[index]
+        if partitioned.is_partitioned(p):
+            with partitioned.gathered(p) as full:
+                yield full
+        else:
+            yield _checked(self.specs[index].name, p).data
+
+
+@dataclass
+class ServedItem:
+    """One parameter of a walk. ``tensor`` is the full served tensor on every rank, valid only until the
+    walk advances (the framework's own storage: do not modify it). ``changed``: its elements whose bits
+    changed since the base (dense walk: all). ``mask`` (rank 0, delta walks with ``masks=True``): a
+    bool tensor over the flattened parameter, True where the bits changed; None when sending the
+    parameter whole is smaller (see :func:`faircast_ds.export.delta.best`) or off rank 0."""
+
+    index: int
+    spec: ParamSpec
+    tensor: torch.Tensor
+    changed: int
+    mask: torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class ServedSource:
+    """The served weights of one model as walks, with the last acknowledged version's baseline.
+
+    Construct on every rank with a DeepSpeed engine, a module, or ``reader=`` (another framework's
+    :class:`ServedReader`). ``delta=False`` never keeps a baseline (every walk is dense). Every walk is a
+    collective of :attr:`reader`'s group: start it and consume it to the end on every rank.
+    """
+
+    def __init__(self, model: Any = None, *, reader: ServedReader | None = None, delta: bool = True) -> None:
+        if (model is None) == (reader is None):
+            raise ValueError("ServedSource takes a model or reader=, exactly one")
+        self.model = model
+        self.reader: ServedReader = reader if reader is not None else ModelReader(model)
+        self.specs: list[ParamSpec] = list(self.reader.specs)
+        self.index = {s.name: i for i, s in enumerate(self.specs)}
+        self.numel = sum(s.numel for s in self.specs)
+        self.rank, self.world = _group_rank_world(self.reader.group)
+        self.can_delta = delta and _readable(self.reader)
+        self.acknowledged: int | None = None  # the version the baseline holds; None: the next walk is dense
+        self._baseline: list[torch.Tensor] | None = None  # this rank's bits of that version, per local slice
+        self._layout: list[list[tuple[int, int, int]]] | None = None  # per rank: (param index, start, numel)
+        self.walks = 0
+
+    @property
+    def params_total(self) -> int:
+        return len(self.specs)
+
+    def require_dense(self) -> None:
+        """Forget the acknowledged version (a new engine, a reconnect): the next walk is dense. Local."""
+        self.acknowledged = None
+
+    def walk(self, kind: str = "auto", *, masks: bool = False,
+             groups: Mapping[str, Sequence[str]] | None = None, version: int | None = None) -> "Walk":
+        """Start a walk (a collective). ``kind``: ``auto`` (delta when a version was acknowledged and
+        deltas are possible, else dense), ``dense`` or ``delta`` (ValueError without an acknowledged
+        version). ``groups``: name -> the names that must travel together (a packed engine layer); a
+        delta walk then yields every member of a group with a changed member. Must be the same on
+        every rank. ``version``: what :meth:`Walk.acknowledge` records (default: the engine's
+        ``global_steps``)."""
+        if kind not in ("auto", DENSE, DELTA):
+            raise ValueError(f"kind must be 'auto', 'dense' or 'delta', not {kind!r}")
+        if kind == DELTA and self.acknowledged is None:
+            raise ValueError("a delta walk needs an acknowledged version" + (
+                "" if self.can_delta else " and each rank's served shard (under ZeRO-3: Fair Cast attached)"))
+        use_delta = kind != DENSE and self.acknowledged is not None and self.can_delta
+        if version is None:
+            version = getattr(self.model, "global_steps", None)
+        return Walk(self, DELTA if use_delta else DENSE, masks=masks and use_delta, groups=groups, version=version)
+
+    # -- rank-local pieces ------------------------------------------------------------------------
+    def _slices(self) -> list[LocalSlice]:
+        return self.reader.local_slices()
+
+    def _changed_counts(self, slices: list[LocalSlice]) -> torch.Tensor:
+        """Per parameter, how many of its elements changed since the baseline, over all ranks: the
+        walk's one collective (an all-reduce of one int64 per parameter)."""
+        counts = torch.zeros(len(self.specs), dtype=torch.int64)
+        for s, base in zip(slices, self._baseline):
+            counts[self.index[s.name]] += int((delta_encoding.bits_view(s.values) != base).sum())
+        if self.world > 1:
+            device = _collective_device()
+            reduced = counts.to(device)
+            dist.all_reduce(reduced, group=self.reader.group)
+            counts = reduced.cpu()
+        return counts
+
+    def _rank_layout(self, slices: list[LocalSlice]) -> list[list[tuple[int, int, int]]]:
+        """Every rank's slices (param index, start, numel), once per source (one object all-gather)."""
+        if self._layout is None:
+            mine = [(self.index[s.name], s.start, s.numel) for s in slices]
+            if self.world == 1:
+                self._layout = [mine]
+            else:
+                everyone: list[Any] = [None] * self.world
+                dist.all_gather_object(everyone, mine, group=self.reader.group)
+                self._layout = everyone
+        return self._layout
+
+    def _mask(self, index: int, slices: list[LocalSlice], numel: int) -> torch.Tensor | None:
+        """Which elements of parameter ``index`` changed, on rank 0 (a gather of each rank's packed
+        bitmap of its own pieces; None off rank 0). Rank 0 holds one bool per element of the parameter
+        and the ranks' bitmaps (1 bit per element), nothing larger."""
+        layout = self._rank_layout(slices)
+        mine = [torch.ne(delta_encoding.bits_view(s.values), base)
+                for s, base in zip(slices, self._baseline) if s.name == self.specs[index].name]
+        local = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.bool)
+        if self.world == 1:
+            full = torch.zeros(numel, dtype=torch.bool)
+            for (_, start, n), part in zip([e for e in layout[0] if e[0] == index], mine):
+                full[start:start + n] = part
+            return full
+        lengths = [sum(n for i, _, n in rank_slices if i == index) for rank_slices in layout]
+        width = (max(lengths) + 7) // 8
+        device = _collective_device()
+        packed = _pack(local, width).to(device)
+        parts = [torch.empty_like(packed) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(packed, parts, dst=_global_rank0(self.reader.group), group=self.reader.group)
+        if self.rank != 0:
+            return None
+        full = torch.zeros(numel, dtype=torch.bool)
+        for rank_slices, part, length in zip(layout, parts, lengths):
+            bits = _unpack(part.cpu(), length)
+            cursor = 0
+            for i, start, n in rank_slices:
+                if i == index:
+                    full[start:start + n] = bits[cursor:cursor + n]
+                    cursor += n
+        return full
+
+    def _acknowledge(self, walk: "Walk") -> None:
+        if not self.can_delta:
+            self.acknowledged = None
+            return
+        slices = self._slices()
+        if self._baseline is None or len(self._baseline) != len(slices):
+            self._baseline = [delta_encoding.bits_view(s.values).clone() for s in slices]
+        else:  # copy in place: no second copy of the shard
+            for base, s in zip(self._baseline, slices):
+                base.copy_(delta_encoding.bits_view(s.values))
+        self.acknowledged = walk.version if walk.version is not None else walk.serial
+
+
+class Walk:
+    """One pass over the served weights (see :meth:`ServedSource.walk`). Iterate it once, to the end,
+    on every rank; then :meth:`acknowledge` (the engine confirmed) or :meth:`abort`."""
+
+    def __init__(self, source: ServedSource, kind: str, *, masks: bool, groups: Mapping[str, Sequence[str]] | None,
+                 version: int | None) -> None:
+        self.source, self.kind, self.masks, self.version = source, kind, masks, version
+        self.base = source.acknowledged if kind == DELTA else None
+        source.walks += 1
+        self.serial = source.walks
+        self.began = time.perf_counter()
+        self.gathers = 0
+        self.changed = source.numel if kind == DENSE else 0
+        self.params = 0  # yielded so far
+        self.elements = 0
+        self.done = False
+        self._steps = getattr(source.model, "global_steps", None)
+        self._slices: list[LocalSlice] = []
+        if kind == DENSE:
+            self.counts = None
+            self.order = list(range(len(source.specs)))
+        else:
+            self._slices = source._slices()
+            self.counts = source._changed_counts(self._slices)
+            self.changed = int(self.counts.sum())
+            chosen = {i for i in range(len(source.specs)) if int(self.counts[i])}
+            if groups:
+                for i in list(chosen):
+                    chosen.update(source.index[m] for m in groups.get(source.specs[i].name, ()) if m in source.index)
+            self.order = sorted(chosen)
+
+    @property
+    def changed_params(self) -> list[str]:
+        """Names of the parameters whose bits changed since the base (dense walk: all of them)."""
+        if self.counts is None:
+            return [s.name for s in self.source.specs]
+        return [s.name for s, c in zip(self.source.specs, self.counts.tolist()) if c]
+
+    def __iter__(self) -> Iterator[ServedItem]:
+        if self.done:
+            raise RuntimeError("a walk is iterated once; start another with ServedSource.walk()")
+        source = self.source
+        for index in self.order:
+            spec = source.specs[index]
+            changed = spec.numel if self.counts is None else int(self.counts[index])
+            mask = None
+            if self.masks and 0 < changed and delta_encoding.best(spec.numel, changed, _size(spec.dtype)) != \
+                    delta_encoding.DENSE:
+                mask = source._mask(index, self._slices, spec.numel)
+            if source.reader.is_gathered(index):
+                self.gathers += 1
+            with source.reader.full(index) as tensor:
+                self.params += 1
+                self.elements += spec.numel
+                yield ServedItem(index, spec, tensor, changed, mask)
+        self.done = True
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.began
+
+    def acknowledge(self) -> None:
+        """The engine confirmed this walk's weights (every rank; local): later delta walks are against
+        them. Refused before the walk ended, or when the model took an optimizer step since it began
+        (the baseline would not be the bits that were sent)."""
+        if not self.done:
+            raise RuntimeError("acknowledge() after the walk was consumed to the end")
+        if getattr(self.source.model, "global_steps", None) != self._steps:
+            raise RuntimeError("the model stepped between the walk and its acknowledgement; the walk's bits are gone")
+        self.source._acknowledge(self)
+
+    def abort(self) -> None:
+        """The engine did not confirm: nothing changes, the next walk is against the last acknowledged
+        version (a consumer whose engine may hold half an update calls ``require_dense`` instead)."""
+
+    def report(self, *, bytes: int = 0, params: int | None = None, elements: int | None = None,
+               **engine: Any) -> ServedReport:
+        """This walk as a :class:`ServedReport` (``params``/``elements`` default to what it yielded)."""
+        return ServedReport(version=self.version, kind=self.kind, params=self.params if params is None else params,
+                            changed=self.changed, numel=self.source.numel, bytes=bytes, seconds=self.seconds,
+                            elements=self.elements if elements is None else elements,
+                            params_total=self.source.params_total, gathers=self.gathers, **engine)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _pack(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """A bool mask as ``width`` little-endian bitmap bytes (zero-padded)."""
+    padded = torch.zeros(width * 8, dtype=torch.uint8)
+    padded[:mask.numel()] = mask.to(torch.uint8)
+    return (padded.view(-1, 8) * _WEIGHTS).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack(bitmap: torch.Tensor, length: int) -> torch.Tensor:
+    return (bitmap.view(-1, 1) & _WEIGHTS).ne(0).view(-1)[:length]
+
+
+def _readable(reader: ServedReader) -> bool:
+    try:
+        reader.local_slices()
+    except ValueError:
+        return False
+    return True
+
+
+def _group_rank_world(group: Any) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return rank_world()
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _global_rank0(group: Any) -> int:
+    """The default-group rank of ``group``'s rank 0 (what ``dist.gather``'s ``dst`` names)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
