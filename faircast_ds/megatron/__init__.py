@@ -16,7 +16,9 @@ the patch is there. The handle is the same :class:`faircast_ds.handle.FairCast` 
 kept on the optimizer (``faircast_ds.get_fair_cast(optimizer)``). Fair Cast's state goes into Megatron's
 distributed checkpoints as one more entry of the state dict (``faircast_ds.megatron.checkpoint``:
 ``sharded_state_dict(fc)`` beside the model's and the optimizer's, ``load_state_dict(fc, loaded["fair_cast"])``
-after the load), so a resume is bit for bit, ``error_feedback``'s residual included.
+after the load), so a resume is bit for bit, ``error_feedback``'s residual included. The run-time guard
+(``faircast_ds.megatron.guard``) checks the served copy against what Fair Cast wrote after the first step,
+a sample after every later one, and every bit after that load.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from faircast_ds import routes
 from faircast_ds.adapter import UnsupportedSetupError
 from faircast_ds.config import FairCastConfig
 from faircast_ds.handle import FairCast, build, get_fair_cast, resolve
+from faircast_ds.megatron import guard
 from faircast_ds.megatron.adapter import MegatronAdapter, check_supported, distributed_optimizers, parameter_names
 from faircast_ds.megatron.hook import megatron_has_cast_hook
 from faircast_ds.megatron.shards import ParamShard, param_shard
@@ -58,4 +61,6 @@ def attach(optimizer: Any, config: FairCastConfig | Mapping[str, Any], *,
         connect = hook.connect
     else:
         connect = MegatronAdapter.install
-    return build(config, adapters, route=routes.kind("megatron", choice), owner=optimizer, connect=connect)
+    fair_cast = build(config, adapters, route=routes.kind("megatron", choice), owner=optimizer, connect=connect)
+    guard.install(fair_cast, optimizer)  # served bits == what Fair Cast wrote, after steps and loads
+    return fair_cast

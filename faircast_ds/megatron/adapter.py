@@ -16,6 +16,7 @@ import torch
 
 from faircast_ds.adapter import Adapter, Setup, UnsupportedSetupError
 from faircast_ds.megatron import compat
+from faircast_ds.megatron.layout import global_names, split_of
 from faircast_ds.megatron.shards import ParamShard, fp32_shards, low_precision_shards
 from faircast_ds.shard_caster import ShardCaster, ShardSlice
 
@@ -25,14 +26,10 @@ def distributed_optimizers(optimizer: Any) -> list[Any]:
 
 
 def parameter_names(optimizer: Any) -> dict:
-    """parameter -> the model's name for it (wrappers' ``module.`` prefixes removed), the noise id."""
-    names = {}
-    for chunk in optimizer.model_chunks:
-        for name, param in chunk.named_parameters():
-            while name.startswith("module."):
-                name = name[len("module."):]
-            names[param] = name
-    return names
+    """parameter -> the name of the full parameter it is (part of), the noise id: wrappers' ``module.``
+    prefixes removed, pipeline stages' layer numbers made global (:func:`faircast_ds.megatron.layout.
+    global_names`), so every layout names one parameter alike."""
+    return global_names(optimizer.model_chunks)
 
 
 def check_supported(optimizer: Any) -> None:
@@ -61,21 +58,35 @@ def _problems(optimizer: Any) -> Iterator[str]:
     if cfg.use_precision_aware_optimizer or cfg.optimizer_cpu_offload:
         yield ("use_precision_aware_optimizer / optimizer_cpu_offload: the main params live in the optimizer, "
                "which writes the model params itself")
-    if cfg.fp8_recipe is not None or cfg.reuse_grad_buf_for_mxfp8_param_ag:
-        yield "fp8 parameters: the served copy is quantized, not cast"
-    if ddp.use_megatron_fsdp:
-        yield "use_megatron_fsdp: Megatron-FSDP copies main weights in its own buffer"
+    quantized = compat.quantized_param_settings(cfg, ddp)  # the fields this release has (compat)
+    if quantized:
+        yield f"{', '.join(quantized)}: fp8 / fp4 parameters: the served copy is quantized, not cast"
+    if compat.uses_megatron_fsdp(ddp):
+        yield f"{' / '.join(compat.fsdp_fields(ddp))}: Megatron-FSDP copies main weights in its own buffer"
     if len(optimizer.model_chunks) != 1:
-        yield "several model chunks (virtual pipeline): their parameter names are not unique"
-    if parallel_state.model_parallel_is_initialized():
-        sizes = {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
-                 "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
-                 "expert": parallel_state.get_expert_model_parallel_world_size()}
-        for kind, size in sizes.items():
-            if size > 1:
-                yield (f"{kind}_model_parallel_size {size}: a parameter's local name and index do not name one "
-                       "element on every rank (the noise id); only data parallelism is supported")
+        yield ("several model chunks (virtual pipeline): not tested with Fair Cast; tensor and pipeline "
+               "parallelism with one model chunk per rank are supported")
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_expert_model_parallel_world_size() > 1:
+        yield (f"expert_model_parallel_size {parallel_state.get_expert_model_parallel_world_size()}: a rank's local "
+               "expert numbers are not mapped to the model's global expert ids (the noise id), so the served bits "
+               "would depend on the expert layout; use expert_model_parallel_size 1")
+    yield from _split_problems(optimizer)
     yield from compat.missing_internals(optimizer)  # a release that moved what the adapter reads
+
+
+def _split_problems(optimizer: Any) -> Iterator[str]:
+    """Each tensor-parallel parameter whose split Megatron's attributes do not describe, and a stage whose
+    global names collide (then the noise id would not name one element)."""
+    try:
+        global_names(optimizer.model_chunks)
+    except ValueError as exc:
+        yield str(exc)
+    for chunk in optimizer.model_chunks:
+        for name, param in chunk.named_parameters():
+            try:
+                split_of(param)
+            except ValueError as exc:
+                yield f"{name}: its tensor-parallel split is not one Fair Cast maps to the full parameter ({exc})"
 
 
 class MegatronAdapter(Adapter):
@@ -92,6 +103,7 @@ class MegatronAdapter(Adapter):
             self._shards = list(low_precision_shards(optimizer, names))
             self._fp32 = list(fp32_shards(optimizer))
         self._by_param = {id(p): names[p] for group in getattr(optimizer, "model_float16_groups", []) for p in group}
+        self._hook_slices: dict[tuple[int, int, int], list[ShardSlice]] = {}
 
     def flat_groups(self) -> Iterator[tuple[Any, torch.Tensor, torch.Tensor, list[ShardSlice]]]:
         for shard, main, served in self._shards:
@@ -99,6 +111,16 @@ class MegatronAdapter(Adapter):
 
     def name_of(self, model_param: torch.nn.Parameter) -> str:
         return self._by_param[id(model_param)]
+
+    def slices_of(self, model_param: torch.nn.Parameter, start: int, numel: int) -> list[ShardSlice]:
+        """The caster's slices for elements ``[start, start + numel)`` of this rank's ``model_param`` (keyed
+        by the full parameter's name and indices), computed once per shard: the hook route's."""
+        key = (id(model_param), start, numel)
+        slices = self._hook_slices.get(key)
+        if slices is None:
+            slices = ParamShard(self.name_of(model_param), start, numel, 0, 0, 0, split_of(model_param)).slices()
+            self._hook_slices[key] = slices
+        return slices
 
     def install(self) -> None:
         self.optimizer._copy_main_params_to_model_params = self.refresh

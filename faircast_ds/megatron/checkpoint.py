@@ -37,10 +37,19 @@ from faircast_ds.handle import FairCast
 PREFIX = "fair_cast"
 
 
-def _numels(adapter: Any) -> dict[str, int]:
+def _params(adapter: Any) -> dict[str, Any]:
     from faircast_ds.megatron.adapter import parameter_names
 
-    return {name: param.numel() for param, name in parameter_names(adapter.optimizer).items()}
+    return {name: param for param, name in parameter_names(adapter.optimizer).items()}
+
+
+def _tp(param: Any) -> tuple[int, int, bool]:
+    """(size, rank, split) of the tensor-parallel group over ``param``: split parameters keep one residual
+    row per tensor-parallel rank, the others one residual that every tensor-parallel rank holds alike."""
+    from faircast_ds.megatron.layout import tp_group_of
+
+    size, rank = tp_group_of(param)
+    return size, rank, bool(getattr(param, "tensor_model_parallel", False)) and size > 1
 
 
 def sharded_state_dict(fair_cast: FairCast) -> dict[str, Any]:
@@ -55,13 +64,20 @@ def sharded_state_dict(fair_cast: FairCast) -> dict[str, Any]:
         return state
     residual = {}
     for adapter in fair_cast.adapters:
-        numels = _numels(adapter)
-        for key, main, _, slices in adapter.flat_groups():
-            (s,) = slices  # one flat shard per parameter piece
+        params = _params(adapter)
+        for key, main, _, _ in adapter.flat_groups():
+            name, start = key  # one flat shard per (parameter, start in this rank's flattened parameter)
             data = adapter.caster.residual_for(key, main)
-            residual[f"{s.name}@{s.start}"] = ShardedTensor(
-                f"{PREFIX}.residual.{s.name}", data, data.dtype, (s.numel,), (numels[s.name],), (s.start,),
-                axis_fragmentations=None, replica_id=(0, 0, 0))
+            numel, total = data.numel(), params[name].numel()
+            size, rank, split = _tp(params[name])
+            if split:  # this rank's slice: its own row of the residual (resumed at the same tensor-parallel size)
+                residual[f"{name}@{start}"] = ShardedTensor(
+                    f"{PREFIX}.residual.{name}", data.view(1, numel), data.dtype, (1, numel), (size, total),
+                    (rank, start), axis_fragmentations=None, replica_id=(0, 0, 0))
+            else:  # every tensor-parallel rank holds the same residual: the first one saves it
+                residual[f"{name}@{start}"] = ShardedTensor(
+                    f"{PREFIX}.residual.{name}", data, data.dtype, (numel,), (total,), (start,),
+                    axis_fragmentations=None, replica_id=(rank, 0, 0))
     state["residual"] = residual
     return state
 
@@ -80,6 +96,9 @@ def load_state_dict(fair_cast: FairCast, state: Mapping[str, Any] | None, *, ste
             _set(fair_cast, step, clear=True)
             dist.log_rank0(f"[fair_cast] {problem}; mode={cfg.mode} keeps nothing beyond (mode, seed, step): mode and "
                            f"seed={cfg.seed} from this run's config, noise step {step} as given")
+            from faircast_ds.megatron import guard
+
+            guard.check_after_load(fair_cast, f"the checkpoint load (noise step {step}, given)")
             return step
         if cfg.on_missing_state == "reset":
             _set(fair_cast, step or 0, clear=True)
@@ -97,17 +116,20 @@ def load_state_dict(fair_cast: FairCast, state: Mapping[str, Any] | None, *, ste
     if cfg.mode == "error_feedback":
         residual = state.get("residual") or {}
         for adapter in fair_cast.adapters:
-            for key, main, _, slices in adapter.flat_groups():
-                (s,) = slices
-                loaded = residual.get(f"{s.name}@{s.start}")
+            for key, main, _, _ in adapter.flat_groups():
+                name, start = key
+                loaded = residual.get(f"{name}@{start}")
                 if loaded is None:
-                    raise FairCastStateError(f"the checkpoint's fair_cast entry has no residual for {s.name} "
-                                             f"[{s.start}, {s.start + s.numel})")
+                    raise FairCastStateError(f"the checkpoint's fair_cast entry has no residual for {name} "
+                                             f"[{start}, {start + main.numel()})")
                 target = adapter.caster.residual_for(key, main)
                 if loaded.data_ptr() != target.data_ptr():
                     target.copy_(loaded.reshape(-1))
     _set(fair_cast, int(state["step"]), clear=False)
     dist.log_rank0(f"[fair_cast] restored state from the Megatron checkpoint: mode={cfg.mode} step={state['step']}")
+    from faircast_ds.megatron import guard
+
+    guard.check_after_load(fair_cast, f"the checkpoint load (noise step {state['step']})")
     return int(state["step"])
 
 

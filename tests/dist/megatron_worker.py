@@ -146,7 +146,48 @@ def run_case(mode: str, hook_calls: list) -> dict:
         report["replaced_at_runtime"] = any("_copy_main_params_to_model_params" in vars(a.optimizer)
                                             for a in fc.adapters)
     report["hook_calls"] = len(hook_calls) - calls_before
+    if fc is not None:
+        from faircast_ds.megatron import guard
+
+        report["guard_steps_checked"] = [g.steps_checked for g in guard.guards(fc)]
     return report, bits
+
+
+def bypassed_cases() -> dict:
+    """The guard on the runtime route, each case on fresh objects: Megatron's own round-to-nearest copy
+    run again after Fair Cast's cast ("step"), Megatron's copy instead of Fair Cast's ("never_cast"), one
+    served element flipped before Fair Cast's checkpoint load ("load"); "load_clean" is the control."""
+    from faircast_ds.adapter import UnsupportedSetupError
+    from faircast_ds.megatron import checkpoint as fair_cast_checkpoint
+    from faircast_ds.megatron.adapter import distributed_optimizers
+
+    rank = torch.distributed.get_rank()
+    out = {}
+    for case in ("step", "never_cast", "load", "load_clean"):
+        model, optimizer, fc = build("stochastic")
+        (opt,) = distributed_optimizers(optimizer)
+        ours = opt._copy_main_params_to_model_params
+        megatrons = type(opt)._copy_main_params_to_model_params.__get__(opt)
+        if case == "step":
+            def twice(ours=ours, megatrons=megatrons):
+                ours()
+                megatrons()
+            opt._copy_main_params_to_model_params = twice
+        elif case == "never_cast":
+            opt._copy_main_params_to_model_params = megatrons
+        try:
+            for step in (1, 2):
+                train_step(model, optimizer, step, rank)
+            if case.startswith("load"):
+                state = fair_cast_checkpoint.sharded_state_dict(fc)  # stochastic: (format, mode, seed, step)
+                if case == "load" and rank == 1:
+                    _, _, served, _ = next(iter(fc.adapters[0].flat_groups()))
+                    served.view(torch.int16)[0] ^= 1  # the last mantissa bit of this rank's first element
+                fair_cast_checkpoint.load_state_dict(fc, state)
+            out[case] = {"raised": False}
+        except UnsupportedSetupError as exc:
+            out[case] = {"raised": True, "type": type(exc).__name__, "message": str(exc)}
+    return out
 
 
 def count_hook_calls(hook_calls: list) -> None:
@@ -277,10 +318,15 @@ def main() -> None:
     all_bits = {}
     for mode in CASES:
         result["cases"][mode], all_bits[mode] = run_case(mode, hook_calls)
+    if ROUTE == "runtime":
+        result["bypassed"] = bypassed_cases()
+    from faircast_ds.megatron import compat
+
+    result["release"], result["range_problem"] = compat.release(), compat.release_problem()
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, f"report_rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    if ROUTE == "runtime":
+    if ROUTE == "runtime" and os.environ.get("CHECKPOINT", "1") == "1":  # (0: a release without dp_reshardable)
         if not torch.cuda.is_available():  # the async writer's staging sync (filesystem_async.py:230), a no-op on CPU
             torch.cuda.synchronize = lambda *args, **kwargs: None
         checkpoints = {mode: checkpoint_case(mode, os.path.join(OUT, f"ckpt_{mode}")) for mode in CHECKPOINT_MODES}
