@@ -98,3 +98,14 @@ def noise16(start: int, numel: int, key: int, device: torch.device | str = "cpu"
     h = mix32((index & MASK32) ^ key)
     h = mix32(h ^ (index >> 32))
     return h >> 16
+
+
+def noise16_at(index: torch.Tensor, key: int) -> torch.Tensor:
+    """Noise of the elements at ``index`` (int64 positions in the whole flattened parameter, any order),
+    as an int64 tensor in [0, 65536): ``noise16_at(arange(s, s + n), key)`` equals ``noise16(s, n, key)``.
+    For a shard whose elements are not one contiguous run of the parameter (a tensor-parallel slice)."""
+    if index.dtype != torch.int64:
+        raise TypeError(f"index must be int64, got {index.dtype}")
+    h = mix32((index & MASK32) ^ key)
+    h = mix32(h ^ (index >> 32))
+    return h >> 16

@@ -15,23 +15,54 @@ from typing import Hashable, Protocol, Sequence
 
 import torch
 
-from faircast_ds.casts import cast_into
+from faircast_ds.casts import bf16_bits, cast_into, round_with_noise
 from faircast_ds.config import FairCastConfig
+from faircast_ds.modes import noise_key, uses_noise
+from faircast_ds.noise import noise16_at
+
+
+@dataclass(frozen=True, eq=False)
+class IndexRuns:
+    """Where a slice's elements sit in the flattened parameter when they are not one contiguous run (a
+    tensor-parallel slice cut across the split dimension): equal-length runs, element ``k`` of the slice
+    at ``starts[(k + phase) // length] + (k + phase) % length``. Kept as one start per run (a row of a
+    row-parallel weight, say), not one index per element; :meth:`indices` expands them when cast."""
+
+    starts: torch.Tensor  # int64: the parameter index of each run's first element
+    length: int
+    phase: int = 0  # the slice starts this far into its first run
+
+    def indices(self, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The parameter index of each of the slice's ``numel`` elements (int64, on ``device``)."""
+        starts = self.starts.to(device)
+        every = (starts[:, None] + torch.arange(self.length, dtype=torch.int64, device=device)).reshape(-1)
+        if self.phase + numel > every.numel():
+            raise ValueError(f"index runs cover {every.numel() - self.phase} elements, the slice has {numel}")
+        return every.narrow(0, self.phase, numel)
 
 
 @dataclass(frozen=True)
 class ShardSlice:
     """Elements ``[start, start + numel)`` of parameter ``name`` sit at ``[offset, offset + numel)`` of
-    the flat shard. ``name`` None marks DeepSpeed's alignment padding, which belongs to no parameter."""
+    the flat shard. ``name`` None marks DeepSpeed's alignment padding, which belongs to no parameter.
+    With ``runs`` the elements are not contiguous in the parameter: ``runs`` says where each one is
+    (``start`` is then the first one's index), and the noise is keyed by those indices."""
 
     name: str | None
     start: int
     numel: int
     offset: int
+    runs: IndexRuns | None = field(default=None, compare=False)
 
     @property
     def is_padding(self) -> bool:
         return self.name is None
+
+    def indices(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The parameter index of each element of the slice (int64)."""
+        if self.runs is not None:
+            return self.runs.indices(self.numel, device)
+        return torch.arange(self.start, self.start + self.numel, dtype=torch.int64, device=device)
 
 
 def with_padding(slices: Sequence[ShardSlice], total: int) -> list[ShardSlice]:
@@ -188,7 +219,6 @@ class ShardCaster:
 
     def _cast_direct(self, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
                      previous: torch.Tensor | None, residual: torch.Tensor | None) -> None:
-        cfg = self.config
         for s in slices:
             src = master.narrow(0, s.offset, s.numel)
             dst = served.narrow(0, s.offset, s.numel)
@@ -199,11 +229,26 @@ class ShardCaster:
             # cast into the buffer that holds the last served bits (on the master's device), so the change
             # count comes for free
             target = previous.narrow(0, s.offset, s.numel) if previous is not None else dst.data
-            changed, nonfinite = cast_into(target, src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name,
-                                           start=s.start, residual=res)
+            changed, nonfinite = self._cast_slice(target, src, s, res)
             if previous is not None:
                 dst.data.copy_(target)
             self._count(changed, nonfinite, target, src, s)
+
+    def _cast_slice(self, out: torch.Tensor, src: torch.Tensor, s: ShardSlice,
+                    residual: torch.Tensor | None) -> tuple[int, int]:
+        """One parameter slice into ``out``: the fused kernel for a contiguous run of the parameter; for
+        a slice with index runs (and a mode that draws noise) the eager cast, its noise keyed by each
+        element's own index in the parameter."""
+        cfg = self.config
+        if s.runs is None or not uses_noise(cfg.mode):  # nearest / error_feedback: no index in the result
+            return cast_into(out, src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name, start=s.start,
+                             residual=residual)
+        key = noise_key(cfg.mode, seed=cfg.seed, step=self.step, name=s.name)
+        served = round_with_noise(src, noise16_at(s.indices(src.device), key)).to(out.device)
+        changed = int((bf16_bits(out) != bf16_bits(served)).sum())
+        nonfinite = int((~torch.isfinite(served)).sum())
+        out.copy_(served)
+        return changed, nonfinite
 
     def _count(self, changed: int, nonfinite: int, out: torch.Tensor, src: torch.Tensor, s: ShardSlice) -> None:
         self.last.changed += changed
@@ -242,7 +287,6 @@ class ShardCaster:
         """The fused kernel on the master's device into a staging buffer there, then one copy of the
         whole flat shard to the served (and previous) buffer. The staging buffer first receives the
         last served bits, so the kernel counts the changes as the direct path does."""
-        cfg = self.config
         last_served = (previous if previous is not None else served).detach().view(-1)
         stage = self.staging_buffer(key, master, served, staging)
         if stage.data_ptr() != last_served.data_ptr():
@@ -254,8 +298,7 @@ class ShardCaster:
                 out.copy_(src)
                 continue
             res = residual.narrow(0, s.offset, s.numel) if residual is not None else None
-            changed, nonfinite = cast_into(out, src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name,
-                                           start=s.start, residual=res)
+            changed, nonfinite = self._cast_slice(out, src, s, res)
             self._count(changed, nonfinite, out, src, s)
         if last_served.data_ptr() != stage.data_ptr():
             last_served.copy_(stage)  # the one copy to the device

@@ -3,8 +3,8 @@
 The patched ``_copy_main_params_to_model_params`` hands every shard of one refresh to
 ``megatron.core.optimizer.param_cast.copy_main_params_to_model_params``: one call per optimizer step,
 each shard with its model parameter, its range in that parameter, its fp32 main values and its
-destination in the param buffer. Nothing of Megatron is replaced; the noise id of a shard's first
-element is (the parameter's name, ``param_range.start``), as on the runtime route.
+destination in the param buffer. Nothing of Megatron is replaced; the noise ids are the runtime route's
+(the full parameter's name and indices: ``MegatronAdapter.slices_of``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 from faircast_ds.adapter import UnsupportedSetupError
 from faircast_ds.megatron.adapter import MegatronAdapter
 from faircast_ds.routes import MEGATRON_HOOK, ROUTES
-from faircast_ds.shard_caster import ShardSlice
 
 HOOK_MODULE = "megatron.core.optimizer.param_cast"
 ROUTE = MEGATRON_HOOK
@@ -42,7 +41,7 @@ def _cast(adapter: MegatronAdapter, shards: list) -> None:
             continue
         name, start = adapter.name_of(shard.model_param), int(shard.param_range.start)
         caster.cast_flat((name, start), shard.main_shard, shard.model_shard,
-                         [ShardSlice(name, start, shard.main_shard.numel(), 0)])
+                         adapter.slices_of(shard.model_param, start, shard.main_shard.numel()))
 
 
 def _hook(optimizer: Any, shards: list) -> bool:

@@ -1,0 +1,255 @@
+"""Megatron-Core GPT model (local spec: GQA fused QKV, SwiGLU, biases, untied embeddings) with Fair Cast on
+CPU ranks over gloo, under several (tensor, pipeline, data) parallel layouts in one launch, for
+tests/test_megatron_layouts.py. ``LAYOUTS`` (env): ``tp,pp`` pairs separated by ``;``, data parallel the rest
+of the world; Megatron's parallel state is torn down and built again between them.
+
+For every layout and mode the fp32 main params are set from FULL masters the worker defines per full
+parameter name (its own mapping: stage-local layer ``i`` of stage ``p`` is global layer ``i + p * layers
+per stage``), split per layout by the worker's own ``torch.chunk`` (SwiGLU's fc1 as ``[gate_r; up_r]``),
+then Megatron's main->model copy (Fair Cast's runtime route) and its param all-gather serve them. Rank 0
+reassembles every full parameter from all ranks' local served tensors with ``torch.cat`` and compares it
+with ``faircast_ds.reference.cast_reference`` of the full master keyed by the full name (error feedback:
+the reference's residual carried per full parameter), and writes the full served bits for the
+cross-layout comparison (``bits_<tp>x<pp>x<dp>.pt``) and a report (``layouts.json``). Nothing of Fair
+Cast's own mapping (``faircast_ds.megatron.layout``) is used here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import megatron_cpu  # noqa: E402
+
+megatron_cpu.enable()
+
+from common import deterministic_master  # noqa: E402
+
+from faircast_ds.casts import bf16_bits  # noqa: E402
+from faircast_ds.noise import name_id  # noqa: E402
+from faircast_ds.reference import cast_reference  # noqa: E402
+
+OUT = os.environ["OUT_DIR"]
+LAYOUTS = [tuple(int(x) for x in part.split(",")) for part in os.environ["LAYOUTS"].split(";")]
+MODES = [m for m in os.environ.get("MODES", "nearest,stochastic,dither,error_feedback").split(",") if m]
+STEPS = int(os.environ.get("STEPS", "2"))
+SEED = 77
+NUM_LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ = 4, 16, 4, 2, 32, 64, 8
+
+# how the worker itself splits a full parameter (the oracle's layout knowledge, written apart from the product's)
+COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+GATE_UP = ("linear_fc1.weight", "linear_fc1.bias")
+ROW = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def kind_of(name: str) -> str:
+    for kind, suffixes in (("column", COLUMN), ("gate_up", GATE_UP), ("row", ROW)):
+        if name.endswith(suffixes):
+            return kind
+    return "whole"
+
+
+def full_name(local: str, pp_rank: int) -> str:
+    parts = local.split(".")
+    if "layers" in parts:
+        i = parts.index("layers") + 1
+        parts[i] = str(int(parts[i]) + pp_rank * (NUM_LAYERS // PP_SIZE[0]))
+    return ".".join(parts)
+
+
+PP_SIZE = [1]
+
+
+def full_shape(local_shape: tuple, kind: str, tp: int) -> tuple:
+    shape = list(local_shape)
+    if kind in ("column", "gate_up"):
+        shape[0] *= tp
+    elif kind == "row":
+        shape[1] *= tp
+    return tuple(shape)
+
+
+def split(full: torch.Tensor, kind: str, tp: int, rank: int) -> torch.Tensor:
+    if kind == "column":
+        return torch.chunk(full, tp, 0)[rank]
+    if kind == "row":
+        return torch.chunk(full, tp, 1)[rank]
+    if kind == "gate_up":
+        gate, up = torch.chunk(full, 2, 0)
+        return torch.cat([torch.chunk(gate, tp, 0)[rank], torch.chunk(up, tp, 0)[rank]], 0)
+    return full
+
+
+def join(pieces: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """Pieces in tensor-parallel rank order -> the full parameter."""
+    if kind == "column":
+        return torch.cat(pieces, 0)
+    if kind == "row":
+        return torch.cat(pieces, 1)
+    if kind == "gate_up":
+        halves = [torch.chunk(p, 2, 0) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    assert all(torch.equal(p, pieces[0]) for p in pieces), "a replicated parameter differs across TP ranks"
+    return pieces[0]
+
+
+def full_master(name: str, shape: tuple, step: int) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= d
+    values = deterministic_master(name_id(f"{name}@{step}"), 0, numel)
+    # spread over a few binades and off the bf16 grid, so that noise decides many elements
+    scale = torch.linspace(0.5, 3.0, numel)
+    return (values * scale + 1e-3 * step).reshape(shape)
+
+
+def build(mode: str | None, tp: int, pp: int):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from faircast_ds.megatron import attach
+
+    config = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, ffn_hidden_size=FFN, gated_linear_unit=True,
+                               activation_func=torch.nn.functional.silu, add_bias_linear=True, bf16=True,
+                               params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                               use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp)
+    torch.manual_seed(0)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=False)
+    model = Float16Module(config, model)  # as megatron.training's get_model wraps it: every parameter bf16
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                          grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, clip_grad=0.0,
+                                                       use_distributed_optimizer=True), [model])
+    fc = attach(optimizer, {"mode": mode, "seed": SEED}, route="runtime") if mode else None
+    return model, optimizer, fc
+
+
+def local_params(model) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters by Megatron's name, the wrappers' (DDP, Float16Module) ``module.`` removed."""
+    out = {}
+    for name, param in model.named_parameters():
+        while name.startswith("module."):
+            name = name[len("module."):]
+        out[name] = param
+    return out
+
+
+def set_masters(model, optimizer, step: int, tp: int, tp_rank: int, pp_rank: int) -> None:
+    """Every main shard from the worker's full masters: split by the worker, cut by Megatron's own range."""
+    from faircast_ds.megatron.adapter import distributed_optimizers
+
+    names = {p: n for n, p in local_params(model).items()}
+    for opt in distributed_optimizers(optimizer):
+        for group, mains in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+            for param, main in zip(group, mains):
+                local = names[param]
+                kind = kind_of(local)
+                name = full_name(local, pp_rank)
+                master = full_master(name, full_shape(tuple(param.shape), kind, tp), step)
+                piece = split(master, kind, tp, tp_rank).reshape(-1)
+                where = opt._get_model_param_range_map(param)["param"]
+                main.data.copy_(piece[where.start:where.end])
+
+
+def serve(optimizer) -> None:
+    """Megatron's main->model copy (Fair Cast's, where attached) and its param all-gather."""
+    from faircast_ds.megatron.adapter import distributed_optimizers
+
+    for opt in distributed_optimizers(optimizer):
+        opt._copy_main_params_to_model_params()
+        for chunk in opt.model_chunks:
+            chunk.start_param_sync(force_sync=True)
+
+
+def run_layout(tp: int, pp: int, world: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    PP_SIZE[0] = pp
+    rank = torch.distributed.get_rank()
+    tp_rank, pp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), \
+        ps.get_data_parallel_rank()
+    label = f"{tp}x{pp}x{world // (tp * pp)}"
+    report = {"layout": label, "modes": {}}
+    bits: dict = {}
+    for mode in MODES:
+        model, optimizer, fc = build(mode, tp, pp)
+        residual: dict[str, torch.Tensor] = {}
+        case = {"equal_reference": True, "mismatches": [], "names": None, "indexed_slices": 0, "plain_slices": 0}
+        if fc is not None:
+            for adapter in fc.adapters:
+                for _, _, _, slices in adapter.flat_groups():
+                    case["indexed_slices"] += sum(s.runs is not None for s in slices)
+                    case["plain_slices"] += sum(s.runs is None for s in slices)
+        bits[mode] = []
+        for step in range(1, STEPS + 1):
+            set_masters(model, optimizer, step, tp, tp_rank, pp_rank)
+            serve(optimizer)
+            mine = [(full_name(n, pp_rank), kind_of(n), tp_rank, dp_rank, p.detach().clone())
+                    for n, p in local_params(model).items() if p.dtype == torch.bfloat16]
+            case["fp32_params"] = sorted(n for n, p in local_params(model).items() if p.dtype != torch.bfloat16)
+            everyone = [None] * world
+            torch.distributed.all_gather_object(everyone, mine)
+            if rank != 0:
+                continue
+            pieces: dict[str, dict] = {}
+            for rank_items in everyone:
+                for name, kind, t, d, tensor in rank_items:
+                    entry = pieces.setdefault(name, {"kind": kind, "by_tp": {}})
+                    seen = entry["by_tp"].get(t)
+                    if seen is not None:  # a data-parallel replica: the all-gather gave it the same bits
+                        assert torch.equal(bf16_bits(seen), bf16_bits(tensor)), f"{name}: DP replicas differ"
+                    entry["by_tp"][t] = tensor
+            full_bits = {}
+            for name, entry in sorted(pieces.items()):
+                served = join([entry["by_tp"][t] for t in range(tp)], entry["kind"])
+                master = full_master(name, tuple(served.shape), step).reshape(-1)
+                res = residual.setdefault(name, torch.zeros(master.numel())) if mode == "error_feedback" else None
+                want = cast_reference(master, mode, seed=SEED, step=step, name=name, residual=res)
+                got = bf16_bits(served.reshape(-1))
+                full_bits[name] = got
+                if not torch.equal(got, bf16_bits(want)):
+                    case["equal_reference"] = False
+                    case["mismatches"].append(f"step {step} {name}: {int((got != bf16_bits(want)).sum())} elements")
+            case["names"] = sorted(full_bits)
+            bits[mode].append(full_bits)
+        if fc is not None:
+            case["caster_step"] = fc.adapters[0].caster.step
+        report["modes"][mode] = case
+        del model, optimizer, fc
+    if rank == 0:
+        torch.save(bits, os.path.join(OUT, f"bits_{label}.pt"))
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, {m: {k: report["modes"][m][k] for k in
+                                                       ("indexed_slices", "plain_slices")} for m in MODES})
+    report["slices_per_rank"] = gathered
+    return report
+
+
+def main() -> None:
+    torch.distributed.init_process_group("gloo")
+    world = torch.distributed.get_world_size()
+    reports = [run_layout(tp, pp, world) for tp, pp in LAYOUTS]
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(OUT, exist_ok=True)
+        with open(os.path.join(OUT, "layouts.json"), "w") as f:
+            json.dump(reports, f, indent=1)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
