@@ -121,7 +121,8 @@ def test_receiver_process_serves_the_trainers_weights_bitwise(run, session):
         assert [u["kind"] for u in sent["updates"]] == ["dense"] + ["delta"] * (len(sent["updates"]) - 1)
         for u, r in zip(sent["updates"], received):
             assert u["digest"] == r["digest"], f"{session} version {u['version']}: receiver's weights differ"
-            assert (u["changed"], u["params"]) == (r["changed"], r["params"])
+            # what the sender carried is what the receiver wrote (a parameter sent whole: all its elements)
+            assert (u["elements"], u["params"]) == (r["changed"], r["params"])
         # greedy tokens of the receiver's own HF model after the last update = the trainer's served model
         assert received[-1]["tokens"] == sent["tokens"] and len(sent["tokens"]) == 8
     assert run["receiver"][-1] == {"done": True}
@@ -148,6 +149,36 @@ def test_delta_carries_exactly_the_changed_elements(run, mode):
         # what the cast changed in the served shards is what the delta carried
         assert u["changed"] == u["cast_changed"], u
         assert 0 < u["bytes"] < dense["bytes"]
+
+
+@pytest.mark.parametrize("session", SESSIONS)
+def test_one_walk_per_sync_gathers_each_sent_parameter_once_and_only_what_changed(run, session):
+    """Per sync, ZeRO-3 gathers (bf16 all-gathers traced below the product) = the parameters the walk
+    sent that ZeRO-3 did not hold in full: every one for a dense sync, only the changed ones for a
+    delta; the changed set and each parameter's changed count = consecutive served snapshots compared
+    element by element (DeepSpeed's own gather, outside the sync)."""
+    for rank in run["ranks"]:
+        sent = rank["sync"][session]
+        names, gathered = sent["names"], set(sent["gathered"])
+        assert bool(gathered) == session.startswith("zero3/")
+        for u in sent["updates"]:
+            walked = [n for n, _ in u["walked"]]
+            if u["kind"] == "dense":
+                assert walked == names
+            else:
+                changed = {n: k for n, k in u["oracle_changed"].items() if k}
+                assert walked == [n for n in names if n in changed], f"{session} v{u['version']}"
+                assert dict(u["walked"]) == changed and u["changed"] == sum(changed.values())
+                assert u["params"] == len(changed)
+            # one gather per sent parameter ZeRO-3 did not hold in full (at the first sync, before any forward,
+            # the persistent ones too); never one for a parameter the walk skipped
+            assert u["traced_gathers"] == u["expected_gathers"], u
+            assert len([n for n in walked if n in gathered]) <= u["traced_gathers"] <= len(walked)
+            if session.startswith("zero3/"):
+                assert u["traced_gathers"] > 0
+    # not vacuous: some delta of this session left unchanged parameters out (and so ungathered)
+    updates = run["ranks"][0]["sync"][session]["updates"]
+    assert any(u["kind"] == "delta" and u["params"] < len(run["ranks"][0]["sync"][session]["names"]) for u in updates)
 
 
 def test_bytes_per_step_table(run, capsys):

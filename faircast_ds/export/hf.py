@@ -20,7 +20,8 @@ import torch
 from faircast_ds.dist import from_rank0, rank_world
 from faircast_ds.export.atomic import AtomicDirectory
 from faircast_ds.export.safetensors_stream import SafetensorsFile, TensorEntry, plan_shards, shard_file_names
-from faircast_ds.export.served import fair_cast_of, module_of, served_specs, served_weights
+from faircast_ds.export.served import fair_cast_of, module_of
+from faircast_ds.export.source import ServedSource
 
 MANIFEST = "faircast_export.json"
 EXPORT_FORMAT = "faircast-ds-export/1"
@@ -117,7 +118,7 @@ def save_hf(model: Any, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2
     """Write the served weights of ``model`` (a DeepSpeed engine or an ``nn.Module``) as a Hugging Face
     directory at ``path``. A collective: call it on every rank; rank 0 writes.
 
-    Memory: one parameter at a time (see :func:`served_weights`). Atomic: ``path`` is either absent,
+    Memory: one parameter at a time (one dense walk of :class:`~faircast_ds.export.source.ServedSource`). Atomic: ``path`` is either absent,
     the previous complete export, or this complete export, whenever the writer stops. ``version``
     defaults to the engine's ``global_steps``. Raises :class:`ExportError` on every rank if rank 0
     failed; nothing is published then.
@@ -126,7 +127,8 @@ def save_hf(model: Any, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2
     if version is None:
         version = getattr(model, "global_steps", None)
     rank, _ = rank_world()
-    specs = served_specs(model)
+    source = ServedSource(model, delta=False)  # an export is whole: no baseline kept
+    specs = source.specs
     buffers = persistent_buffers(module)
     entries = [TensorEntry(s.name, s.shape, s.dtype) for s in specs]
     entries += [TensorEntry(n, tuple(b.shape), b.dtype) for n, b in buffers]
@@ -141,12 +143,12 @@ def save_hf(model: Any, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = f"cannot stage the export beside {path}: {exc!r}"
     # every rank walks the parameters (ZeRO-3 gathers are collectives); only rank 0 writes
-    for name, tensor in served_weights(model):
+    for item in source.walk("dense", version=version):
         if writer is not None and error is None:
             try:
-                writer.put(name, tensor)
+                writer.put(item.name, item.tensor)
             except Exception as exc:  # noqa: BLE001
-                error = f"writing {name}: {exc!r}"
+                error = f"writing {item.name}: {exc!r}"
     if writer is not None and error is None:
         try:
             for name, buf in buffers:

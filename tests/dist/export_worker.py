@@ -166,18 +166,43 @@ def inspect_case(root: str) -> dict:
             "nonzero_residual": sums[3].item(), "master_differs": sums[4].item(), "step": fc.caster.step}
 
 
+def bf16_gathers(collectives: list[str]) -> int:
+    """How many full-parameter gathers a traced stretch made: all-gathers of bf16 tensors (ZeRO-3's own
+    gather of one parameter; the source's other collectives carry int64 counts and uint8 bitmaps)."""
+    return sum(1 for c in collectives if "allgather" in c.split(":")[0].replace("_", "") and c.endswith(":torch.bfloat16"))
+
+
 def sync_session(stage: str, mode: str, port: int, steps: int, lr: float) -> dict:
     engine, fc = build(stage, mode, lr=lr)
     sender = WeightSender(engine, host="127.0.0.1", port=port, timeout=120)
+    params = dict(engine.module.named_parameters())
+    gathered = {n for n, p in params.items() if hasattr(p, "ds_id") and not getattr(p, "ds_persist", False)}
+    gathered_ever = {n for n, p in params.items() if hasattr(p, "ds_id")}
     updates = []
+    previous: dict[str, torch.Tensor] = {}
 
     def push():
-        report = sender.sync()
+        nonlocal previous
+        walked: list[tuple[str, int]] = []
+        # what ZeRO-3 must gather to read: its parameters not held in full right now (DeepSpeed's own status;
+        # persistent ones are held once a forward gathered them)
+        absent = {n for n in gathered_ever if str(getattr(params[n], "ds_status", "")).endswith("NOT_AVAILABLE")}
+        tracer = CollectiveTracer()
+        with tracer:
+            report = sender.sync(on_param=lambda item: walked.append((item.name, item.changed)))
         stats = fc.stats() if engine.global_steps else None
+        now = full_served_bits(engine)  # DeepSpeed's own gather, outside the traced sync
+        # the changed set from consecutive served snapshots, compared here element by element
+        oracle = {n: int((now[n] != previous[n]).sum()) for n in now} if previous else None
+        previous = now
         updates.append({"version": report.version, "kind": report.kind, "bytes": report.bytes,
-                        "changed": report.changed, "params": report.params, "numel": report.numel,
-                        "seconds": report.seconds, "digest": bits_digest(full_served_bits(engine)),
-                        "cast_changed": stats["changed"] if stats else None})
+                        "changed": report.changed, "elements": report.elements, "params": report.params,
+                        "numel": report.numel, "gathers": report.gathers,
+                        "seconds": report.seconds, "digest": bits_digest(now),
+                        "cast_changed": stats["changed"] if stats else None,
+                        "walked": walked, "oracle_changed": oracle,
+                        "traced_gathers": bf16_gathers(tracer.collectives),
+                        "expected_gathers": sum(1 for n, _ in walked if n in absent)})
 
     push()  # dense, version 0
     for step in range(1, steps + 1):
@@ -186,7 +211,8 @@ def sync_session(stage: str, mode: str, port: int, steps: int, lr: float) -> dic
     engine.eval()
     tokens = greedy(engine.module)  # all ranks: ZeRO-3 gathers inside every forward
     sender.close()
-    return {"updates": updates, "tokens": tokens, "can_delta": sender.can_delta}
+    return {"updates": updates, "tokens": tokens, "can_delta": sender.can_delta, "names": list(params),
+            "gathered": sorted(gathered)}
 
 
 def main() -> None:
