@@ -34,7 +34,7 @@ from typing import Final
 import torch
 
 from faircast_ds.modes import MODES, noise_key
-from faircast_ds.noise import MASK32, noise16
+from faircast_ds.noise import MASK32, noise16, noise16_at
 
 _SIGN: Final = 0x80000000
 _ABS: Final = 0x7FFFFFFF
@@ -136,12 +136,15 @@ def cast(x: torch.Tensor,
          step: int,
          name: str,
          start: int = 0,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None,
+         index: torch.Tensor | None = None) -> torch.Tensor:
     """Cast a 1-D fp32 slice holding elements ``[start, start + len(x))`` of parameter ``name`` to bf16.
 
     Casting a whole parameter, or its pieces at their ``start`` offsets, gives identical bits: the
     noise of an element depends only on (seed, step, name, index). ``dither`` ignores ``step``: its
     per-element threshold is fixed for the run. ``error_feedback`` updates ``residual`` in place.
+    ``index`` (int64, one per element): the elements' indices in the parameter when they are not the
+    contiguous run from ``start`` (a tensor-parallel slice); ``start`` is then ignored.
     """
     _check_inputs(x, mode, residual)
     if mode == "nearest":
@@ -149,6 +152,10 @@ def cast(x: torch.Tensor,
     if mode == "error_feedback":
         return error_feedback_step(x, residual)
     key = noise_key(mode, seed=seed, step=step, name=name)
+    if index is not None:
+        if index.shape != x.shape:
+            raise ValueError(f"index has shape {tuple(index.shape)}, x {tuple(x.shape)}")
+        return round_with_noise(x, noise16_at(index.to(x.device), key))
     return round_with_noise(x, noise16(start, x.numel(), key, device=x.device))
 
 

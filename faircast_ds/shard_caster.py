@@ -15,10 +15,9 @@ from typing import Hashable, Protocol, Sequence
 
 import torch
 
-from faircast_ds.casts import bf16_bits, cast_into, round_with_noise
+from faircast_ds.casts import bf16_bits, cast, cast_into
 from faircast_ds.config import FairCastConfig
-from faircast_ds.modes import noise_key, uses_noise
-from faircast_ds.noise import noise16_at
+from faircast_ds.modes import uses_noise
 
 
 @dataclass(frozen=True, eq=False)
@@ -243,8 +242,8 @@ class ShardCaster:
         if s.runs is None or not uses_noise(cfg.mode):  # nearest / error_feedback: no index in the result
             return cast_into(out, src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name, start=s.start,
                              residual=residual)
-        key = noise_key(cfg.mode, seed=cfg.seed, step=self.step, name=s.name)
-        served = round_with_noise(src, noise16_at(s.indices(src.device), key)).to(out.device)
+        served = cast(src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name, index=s.indices(src.device))
+        served = served.to(out.device)
         changed = int((bf16_bits(out) != bf16_bits(served)).sum())
         nonfinite = int((~torch.isfinite(served)).sum())
         out.copy_(served)

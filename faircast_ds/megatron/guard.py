@@ -91,9 +91,12 @@ def check_after_load(fair_cast: FairCast, site: str) -> None:
             continue
         g.prepare(full=True)
         for key, main, served, slices in g.adapter.flat_groups():
-            (s,) = slices  # one flat shard per parameter piece
-            want = cast(main.detach().reshape(-1), cfg.mode, seed=cfg.seed, step=g.caster.step, name=s.name,
-                        start=s.start)
-            g.record(key, want.to(served.dtype), slices)
+            flat = main.detach().reshape(-1)
+            want = torch.empty(flat.numel(), dtype=served.dtype, device=flat.device)
+            for s in slices:  # under tensor parallelism a shard may be several runs of the full parameter
+                want[s.offset:s.offset + s.numel] = cast(
+                    flat[s.offset:s.offset + s.numel], cfg.mode, seed=cfg.seed, step=g.caster.step, name=s.name,
+                    start=s.start, index=s.indices(flat.device) if s.runs is not None else None)
+            g.record(key, want, slices)
         g.check(site)
         g.full_pending = True

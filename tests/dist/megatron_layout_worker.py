@@ -108,7 +108,7 @@ def full_master(name: str, shape: tuple, step: int) -> torch.Tensor:
 
 def build(mode: str | None, tp: int, pp: int):
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -122,6 +122,7 @@ def build(mode: str | None, tp: int, pp: int):
                                activation_func=torch.nn.functional.silu, add_bias_linear=True, bf16=True,
                                params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
                                use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                               attention_dropout=0.0, hidden_dropout=0.0,
                                pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -132,6 +133,7 @@ def build(mode: str | None, tp: int, pp: int):
                                                                           grad_reduce_in_fp32=True), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, clip_grad=0.0,
                                                        use_distributed_optimizer=True), [model])
+    config.finalize_model_grads_func = finalize_model_grads  # the DP reduce-scatter, TP/PP grad all-reduces
     fc = attach(optimizer, {"mode": mode, "seed": SEED}, route="runtime") if mode else None
     return model, optimizer, fc
 
@@ -171,6 +173,81 @@ def serve(optimizer) -> None:
         opt._copy_main_params_to_model_params()
         for chunk in opt.model_chunks:
             chunk.start_param_sync(force_sync=True)
+
+
+def schedule_stand_ins() -> None:
+    """Two more CUDA-only calls, on the training schedule's path (not the cast's), stood in on a CPU-only torch:
+    Megatron forks its model-parallel CUDA RNG around attention dropout (``tensor_parallel/random.py``,
+    ``CudaRNGStatesTracker.fork``: "cuda rng state model-parallel-rng is not added", the CUDA RNG cannot be
+    seeded; dropout is 0 here, so the fork is a no-op), and the pipeline's p2p exchange ends with
+    ``torch.cuda.synchronize()`` (``pipeline_parallel/p2p_communication.py:398``; gloo's waits are synchronous)."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random
+
+    if not torch.cuda.is_available():
+        random.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+def train_step(model, optimizer, step: int) -> bool:
+    """One real step through Megatron's schedule (pipelined under PP: p2p over gloo) and its optimizer."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
+
+    def forward_step(data_iterator, chunk):
+        output = chunk(tokens, positions, None, labels=tokens)
+
+        def loss_func(output_tensor):
+            loss = output_tensor.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    optimizer.zero_grad()
+    model.zero_grad_buffer()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
+                                num_microbatches=1, seq_length=SEQ, micro_batch_size=2, forward_only=False)
+    ok, _, _ = optimizer.step()
+    return bool(ok)
+
+
+def main_pieces(model, optimizer, tp_rank: int, pp_rank: int) -> list:
+    """This rank's fp32 main shards: (full name, kind, tp rank, start in the local flattened slice, local
+    shape, values), read from Megatron's own range map."""
+    from faircast_ds.megatron.adapter import distributed_optimizers
+
+    names = {p: n for n, p in local_params(model).items()}
+    out = []
+    for opt in distributed_optimizers(optimizer):
+        for group, mains in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+            for param, main in zip(group, mains):
+                where = opt._get_model_param_range_map(param)["param"]
+                out.append((full_name(names[param], pp_rank), kind_of(names[param]), tp_rank, int(where.start),
+                            tuple(param.shape), main.detach().clone()))
+    return out
+
+
+def full_masters(everyone: list, tp: int) -> dict[str, torch.Tensor]:
+    """Every full fp32 master from all ranks' main shards: each TP slice filled from its DP pieces, then
+    the slices joined as the worker splits them."""
+    slices: dict = {}
+    for rank_items in everyone:
+        for name, kind, t, start, shape, values in rank_items:
+            entry = slices.setdefault(name, {"kind": kind, "by_tp": {}})
+            flat = entry["by_tp"].setdefault(t, torch.full((torch.Size(shape).numel(),), float("nan")))
+            flat[start:start + values.numel()] = values
+            entry["shape"] = shape
+    out = {}
+    for name, entry in slices.items():
+        pieces = [entry["by_tp"][t].reshape(entry["shape"]) for t in range(tp)]
+        full = join(pieces, entry["kind"]) if entry["kind"] != "whole" else pieces[0]
+        assert not torch.isnan(full).any(), f"{name}: no rank owns some main elements"
+        out[name] = full
+    return out
 
 
 def run_layout(tp: int, pp: int, world: int) -> dict:
@@ -226,6 +303,31 @@ def run_layout(tp: int, pp: int, world: int) -> dict:
                     case["mismatches"].append(f"step {step} {name}: {int((got != bf16_bits(want)).sum())} elements")
             case["names"] = sorted(full_bits)
             bits[mode].append(full_bits)
+        # one real step (forward, backward, Megatron's optimizer step and its refresh: the cast), then the
+        # served bits against the reference cast of the masters that step produced, gathered from the ranks
+        case["train_step_ok"] = train_step(model, optimizer, STEPS + 1)
+        mains = [None] * world
+        torch.distributed.all_gather_object(mains, main_pieces(model, optimizer, tp_rank, pp_rank))
+        served_now = [None] * world
+        torch.distributed.all_gather_object(served_now, [(full_name(n, pp_rank), kind_of(n), tp_rank, p.detach().clone())
+                                                         for n, p in local_params(model).items()])
+        if rank == 0:
+            masters = full_masters(mains, tp)
+            case["after_train_equal_reference"] = True
+            case["masters_moved"] = sum(int((m != full_master(n, tuple(m.shape), STEPS)).sum())
+                                        for n, m in masters.items())
+            by_name: dict = {}
+            for rank_items in served_now:
+                for name, kind, t, tensor in rank_items:
+                    by_name.setdefault(name, (kind, {}))[1][t] = tensor
+            for name, (kind, by_tp) in sorted(by_name.items()):
+                served = join([by_tp[t] for t in range(tp)], kind)
+                res = residual.get(name) if mode == "error_feedback" else None
+                want = cast_reference(masters[name].reshape(-1), mode, seed=SEED, step=STEPS + 1, name=name,
+                                      residual=res)
+                if not torch.equal(bf16_bits(served.reshape(-1)), bf16_bits(want)):
+                    case["after_train_equal_reference"] = False
+                    case["mismatches"].append(f"after the real step {name}")
         if fc is not None:
             case["caster_step"] = fc.adapters[0].caster.step
         report["modes"][mode] = case
@@ -239,14 +341,31 @@ def run_layout(tp: int, pp: int, world: int) -> dict:
     return report
 
 
+def expert_parallel_refusal() -> str:
+    """attach under expert_model_parallel_size 2 (a dense model: the check is on the layout): the message."""
+    from megatron.core import parallel_state as ps
+
+    from faircast_ds.adapter import UnsupportedSetupError
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    try:
+        build("stochastic", 1, 1)
+    except UnsupportedSetupError as exc:
+        return str(exc)
+    return ""
+
+
 def main() -> None:
     torch.distributed.init_process_group("gloo")
+    schedule_stand_ins()
     world = torch.distributed.get_world_size()
     reports = [run_layout(tp, pp, world) for tp, pp in LAYOUTS]
+    refusal = expert_parallel_refusal() if os.environ.get("EXPERT_CHECK") == "1" else None
     if torch.distributed.get_rank() == 0:
         os.makedirs(OUT, exist_ok=True)
         with open(os.path.join(OUT, "layouts.json"), "w") as f:
-            json.dump(reports, f, indent=1)
+            json.dump({"layouts": reports, "expert_parallel_refusal": refusal}, f, indent=1)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
