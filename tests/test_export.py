@@ -502,7 +502,8 @@ def test_stalled_sender_times_out_and_the_weights_stay(receiver, procs):
 # ---------------------------------------------------------------- the delta's size and rank 0's memory
 
 class LargestAllocation(TorchDispatchMode):
-    """The largest tensor any torch op produced while active (bytes): what the sender allocated."""
+    """The largest storage any torch op allocated while active (bytes): an output whose storage is none
+    of its inputs' (views and in-place results are not allocations)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -510,9 +511,11 @@ class LargestAllocation(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and not t._is_view():
-                self.largest = max(self.largest, t.numel() * t.element_size())
+        flat_in = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in flat_in if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
         return out
 
 

@@ -281,7 +281,8 @@ class Walk:
         self.changed = source.numel if kind == DENSE else 0
         self.params = 0  # yielded so far
         self.elements = 0
-        self.done = False
+        self._started = False
+        self._generator: Iterator[ServedItem] | None = None
         self._steps = getattr(source.model, "global_steps", None)
         self._slices: list[LocalSlice] = []
         if kind == DENSE:
@@ -305,8 +306,13 @@ class Walk:
         return [s.name for s, c in zip(self.source.specs, self.counts.tolist()) if c]
 
     def __iter__(self) -> Iterator[ServedItem]:
-        if self.done:
+        if self._started:
             raise RuntimeError("a walk is iterated once; start another with ServedSource.walk()")
+        self._started = True
+        self._generator = self._items()
+        return self._generator
+
+    def _items(self) -> Iterator[ServedItem]:
         source = self.source
         for index in self.order:
             spec = source.specs[index]
@@ -321,7 +327,17 @@ class Walk:
                 self.params += 1
                 self.elements += spec.numel
                 yield ServedItem(index, spec, tensor, changed, mask)
-        self.done = True
+
+    @property
+    def done(self) -> bool:
+        """Whether every parameter of the walk was yielded (a consumer may stop at the last one without
+        asking for more, as vLLM's ``iter_groups`` does)."""
+        return self._started and self.params == len(self.order)
+
+    def close(self) -> None:
+        """Release the parameter the walk holds gathered, if any (local; :meth:`acknowledge` does it)."""
+        if self._generator is not None:
+            self._generator.close()
 
     @property
     def seconds(self) -> float:
@@ -333,6 +349,7 @@ class Walk:
         (the baseline would not be the bits that were sent)."""
         if not self.done:
             raise RuntimeError("acknowledge() after the walk was consumed to the end")
+        self.close()
         if getattr(self.source.model, "global_steps", None) != self._steps:
             raise RuntimeError("the model stepped between the walk and its acknowledgement; the walk's bits are gone")
         self.source._acknowledge(self)
@@ -340,6 +357,7 @@ class Walk:
     def abort(self) -> None:
         """The engine did not confirm: nothing changes, the next walk is against the last acknowledged
         version (a consumer whose engine may hold half an update calls ``require_dense`` instead)."""
+        self.close()
 
     def report(self, *, bytes: int = 0, params: int | None = None, elements: int | None = None,
                **engine: Any) -> ServedReport:
