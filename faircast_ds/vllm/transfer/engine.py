@@ -1,0 +1,177 @@
+"""The engine side of the ``faircast`` weight-transfer backend: vLLM's ``WeightTransferEngine`` over
+:mod:`faircast_ds.export`'s authenticated weight sync.
+
+vLLM calls it from its worker, through its own RPCs and HTTP routes (``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``):
+
+- ``init_transfer_engine({"port", "params", "host", "timeout"})`` opens a
+  :class:`~faircast_ds.export.WeightReceiver` on ``host:port`` (loopback by default) for the trainer's
+  parameter list, into a CPU staging copy of the weights (HF names). The secret is this process's
+  ``FAIRCAST_DS_SYNC_SECRET`` (or ``..._FILE``): it never travels over HTTP.
+- ``update_weights({"version": v})`` receives one update of the sync (dense the first time in a
+  session, then sparse deltas) into the staging copy — applied there only once complete and checked
+  (the receiver's all-or-nothing) — and checks it carries version ``v``. The model is not touched.
+- ``finish_weight_update()`` loads every staged tensor that changed since the last finish into the
+  model in one call (``reload_weights(..., is_checkpoint_format=True)``, whole fused groups: vLLM
+  rebuilds ``qkv_proj`` from q, k and v), between two engine steps; vLLM then sets its weight version.
+
+So a trainer killed, or a sync cut, before ``finish`` leaves the model and vLLM's weight version as
+they were. ``update_weights({"abandon": true})`` lets a restarted trainer end an update session a dead
+one left open (vLLM refuses a new ``start`` while one is active); the staged bits stay staged and are
+loaded at the next finish.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from faircast_ds.export.channel import DEFAULT_HOST
+from faircast_ds.export.sync import SyncReport, WeightReceiver
+from faircast_ds.vllm.push import packed_groups
+
+logger = logging.getLogger("faircast_ds.vllm")
+_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32)}
+_QUIET = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+
+
+@dataclass
+class FairCastInitInfo(WeightTransferInitInfo):
+    """What the trainer tells the engine at ``/init_weight_transfer_engine``."""
+
+    port: int
+    params: list  # [[HF name, shape, dtype], ...] in the trainer's served order (spec_list)
+    host: str = DEFAULT_HOST
+    timeout: float = 120.0  # each wait of the receiver inside an update, seconds
+
+
+@dataclass
+class FairCastUpdateInfo(WeightTransferUpdateInfo):
+    """One ``/update_weights`` call: receive the sync's update of ``version`` (or ``abandon`` it)."""
+
+    version: int | None = None
+    abandon: bool = False
+
+
+@contextmanager
+def _quiet_reload() -> Iterator[None]:
+    """A partial reload makes vLLM warn once per layer that got no tensor, which is what a delta is."""
+    loggers = [logging.getLogger(n) for n in _QUIET]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCastUpdateInfo]):
+    """vLLM's worker-side engine for ``--weight-transfer-config '{"backend": "faircast"}'``."""
+
+    init_info_cls = FairCastInitInfo
+    update_info_cls = FairCastUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.receiver: WeightReceiver | None = None
+        self.staging: dict[str, torch.Tensor] = {}
+        self.groups: dict[str, tuple[str, ...]] = {}
+        self._loaded: dict[str, int] = {}  # staging tensors' version counters at the last load into the model
+        self._received: SyncReport | None = None  # this session's complete update, not yet loaded
+        self._abandoned = False
+        self.last: dict[str, Any] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: FairCastInitInfo) -> None:
+        params = init_info.params
+        if not isinstance(params, list) or not params:
+            raise ValueError("faircast init_info needs 'params': the trainer's [[name, shape, dtype], ...]")
+        staging = {}
+        for name, shape, dtype in params:
+            if dtype not in _DTYPES:
+                raise ValueError(f"faircast: {name} has dtype {dtype!r}; supported: {sorted(_DTYPES)}")
+            staging[str(name)] = torch.zeros([int(d) for d in shape], dtype=_DTYPES[dtype])
+        self.shutdown()
+        self.staging = staging
+        # a new trainer's first update is dense (the receiver asks it), so zeros are never loaded
+        self.receiver = WeightReceiver(staging, init_info.host, int(init_info.port), timeout=float(init_info.timeout))
+        packed = {k: list(v) for k, v in (getattr(self.model, "packed_modules_mapping", None) or {}).items()}
+        self.groups = packed_groups(list(staging), packed)
+        self._loaded = {n: t._version for n, t in staging.items()}
+        logger.info("faircast weight transfer: receiver on %s:%d (%d parameters)", self.receiver.host,
+                    self.receiver.port, len(staging))
+
+    def start_weight_update(self) -> None:
+        self._require()
+        self._received, self._abandoned = None, False
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class would synchronize an accelerator: this engine loads nothing before finish
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: FairCastUpdateInfo) -> None:
+        receiver = self._require()
+        if update_info.abandon:
+            self._received, self._abandoned = None, True
+            return
+        if type(update_info.version) is not int:
+            raise ValueError(f"faircast update_info needs an integer 'version', got {update_info.version!r}")
+        began = time.perf_counter()
+        report = None
+        for _ in range(2):  # a sender that ended its session (bye) is followed by its next one
+            if not receiver.connected:
+                receiver.accept(timeout=receiver.timeout)
+            report = receiver.receive(timeout=receiver.timeout)
+            if report is not None:
+                break
+        if report is None:
+            raise RuntimeError("faircast: the trainer ended its session without sending an update")
+        if report.version != update_info.version:
+            raise RuntimeError(f"faircast: received version {report.version}, the trainer announced "
+                               f"{update_info.version}; not loaded")
+        self._received = report
+        self.last = {"version": report.version, "kind": report.kind, "params": report.params,
+                     "elements": report.changed, "bytes": report.bytes,
+                     "receive_seconds": time.perf_counter() - began}
+
+    def finish_weight_update(self) -> None:
+        self._require()
+        if self._abandoned:
+            self._abandoned = False
+            return  # an abandoned session: nothing loaded, vLLM's version unchanged (the trainer sends none)
+        if self._received is None:
+            raise RuntimeError("faircast: no complete update was received in this session; the engine keeps "
+                               "serving its previous weights")
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        began = time.perf_counter()
+        changed = {n for n, t in self.staging.items() if t._version != self._loaded[n]}
+        load = [n for n in self.staging if any(m in changed for m in self.groups.get(n, (n,)))]
+        if load:
+            items = [(n, self.staging[n].to(self.device)) for n in load]
+            with _quiet_reload(), torch.inference_mode():
+                reload_weights(self.vllm_config, self.model, weights_iterator=iter(items), weights_path=None,
+                               is_checkpoint_format=True)
+        self._loaded = {n: t._version for n, t in self.staging.items()}
+        self.last.update(loaded=len(load), load_seconds=time.perf_counter() - began)
+        self._received = None
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = None
+
+    def _require(self) -> WeightReceiver:
+        if self.receiver is None:
+            raise RuntimeError("faircast weight transfer is not initialized: POST /init_weight_transfer_engine "
+                               "with the trainer's init_info first")
+        return self.receiver

@@ -1,0 +1,181 @@
+"""The trainer side of the ``faircast`` weight-transfer backend: vLLM's ``TrainerWeightTransferEngine``
+over :class:`faircast_ds.export.WeightSender` (the authenticated channel, dense then deltas).
+
+Construct through vLLM's factory on every rank of the training job (a sync is a collective under
+ZeRO-3; rank 0 is the sender and the only one that talks to the engine)::
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from faircast_ds.vllm.transfer import FairCastTrainerInitInfo
+
+    client = HTTPVLLMWeightSyncClient("http://127.0.0.1:8000")
+    transfer = WeightTransferTrainerFactory.trainer_init(FairCastTrainerInitInfo(rank=rank, port=29650),
+                                                         client=client, source=ds_engine)
+    transfer.send_weights()           # after each optimizer step: version = ds_engine.global_steps
+
+One round: ``start_weight_update``; ``update_weights({"version": v})`` on a thread while every rank
+runs :meth:`WeightSender.sync` (the engine's worker receives inside that call); then
+``finish_weight_update(str(v))``, which loads the update into the model and sets vLLM's weight
+version. Any failure raises :class:`~faircast_ds.export.WeightSyncError` on every rank and closes the
+session, so the next round reconnects and is dense.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+from faircast_ds.dist import from_rank0, rank_world
+from faircast_ds.export.channel import DEFAULT_HOST, WeightSyncError
+from faircast_ds.export.sync import SyncReport, WeightSender, spec_list
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class FairCastTrainerInitInfo(TrainerInitInfo):
+    """``port``: where the engine's receiver listens (0: a free port of this host, for a loopback engine).
+    ``host``: the engine's address as both ends see it (loopback or a private interface). ``timeout``
+    bounds every wait, seconds. ``delta``: sparse updates after the first (dense) one."""
+
+    backend: ClassVar[str] = "faircast"
+    port: int = 0
+    host: str = DEFAULT_HOST
+    timeout: float = 120.0
+    delta: bool = True
+
+
+def model_of(source: Any) -> Any:
+    """The DeepSpeed engine (or module) a source serves from: ``source`` itself or its ``.model``."""
+    if source is None:
+        raise ValueError("the faircast backend sends the served weights of a model: pass source=<DeepSpeed engine>")
+    inner = getattr(source, "model", None)
+    return inner if inner is not None and not callable(getattr(source, "forward", None)) else source
+
+
+class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTrainerInitInfo]):
+    init_info_cls = FairCastTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.sender: WeightSender | None = None
+        self.timeout = 120.0
+        self.last: SyncReport | None = None
+
+    @classmethod
+    def trainer_init(cls, init_info: FairCastTrainerInitInfo, *, client: Any, source: Any = None
+                     ) -> "FairCastTrainerWeightTransferEngine":
+        self = cls(client=client, source=source, is_sender=init_info.is_sender)
+        self.timeout = float(init_info.timeout)
+        model = model_of(source)
+        port = from_rank0(init_info.port or free_port(init_info.host) if rank_world()[0] == 0 else None)
+        self.sender = WeightSender(model, init_info.host, port, timeout=self.timeout, delta=init_info.delta)
+        error = None
+        if self.is_sender:
+            error = _call(client.init_weight_transfer_engine,
+                          {"port": port, "host": init_info.host, "params": spec_list(self.sender.specs),
+                           "timeout": self.timeout})
+        error = from_rank0(error)
+        if error is not None:
+            raise WeightSyncError(f"the vLLM engine did not initialize the faircast backend: {error}")
+        return self
+
+    def send_weights(self, version: int | None = None, *, kind: str = "auto") -> SyncReport:
+        """One update round (every rank): the served weights at ``version`` (default: the DeepSpeed
+        engine's ``global_steps``) into the engine, and vLLM's weight version set to ``str(version)``."""
+        sender = self.sender
+        if version is None:
+            version = getattr(sender.model, "global_steps", None)
+            if version is None:
+                raise ValueError("send_weights(version=...) is required for a model that is not a DeepSpeed engine")
+        error = None
+        if self.is_sender:
+            error = _call(self.client.start_weight_update)
+            if error is not None:  # a session a dead trainer left open: end it, then start ours
+                error = (_call(self.client.update_weights, {"abandon": True})
+                         or _call(self.client.finish_weight_update, None) or _call(self.client.start_weight_update))
+        error = from_rank0(error)
+        if error is not None:
+            self._drop()
+            raise WeightSyncError(f"the vLLM engine did not start weight update {version}: {error}")
+        box: dict[str, Any] = {}
+        thread = None
+        if self.is_sender:
+            thread = threading.Thread(target=lambda: box.update(error=_call(self.client.update_weights,
+                                                                             {"version": int(version)})),
+                                      daemon=True, name="faircast update_weights")
+            thread.start()
+        report, failure = None, None
+        try:
+            report = sender.sync(version, kind=kind)
+        except WeightSyncError as exc:
+            failure = str(exc)
+        if self.is_sender:
+            thread.join(self.timeout + 30.0)
+            if thread.is_alive():
+                failure = failure or f"the engine's update_weights did not return within {self.timeout + 30:.0f} s"
+            elif box.get("error") is not None:
+                failure = failure or f"the engine's update_weights failed: {box['error']}"
+            if failure is None:
+                failure = _call(self.client.finish_weight_update, str(version))
+                if failure is not None:
+                    failure = f"the engine's finish_weight_update failed: {failure}"
+        failure = from_rank0(failure)
+        if failure is not None:
+            self._drop()
+            raise WeightSyncError(f"weight update {version} not applied by the vLLM engine: {failure}")
+        self.last = report
+        return report
+
+    def _drop(self) -> None:
+        """After a failure: end the session; the next round reconnects and is dense."""
+        if self.sender is not None:
+            self.sender.close()
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.is_sender and hasattr(self.client, "shutdown_weight_transfer_engine"):
+            _call(self.client.shutdown_weight_transfer_engine)
+
+
+class LLMWeightSyncClient:
+    """vLLM's four-method weight-sync client over an in-process ``vllm.LLM`` (colocated): its own
+    ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+    ``finish_weight_update`` (``vllm.entrypoints.rl.offline``), and the weight version it keeps."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+def _call(fn: Any, *args: Any) -> str | None:
+    """Run one control-plane call; its error as text (an HTTP error with vLLM's reply), or None."""
+    try:
+        fn(*args)
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
+        detail = getattr(getattr(exc, "response", None), "text", "") or ""
+        return f"{type(exc).__name__}: {exc} {detail[:300]}".strip()
