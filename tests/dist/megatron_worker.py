@@ -111,7 +111,7 @@ def run_case(mode: str, hook_calls: list) -> dict:
               "caster_step": None, "hook_calls": 0, "losses": [], "changed": []}
     names = dict(model.named_parameters())
     calls_before = len(hook_calls)
-    bits = []
+    bits, masters = [], []
     for step in range(1, STEPS + 1):
         report["losses"].append(train_step(model, optimizer, step, rank))
         served_full = {n.removeprefix("module."): bf16_bits(p.detach().reshape(-1)).clone()
@@ -130,12 +130,15 @@ def run_case(mode: str, hook_calls: list) -> dict:
                 pieces.append((s.name, s.start, main.detach().clone()))
         everyone = [None] * world
         torch.distributed.all_gather_object(everyone, pieces)
-        if rank == 0 and mode != "error_feedback":  # error feedback's residual is per element: replayed above
+        if rank == 0:
             full = {n: torch.full((bits[-1][n].numel(),), float("nan")) for n in bits[-1]}
             for rank_pieces in everyone:
                 for name, start, main in rank_pieces:
                     full[name][start:start + main.numel()] = main
+            masters.append(full)  # for tests/test_megatron_releases.py's reference casts
             for name, master in full.items():
+                if mode == "error_feedback":  # its residual is per element: replayed above
+                    break
                 assert not torch.isnan(master).any(), f"{name}: no rank owns some elements"
                 want = bf16_bits(cast(master, mode, seed=77, step=step, name=name, start=0))
                 report["full_is_cast_of_full_master"] &= bool(torch.equal(want, served_full[name]))
@@ -150,7 +153,44 @@ def run_case(mode: str, hook_calls: list) -> dict:
         from faircast_ds.megatron import guard
 
         report["guard_steps_checked"] = [g.steps_checked for g in guard.guards(fc)]
-    return report, bits
+    return report, bits, masters
+
+
+REFUSED_FIELDS = {"ddp": {"use_megatron_fsdp": True, "use_custom_fsdp": True, "fp8_param_gather": True,
+                          "fp4_param_gather": True},
+                  "optimizer": {"fp8_recipe": "delayed", "reuse_grad_buf_for_mxfp8_param_ag": True}}
+
+
+def refusals() -> dict:
+    """For each setting above that this release's config dataclasses have (read here with dataclasses, not
+    through compat), whether attach's checks refuse a real DistributedOptimizer with it turned on."""
+    import copy
+    import dataclasses
+
+    from faircast_ds.adapter import UnsupportedSetupError
+    from faircast_ds.megatron.adapter import check_supported, distributed_optimizers
+
+    _, optimizer, _ = build("megatron")
+    (opt,) = distributed_optimizers(optimizer)
+    out = {}
+    for which, settings in REFUSED_FIELDS.items():
+        attr = "ddp_config" if which == "ddp" else "config"
+        present = {f.name for f in dataclasses.fields(getattr(opt, attr))}
+        for field, value in settings.items():
+            if field not in present:
+                continue
+            original = getattr(opt, attr)
+            changed = copy.copy(original)
+            object.__setattr__(changed, field, value)
+            setattr(opt, attr, changed)
+            try:
+                check_supported(opt)
+                out[field] = None
+            except UnsupportedSetupError as exc:
+                out[field] = str(exc)
+            finally:
+                setattr(opt, attr, original)
+    return out
 
 
 def bypassed_cases() -> dict:
@@ -315,11 +355,12 @@ def main() -> None:
         result["has_hook"] = hook.megatron_has_cast_hook()
         build("stochastic")  # installs our hook; count from here on
         count_hook_calls(hook_calls)
-    all_bits = {}
+    all_bits, all_masters = {}, {}
     for mode in CASES:
-        result["cases"][mode], all_bits[mode] = run_case(mode, hook_calls)
+        result["cases"][mode], all_bits[mode], all_masters[mode] = run_case(mode, hook_calls)
     if ROUTE == "runtime":
         result["bypassed"] = bypassed_cases()
+        result["refusals"] = refusals()
     from faircast_ds.megatron import compat
 
     result["release"], result["range_problem"] = compat.release(), compat.release_problem()
@@ -334,6 +375,7 @@ def main() -> None:
             json.dump(checkpoints, f, indent=1)
     if rank == 0:
         torch.save(all_bits, os.path.join(OUT, "bits.pt"))
+        torch.save(all_masters, os.path.join(OUT, "masters.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
