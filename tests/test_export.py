@@ -617,3 +617,21 @@ def test_source_walks_dense_then_only_what_changed_since_the_acknowledged_versio
     assert quiet.kind == "delta" and list(quiet) == []
     source.require_dense()
     assert source.walk().kind == "dense"
+
+
+def test_a_sync_shows_a_changed_groups_members_to_its_caller_and_sends_only_the_changed(receiver):
+    rx = receiver(timeout=30)
+    serving = Serving(rx)
+    model = tiny()
+    sender = WeightSender(model, port=rx.port, timeout=30)
+    sender.sync(version=1)
+    perturb(model, {"2.weight": 0.01})
+    seen: list[tuple[str, int]] = []
+    report = sender.sync(version=2, groups={"2.weight": ("2.weight", "3.weight")},
+                         on_param=lambda item: seen.append((item.name, item.changed)))
+    assert seen == [("2.weight", round(0.01 * 2048)), ("3.weight", 0)]
+    assert (report.params, report.elements) == (1, round(0.01 * 2048))
+    sender.close()
+    _, update, closed = serving.join()  # the dense update, this one, the end of the session
+    assert (update.params, update.changed) == (1, round(0.01 * 2048)) and closed == "closed"
+    assert digest(rx.targets.items()) == digest(model.named_parameters())

@@ -51,7 +51,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -172,13 +172,16 @@ class WeightSender:
         return bool(from_rank0(self.channel is not None and not self.channel.closed if self.rank == 0 else None))
 
     def sync(self, version: int | None = None, kind: str = "auto", *,
-             on_param: Callable[[ServedItem], None] | None = None) -> SyncReport:
+             on_param: Callable[[ServedItem], None] | None = None,
+             groups: Mapping[str, Sequence[str]] | None = None) -> SyncReport:
         """Push the served weights (collective). ``version`` defaults to the engine's ``global_steps``.
         ``kind``: ``auto`` (delta when the receiver acknowledged a previous sync in this session, else
         dense), ``dense``, or ``delta``. Reconnects first if the session is gone. Raises
         WeightSyncError on every rank if the update was refused or not delivered (the receiver then
         still serves its previous weights). ``on_param`` sees every parameter the walk yields, on
-        every rank, while its bits are at hand (a route's verification digests: no second walk)."""
+        every rank, while its bits are at hand (a route's verification digests: no second walk).
+        ``groups`` (name -> names, the same on every rank): a delta walk also yields the unchanged
+        members of a group with a changed member, to ``on_param`` only (they are not sent)."""
         began = time.perf_counter()
         if version is None:
             version = getattr(self.model, "global_steps", None)
@@ -202,11 +205,12 @@ class WeightSender:
         if error is not None:
             self.source.require_dense()
             raise WeightSyncError(error)
-        walk = self.source.walk("delta" if use_delta else "dense", masks=use_delta, version=int(version))
+        walk = self.source.walk("delta" if use_delta else "dense", masks=use_delta, groups=groups,
+                                version=int(version))
         self.last_walk = walk
-        failure, carried = self._stream(walk, on_param)
+        failure, params, carried = self._stream(walk, on_param)
         if self.rank == 0 and failure is None:
-            failure = self._on_rank0(lambda: self._finish(walk.params))
+            failure = self._on_rank0(lambda: self._finish(params))
         sent = self.channel.sent_bytes - sent_before if self.rank == 0 else 0
         failure, sent, carried = from_rank0((failure, sent, carried))
         if failure is not None:
@@ -214,7 +218,7 @@ class WeightSender:
             self.source.require_dense()  # the session is closed: the next one starts dense
             raise WeightSyncError(f"weight sync of version {version} not delivered: {failure}")
         walk.acknowledge()  # the receiver applied it whole and said so
-        report = walk.report(bytes=sent, elements=carried)
+        report = walk.report(bytes=sent, params=params, elements=carried)
         return dataclasses.replace(report, seconds=time.perf_counter() - began)
 
     def _open_update(self, header: dict[str, Any]) -> None:
@@ -242,13 +246,17 @@ class WeightSender:
             return str(exc)
         return None
 
-    def _stream(self, walk: Walk, on_param: Callable[[ServedItem], None] | None) -> tuple[str | None, int]:
-        """Every parameter the walk yields, encoded on rank 0 in the smallest of dense, index list and
-        bitmap; rank 0 holds one parameter's payload at a time. Returns (failure, elements carried)."""
-        failure, carried = None, 0
+    def _stream(self, walk: Walk, on_param: Callable[[ServedItem], None] | None) -> tuple[str | None, int, int]:
+        """Every changed parameter the walk yields, encoded on rank 0 in the smallest of dense, index list
+        and bitmap; rank 0 holds one parameter's payload at a time. Returns (failure, parameters
+        carried, elements carried)."""
+        failure, params, carried = None, 0, 0
         for item in walk:  # a collective under ZeRO-3: every rank consumes it to the end
             if on_param is not None:
                 on_param(item)
+            if walk.kind == "delta" and item.changed == 0:
+                continue  # an unchanged member of a changed group: seen, not sent
+            params += 1
             if self.rank != 0:
                 continue
             bits = delta_encoding.bits_view(item.tensor)
@@ -263,7 +271,7 @@ class WeightSender:
             else:
                 first = _bitmap(item.mask)
             failure = self._send(failure, item.index, encoding, item.changed, [first, bits[item.mask]])
-        return failure, carried
+        return failure, params, carried
 
     def close(self) -> None:
         """End the session cleanly (the receiver's :meth:`WeightReceiver.receive` returns None)."""
