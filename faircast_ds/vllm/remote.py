@@ -23,6 +23,7 @@ The same session carries generation requests.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ import torch
 from faircast_ds.dist import from_rank0, rank_world
 from faircast_ds.export import WeightReceiver, WeightSender, WeightSyncError
 from faircast_ds.export.channel import DEFAULT_HOST, AcceptTimeout, ChannelError, Limits, Listener, connect, resolve_secret
-from faircast_ds.export.served import served_weights
+from faircast_ds.export.source import ServedItem
 from faircast_ds.vllm.bits import digest
 from faircast_ds.vllm.push import EngineWeightsMismatch, PushReport, packed_groups
 
@@ -197,6 +198,8 @@ class RemoteEngine:
         self.rank, _ = rank_world()
         self.verify = verify
         self.sender = WeightSender(model, host, port, timeout=timeout, delta=delta, secret=secret)
+        self._expected: dict[str, str] = {}  # rank 0: canonical digests of what the receiver acknowledged
+        self._expected_complete = False  # every rank alike: whether they cover every parameter
         self._control = None
         if self.rank == 0:
             self._control = connect(host, port + 1 if control_port is None else control_port, timeout, secret=secret,
@@ -217,24 +220,33 @@ class RemoteEngine:
 
     def push(self, version: int | None = None, *, verify: bool | None = None) -> PushReport:
         """Sync the served weights (dense the first time, then deltas), have the engine load them,
-        and check that its kernels compute with exactly the served bits (collective)."""
+        and check that its kernels compute with exactly the served bits (collective). One walk of the
+        served weights: the digests the check expects are taken from the parameters the sync walks
+        (under ZeRO-3 one gather per parameter it sends), the others are the acknowledged sync's."""
         began = time.perf_counter()
         verify = self.verify if verify is None else verify
-        sync = self.sender.sync(version)
-        expected = {}
-        for name, tensor in served_weights(self.model):  # collective under ZeRO-3
-            if self.rank == 0 and verify:
-                expected[name] = digest(tensor)
+        digests = verify or self.verify
+        fresh: dict[str, str] = {}
+
+        def take_digest(item: ServedItem) -> None:
+            if self.rank == 0 and digests:
+                fresh[item.name] = digest(item.tensor)
+
+        kind = "auto" if self._expected_complete or not verify else "dense"
+        sync = self.sender.sync(version, kind=kind, on_param=take_digest)
+        self._expected = fresh if sync.kind == "dense" else {**self._expected, **fresh}
+        self._expected_complete = digests and (sync.kind == "dense" or self._expected_complete)
         outcome = None
         if self.rank == 0:
             try:
                 reply = self._request({"type": "apply"})
                 got = reply["digests"]
-                mismatched = [n for n, d in expected.items() if got.get(n) != d]
+                mismatched = [s.name for s in self.sender.specs if got.get(s.name) != self._expected.get(s.name)] \
+                    if verify else []
                 error = None
                 if mismatched:
                     error = (f"after the push the engine process computes with other bits than the served ones in "
-                             f"{len(mismatched)} of {len(expected)} parameter(s): {mismatched[:5]}")
+                             f"{len(mismatched)} of {len(self.sender.specs)} parameter(s): {mismatched[:5]}")
                 outcome = {"error": error, "mismatched": mismatched, "params": reply["params"],
                            "load_seconds": reply["load_seconds"], "verify_seconds": reply["verify_seconds"]}
             except (WeightSyncError, KeyError) as exc:
@@ -242,11 +254,11 @@ class RemoteEngine:
                            "params": 0, "load_seconds": 0.0, "verify_seconds": 0.0}
         outcome = from_rank0(outcome)
         if outcome["error"] is not None:
+            self.sender.source.require_dense()  # the engine's kernels may not hold it: the next sync is whole
             raise EngineWeightsMismatch(outcome["error"], outcome["mismatched"])
-        return PushReport(version=sync.version, kind=sync.kind, params=outcome["params"],
-                          params_total=len(self.sender.specs), elements=sync.changed, bytes=sync.bytes,
-                          seconds=time.perf_counter() - began, load_seconds=outcome["load_seconds"],
-                          verify_seconds=outcome["verify_seconds"], verified=True if verify else None)
+        return dataclasses.replace(sync, params=outcome["params"], seconds=time.perf_counter() - began,
+                                   load_seconds=outcome["load_seconds"], verify_seconds=outcome["verify_seconds"],
+                                   verified=True if verify else None)
 
     def generate(self, prompts: torch.Tensor | Sequence[Sequence[int]], max_tokens: int, seeds: Sequence[int],
                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
