@@ -114,20 +114,22 @@ class _ShardedWriter:
 
 
 def save_hf(model: Any, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
-            version: int | None = None) -> ExportResult:
+            version: int | None = None, source: ServedSource | None = None) -> ExportResult:
     """Write the served weights of ``model`` (a DeepSpeed engine or an ``nn.Module``) as a Hugging Face
     directory at ``path``. A collective: call it on every rank; rank 0 writes.
 
     Memory: one parameter at a time (one dense walk of :class:`~faircast_ds.export.source.ServedSource`). Atomic: ``path`` is either absent,
     the previous complete export, or this complete export, whenever the writer stops. ``version``
     defaults to the engine's ``global_steps``. Raises :class:`ExportError` on every rank if rank 0
-    failed; nothing is published then.
+    failed; nothing is published then. ``source``: the served-weight source to read (default: the
+    model's own, :class:`~faircast_ds.export.source.ServedSource`; another framework passes its reader's).
     """
     module = module_of(model)
     if version is None:
         version = getattr(model, "global_steps", None)
     rank, _ = rank_world()
-    source = ServedSource(model, delta=False)  # an export is whole: no baseline kept
+    if source is None:
+        source = ServedSource(model, delta=False)  # an export is whole: no baseline kept
     specs = source.specs
     buffers = persistent_buffers(module)
     entries = [TensorEntry(s.name, s.shape, s.dtype) for s in specs]

@@ -99,6 +99,18 @@ def fair_cast_of(model: Any) -> Any:
     return get_fair_cast(model)
 
 
+def adapter_slices(adapter: Any) -> list[LocalSlice]:
+    """This rank's served shard as an adapter's ``flat_groups()`` describe it (any integration:
+    DeepSpeed's, Megatron's), read in place; padding left out. What a
+    :class:`~faircast_ds.export.source.ServedReader` returns from ``local_slices`` when the adapter's
+    parameter names and element offsets are those of the tensors its ``full`` yields."""
+    out = []
+    for _, _, served, slices in adapter.flat_groups():
+        flat = served.detach().view(-1)
+        out.extend(LocalSlice(s.name, s.start, flat.narrow(0, s.offset, s.numel)) for s in slices if not s.is_padding)
+    return out
+
+
 def local_served_slices(model: Any) -> list[LocalSlice]:
     """This rank's own pieces of the served parameters, read in place (no gather, no copy). Over all
     ranks they cover every trained element exactly once.
@@ -109,12 +121,7 @@ def local_served_slices(model: Any) -> list[LocalSlice]:
     """
     fair_cast = fair_cast_of(model)
     if fair_cast is not None:
-        out = []
-        for _, _, served, slices in fair_cast.adapter.flat_groups():
-            flat = served.detach().view(-1)
-            out.extend(LocalSlice(s.name, s.start, flat.narrow(0, s.offset, s.numel))
-                       for s in slices if not s.is_padding)
-        return out
+        return adapter_slices(fair_cast.adapter)
     params = list(module_of(model).named_parameters())
     if any(partitioned.is_partitioned(p) for _, p in params):
         raise ValueError("reading a ZeRO-3 rank's served shard goes through Fair Cast's adapter, and this engine "

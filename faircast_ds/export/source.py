@@ -149,7 +149,9 @@ class ServedSource:
 
     Construct on every rank with a DeepSpeed engine, a module, or ``reader=`` (another framework's
     :class:`ServedReader`). ``delta=False`` never keeps a baseline (every walk is dense). Every walk is a
-    collective of :attr:`reader`'s group: start it and consume it to the end on every rank.
+    collective of :attr:`reader`'s group: start it and consume it to the end on every rank. The
+    acknowledged version is one engine's: give each engine route its own source (they may share a
+    reader).
     """
 
     def __init__(self, model: Any = None, *, reader: ServedReader | None = None, delta: bool = True) -> None:
