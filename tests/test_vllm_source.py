@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # importing vLLM takes 40 s or more here
 
 def test_the_served_weights_are_a_vllm_weight_source():
     """vLLM's own consumer code (WeightSource.iter_groups: layer groups, order checked against
