@@ -5,7 +5,8 @@ in it, so every layout serves the same bits.
 Unit tests check the index map against ``torch.chunk``/``torch.cat`` and the naming against hand-built
 modules. With megatron-core installed, tests/dist/megatron_layout_worker.py runs a GPT model (fused GQA QKV,
 SwiGLU, biases) on CPU ranks over gloo in two launches: 2 ranks for (TP1, PP1, DP2), (TP2, PP1, DP1),
-(TP1, PP2, DP1); 4 ranks for (TP2, PP1, DP2) and (TP2, PP2, DP1), and the expert-parallel refusal.
+(TP1, PP2, DP1); 4 ranks for (TP2, PP1, DP2) and (TP2, PP2, DP1), the expert-parallel refusal, and a
+checkpoint saved on (TP2, PP1, DP2) and resumed on (TP1, PP2, DP2).
 """
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def test_global_names_number_layers_globally_and_name_the_tied_copy():
 def layout_runs(tmp_path_factory):
     """Two launches of tests/dist/megatron_layout_worker.py: 2 ranks (3 layouts), 4 ranks (2 layouts)."""
     runs = {}
-    for ranks, layouts, extra in ((2, "1,1;2,1;1,2", {}), (4, "2,1;2,2", {"EXPERT_CHECK": "1"})):
+    for ranks, layouts, extra in ((2, "1,1;2,1;1,2", {}),
+                                  (4, "2,1;2,2", {"EXPERT_CHECK": "1", "CHECKPOINT_LAYOUTS": "2,1>1,2"})):
         out = tmp_path_factory.mktemp(f"megatron_layouts_{ranks}")
         env = cpu_env(OUT_DIR=str(out), LAYOUTS=layouts, STEPS="2", **extra)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
@@ -190,3 +192,18 @@ def test_layouts_serve_identical_bits(layout_runs):
 def test_expert_parallel_is_refused_naming_what_is_missing(layout_runs):
     refusal = json.loads((layout_runs[4] / "layouts.json").read_text())["expert_parallel_refusal"]
     assert "expert_model_parallel_size 2" in refusal and "global expert ids" in refusal
+
+
+@needs_megatron
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stochastic", "error_feedback"])
+def test_checkpoint_saved_on_one_layout_resumes_bitwise_on_another(layout_runs, mode):
+    """dist_checkpointing saved on (TP2, PP1, DP2) and loaded on (TP1, PP2, DP2) (Megatron reshards the model and
+    the fully_reshardable optimizer; Fair Cast's entry with the model's sharded state dict puts the residual in
+    the model's space): every full parameter's served bits, fp32 master and residual as saved, and the next
+    refresh serves what the run that never stopped served (error feedback: through the restored residual)."""
+    case = json.loads((layout_runs[4] / "layouts.json").read_text())["checkpoint"][mode]
+    assert case["restored_differs"] == [] and case["resumed_differs"] == [], case
+    assert case["step_changed"] > 1000 and case["caster_step"] == 4  # the resumed refresh served new bits
+    if mode == "error_feedback":
+        assert case["residual_nonzero"] > 10000, case  # the comparison covers a real residual

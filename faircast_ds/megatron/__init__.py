@@ -15,7 +15,7 @@ carries ``patches/megatron-core-0.16.1-fair-cast.patch``; ``"auto"`` (default) t
 the patch is there. The handle is the same :class:`faircast_ds.handle.FairCast` every route returns,
 kept on the optimizer (``faircast_ds.get_fair_cast(optimizer)``). Fair Cast's state goes into Megatron's
 distributed checkpoints as one more entry of the state dict (``faircast_ds.megatron.checkpoint``:
-``sharded_state_dict(fc)`` beside the model's and the optimizer's, ``load_state_dict(fc, loaded["fair_cast"])``
+``sharded_state_dict(fc, model_sd)`` beside the model's and the optimizer's, ``load_state_dict(fc, loaded["fair_cast"])``
 after the load), so a resume is bit for bit, ``error_feedback``'s residual included. The run-time guard
 (``faircast_ds.megatron.guard``) checks the served copy against what Fair Cast wrote after the first step,
 a sample after every later one, and every bit after that load.

@@ -8,20 +8,23 @@ the optimizer's::
 
     model_sd = model.sharded_state_dict()
     dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd),
-                             "fair_cast": fair_cast_checkpoint.sharded_state_dict(fc)}, ckpt_dir)
+                             "fair_cast": fair_cast_checkpoint.sharded_state_dict(fc, model_sd)}, ckpt_dir)
     ...
     state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True),
-             "fair_cast": fair_cast_checkpoint.sharded_state_dict(fc)}
+             "fair_cast": fair_cast_checkpoint.sharded_state_dict(fc, model_sd)}
     loaded = dist_checkpointing.load(state, ckpt_dir)
     model.load_state_dict(loaded["model"]); optimizer.load_state_dict(loaded["optimizer"])
     fair_cast_checkpoint.load_state_dict(fc, loaded.get("fair_cast"))
 
 What the entry holds: the mode, seed and noise step (common state, written once), and for
-``error_feedback`` the residual, one ShardedTensor per parameter of the parameter's flattened size, each
+``error_feedback`` the residual. Given the model's sharded state dict, the residual is one more state
+of each parameter in the model's space (each parameter's local residual, gathered over data parallel, as the
+optimizer's ``fully_reshardable`` format), so it loads under another tensor, pipeline or
+data-parallel layout; without it, one ShardedTensor per parameter of the parameter's flattened size, each
 data-parallel rank's piece at its offset — uneven 1-D chunks, as the distributed optimizer's own
-``dp_reshardable`` format keeps its buckets — so it saves in parallel and loads at any data-parallel
-size. The served copy needs nothing more: the model's bf16 parameters are it, and Megatron saves them.
-After the load the model serves the saved bits, the main params are the saved ones and the next step
+``dp_reshardable`` format keeps its buckets — which loads at any data-parallel size (a tensor-parallel
+split parameter: one row per TP rank, the same TP size only). The served copy needs nothing more: the
+model's bf16 parameters are it, and Megatron saves them. After the load the model serves the saved bits, the main params are the saved ones and the next step
 casts exactly as a run that never stopped.
 """
 from __future__ import annotations
@@ -52,9 +55,61 @@ def _tp(param: Any) -> tuple[int, int, bool]:
     return size, rank, bool(getattr(param, "tensor_model_parallel", False)) and size > 1
 
 
-def sharded_state_dict(fair_cast: FairCast) -> dict[str, Any]:
+def _model_space(model_sharded_state_dict: Any) -> dict:
+    """parameter -> its ShardedTensor (or factory) in the model's sharded state dict."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    return {sh.data: sh for sh in nested_values(tensors)}
+
+
+@torch.no_grad()
+def _model_space_residual(adapter: Any, space: dict) -> dict[str, Any]:
+    """One entry per parameter of this rank: its whole local (TP slice) residual, gathered over the data-parallel
+    group (each rank adds its own pieces' bits into zeros: exact), in the place of the parameter's
+    ShardedTensor (or SwiGLU's factory), with the model's own replica ids (every DP rank holds it alike)."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    params = _params(adapter)
+    by_name: dict[str, list] = {}
+    for key, main, _, _ in adapter.flat_groups():
+        by_name.setdefault(key[0], []).append((key[1], adapter.caster.residual_for(key, main)))
+    group = getattr(adapter.optimizer, "data_parallel_group", None)
+    out = {}
+    for name in sorted(params):  # every rank walks the same parameters in the same order (a collective each)
+        param = params[name]
+        if param.dtype == torch.float32:
+            continue  # copied, never cast: no residual
+        whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        for start, piece in by_name.get(name, []):
+            whole[start:start + piece.numel()] = piece
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(whole.view(torch.int32), group=group)  # disjoint pieces: a bitwise sum
+        sh = space.get(param)
+        if sh is None:
+            raise FairCastStateError(f"{name} is not in the model's sharded state dict (build it from the "
+                                     "parameters themselves, as the optimizer's is)")
+        fields = dict(key=f"{PREFIX}.residual.{sh.key}", data=whole.view(param.shape))
+        if not isinstance(sh, ShardedTensorFactory):
+            fields["dtype"] = torch.float32
+        out[name] = replace(sh, **fields)
+    return out
+
+
+def sharded_state_dict(fair_cast: FairCast, model_sharded_state_dict: Any = None) -> dict[str, Any]:
     """Fair Cast's entry of a ``dist_checkpointing`` state dict, for saving and for loading (the residual
-    ShardedTensors point at the live residual buffers)."""
+    ShardedTensors point at the live residual buffers).
+
+    With ``model_sharded_state_dict`` (the model's ``sharded_state_dict()``, the one given to the optimizer's)
+    ``error_feedback``'s residual is laid out in the model's space, as the distributed optimizer's
+    ``fully_reshardable`` format keeps its states: each parameter's local residual, gathered over the
+    data-parallel group (an fp32 copy of this rank's bf16 parameters, held until the save is written), in place of the parameter's
+    ShardedTensor (tensor- and pipeline-parallel offsets, SwiGLU's factory included), so it loads under any
+    tensor, pipeline and data-parallel layout. Without it: the 1-D layout below (resharded over
+    data-parallel sizes only)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     cfg = fair_cast.config
@@ -63,6 +118,11 @@ def sharded_state_dict(fair_cast: FairCast) -> dict[str, Any]:
     if cfg.mode != "error_feedback":
         return state
     residual = {}
+    if model_sharded_state_dict is not None:
+        for adapter in fair_cast.adapters:
+            residual.update(_model_space_residual(adapter, _model_space(model_sharded_state_dict)))
+        state["residual"] = residual
+        return state
     for adapter in fair_cast.adapters:
         params = _params(adapter)
         for key, main, _, _ in adapter.flat_groups():
@@ -119,6 +179,8 @@ def load_state_dict(fair_cast: FairCast, state: Mapping[str, Any] | None, *, ste
             for key, main, _, _ in adapter.flat_groups():
                 name, start = key
                 loaded = residual.get(f"{name}@{start}")
+                if loaded is None and name in residual:  # the model-space layout: this rank's range of the slice
+                    loaded = residual[name].reshape(-1)[start:start + main.numel()]
                 if loaded is None:
                     raise FairCastStateError(f"the checkpoint's fair_cast entry has no residual for {name} "
                                              f"[{start}, {start + main.numel()})")

@@ -33,7 +33,7 @@ from faircast_ds.noise import name_id  # noqa: E402
 from faircast_ds.reference import cast_reference  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
-LAYOUTS = [tuple(int(x) for x in part.split(",")) for part in os.environ["LAYOUTS"].split(";")]
+LAYOUTS = [tuple(int(x) for x in part.split(",")) for part in os.environ.get("LAYOUTS", "").split(";") if part]
 MODES = [m for m in os.environ.get("MODES", "nearest,stochastic,dither,error_feedback").split(",") if m]
 STEPS = int(os.environ.get("STEPS", "2"))
 SEED = 77
@@ -253,9 +253,7 @@ def full_masters(everyone: list, tp: int) -> dict[str, torch.Tensor]:
 def run_layout(tp: int, pp: int, world: int) -> dict:
     from megatron.core import parallel_state as ps
 
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    PP_SIZE[0] = pp
+    init_layout(tp, pp)
     rank = torch.distributed.get_rank()
     tp_rank, pp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), \
         ps.get_data_parallel_rank()
@@ -341,6 +339,131 @@ def run_layout(tp: int, pp: int, world: int) -> dict:
     return report
 
 
+def init_layout(tp: int, pp: int) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    PP_SIZE[0] = pp
+    return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+
+
+def residual_pieces(model, optimizer, fc, tp_rank: int, pp_rank: int) -> list:
+    """main_pieces' layout, with each main shard's error-feedback residual instead of its values."""
+    residuals = {}
+    for adapter in fc.adapters:
+        for key, main, _, _ in adapter.flat_groups():
+            residuals[key] = adapter.caster.residual_for(key, main).clone()
+    out = []
+    for name, kind, t, start, shape, values in main_pieces(model, optimizer, tp_rank, pp_rank):
+        out.append((name, kind, t, start, shape, residuals[(name, start)]))
+    return out
+
+
+def full_state(model, optimizer, fc, tp: int, tp_rank: int, pp_rank: int) -> dict | None:
+    """Rank 0: every full parameter's served bits, fp32 master and residual (error feedback), reassembled."""
+    world = torch.distributed.get_world_size()
+    gathered = {}
+    for what, items in (("main", main_pieces(model, optimizer, tp_rank, pp_rank)),
+                        ("served", [(full_name(n, pp_rank), kind_of(n), tp_rank, 0, tuple(p.shape),
+                                     bf16_bits(p.detach().reshape(-1)).clone()) for n, p in local_params(model).items()]),
+                        ("residual", residual_pieces(model, optimizer, fc, tp_rank, pp_rank)
+                         if fc.config.mode == "error_feedback" else [])):
+        everyone = [None] * world
+        torch.distributed.all_gather_object(everyone, items)
+        gathered[what] = everyone
+    if torch.distributed.get_rank() != 0:
+        return None
+    out = {"main": full_masters(gathered["main"], tp)}
+    served = [[(n, k, t, 0, s, v.double()) for n, k, t, _, s, v in items] for items in gathered["served"]]
+    out["served"] = {n: v.to(torch.int64) for n, v in full_masters(served, tp).items()}
+    if gathered["residual"][0]:
+        out["residual"] = full_masters(gathered["residual"], tp)
+    return out
+
+
+def same_state(a: dict, b: dict) -> list[str]:
+    return [f"{what}/{n}" for what in a for n in a[what] if not torch.equal(a[what][n], b[what].get(n, torch.empty(0)))]
+
+
+def lenient_step_load() -> None:
+    """Megatron-Core 0.16.1 without Apex/TE: the fully_reshardable load copies every key of torch Adam's per-
+    parameter state, "step" included, which the checkpoint keeps only in the param groups (KeyError: 'step',
+    ``distrib_optimizer.py:940``); the step tensor is left as it is (no Adam step follows the load here)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None) if "step" not in tensors else None
+        inner(self, model_param, tensors)
+        if step is not None:
+            state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def checkpoint_across_layouts(save: tuple, load: tuple, ckpt_root: str) -> dict:
+    """Save on layout ``save`` (two set-master refreshes, a real step, so the residual is not zero), refresh once
+    more; load on layout ``load``: the same served bits, masters and residual, and the next refresh the same
+    bits. The optimizer in ``fully_reshardable``, Fair Cast's entry with the model's sharded state dict."""
+    from megatron.core import dist_checkpointing
+
+    from faircast_ds.megatron import checkpoint as fair_cast_checkpoint
+    from faircast_ds.megatron.adapter import distributed_optimizers
+
+    if not torch.cuda.is_available():
+        # the async writer's staging sync (filesystem_async.py:230), a no-op on CPU; the fully_reshardable gather
+        # moves its buffers with ``.cuda()`` (distrib_optimizer.py:1089 ``get_parameter_state_dp_zero``): stay put
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    lenient_step_load()
+    meta = {"distrib_optim_sharding_type": "fully_reshardable"}  # (0.16.1 refuses flattened_range: not fs_model_space)
+    report = {}
+    for mode in ("stochastic", "error_feedback"):
+        ckpt = os.path.join(ckpt_root, f"ckpt_{mode}")
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(ckpt)
+        tp_rank, pp_rank = init_layout(*save)
+        model, optimizer, fc = build(mode, *save)
+        for step in (1, 2):
+            set_masters(model, optimizer, step, save[0], tp_rank, pp_rank)
+            serve(optimizer)
+        train_step(model, optimizer, 3)
+        model_sd = model.module.sharded_state_dict()
+        dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=meta),
+                                 "fair_cast": fair_cast_checkpoint.sharded_state_dict(fc, model_sd)}, ckpt)
+        saved = full_state(model, optimizer, fc, save[0], tp_rank, pp_rank)
+        serve(optimizer)  # step 4: a refresh of the same masters (error feedback: the residual moves it)
+        continued = full_state(model, optimizer, fc, save[0], tp_rank, pp_rank)
+        del model, optimizer, fc
+
+        tp_rank, pp_rank = init_layout(*load)
+        model, optimizer, fc = build(mode, *load)
+        for opt in distributed_optimizers(optimizer):  # a fresh torch Adam has no state to load into yet
+            opt._init_optimizer_states_with_dummy_values()
+        model_sd = model.module.sharded_state_dict()
+        loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=True, metadata=meta), "fair_cast": fair_cast_checkpoint.sharded_state_dict(fc, model_sd)},
+            ckpt)
+        model.module.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        fair_cast_checkpoint.load_state_dict(fc, loaded["fair_cast"])
+        restored = full_state(model, optimizer, fc, load[0], tp_rank, pp_rank)
+        serve(optimizer)
+        resumed = full_state(model, optimizer, fc, load[0], tp_rank, pp_rank)
+        if torch.distributed.get_rank() == 0:
+            report[mode] = {"restored_differs": same_state(saved, restored), "resumed_differs": same_state(continued, resumed),
+                            "step_changed": sum(int((continued["served"][n] != saved["served"][n]).sum())
+                                                for n in saved["served"]),
+                            "residual_nonzero": sum(int((r != 0).sum()) for r in saved.get("residual", {}).values()),
+                            "caster_step": fc.adapters[0].caster.step}
+        del model, optimizer, fc
+    return report
+
+
 def expert_parallel_refusal() -> str:
     """attach under expert_model_parallel_size 2 (a dense model: the check is on the layout): the message."""
     from megatron.core import parallel_state as ps
@@ -362,10 +485,14 @@ def main() -> None:
     world = torch.distributed.get_world_size()
     reports = [run_layout(tp, pp, world) for tp, pp in LAYOUTS]
     refusal = expert_parallel_refusal() if os.environ.get("EXPERT_CHECK") == "1" else None
+    checkpoint = None
+    if os.environ.get("CHECKPOINT_LAYOUTS"):  # "tp,pp>tp,pp": save on the first, load on the second
+        save, load = (tuple(int(x) for x in side.split(",")) for side in os.environ["CHECKPOINT_LAYOUTS"].split(">"))
+        checkpoint = checkpoint_across_layouts(save, load, OUT)
     if torch.distributed.get_rank() == 0:
         os.makedirs(OUT, exist_ok=True)
         with open(os.path.join(OUT, "layouts.json"), "w") as f:
-            json.dump({"layouts": reports, "expert_parallel_refusal": refusal}, f, indent=1)
+            json.dump({"layouts": reports, "expert_parallel_refusal": refusal, "checkpoint": checkpoint}, f, indent=1)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
