@@ -25,6 +25,8 @@ torch's int64 arithmetic then computes the hash exactly, with no reliance on ove
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -64,6 +66,7 @@ def mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(scratch)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def name_id(name: str) -> int:
     """FNV-1a (32-bit) of the parameter name: a stable id that does not depend on Python's hash seed."""
     h = 0x811C9DC5

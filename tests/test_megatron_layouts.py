@@ -50,6 +50,22 @@ def test_tensor_split_maps_every_local_range_to_its_full_indices(shape, dim, str
                 assert torch.equal(got, flat[a:b]), (rank, a, b)
 
 
+def test_long_row_parallel_runs_are_plain_slices_for_the_fused_kernel():
+    """A real model's row-parallel rows (>= MIN_KERNEL_RUN elements) stay plain slices, one kernel call each;
+    short rows become one slice with index runs. Either way the indices are the full parameter's."""
+    from faircast_ds.megatron.layout import MIN_KERNEL_RUN
+
+    for cols, indexed in ((2 * MIN_KERNEL_RUN, False), (2 * MIN_KERNEL_RUN - 2, True)):
+        full = torch.arange(6 * cols).reshape(6, cols)
+        local = local_of(full, 1, 1, 2, 1).reshape(-1)
+        split = TensorSplit((6, cols // 2), 1, 1, 2, 1)
+        for a, b in ((0, local.numel()), (5, local.numel() - 7), (cols // 2 - 1, cols // 2 + 1)):
+            slices = split.slices("w", a, b - a)
+            assert any(s.runs is not None for s in slices) == (indexed and b - a > cols), (cols, a, b)
+            got = torch.cat([s.indices() for s in sorted(slices, key=lambda s: s.offset)])
+            assert torch.equal(got, local[a:b]), (cols, a, b)
+
+
 def test_tensor_split_refuses_what_it_cannot_map():
     with pytest.raises(ValueError, match="partition_stride"):
         TensorSplit((6, 4), 0, 4, 2, 0)

@@ -21,9 +21,10 @@ the same whatever the layout:
   split: TP slices concatenate to the TP 1 layout) and SwiGLU's ``linear_fc1`` (stride 2: rank ``r``
   holds ``[gate_r; up_r]``, gate chunk ``r`` and up chunk ``tp + r`` of ``[gate; up]``).
 
-A local range of a rank's main shard becomes a few contiguous slices when it spans few runs (the fused
-kernel casts them), else one slice with :class:`faircast_ds.shard_caster.IndexRuns` (one start per run,
-computed once per shard; the cast expands them), never a per-element Python loop.
+A local range of a rank's main shard becomes contiguous slices when it spans few runs or its runs are long
+(:data:`MIN_KERNEL_RUN`; the fused kernel casts each), else one slice with
+:class:`faircast_ds.shard_caster.IndexRuns` (one start per run, computed once per shard; the eager cast
+expands them), never a per-element Python loop.
 """
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ import torch
 from faircast_ds.shard_caster import IndexRuns, ShardSlice
 
 MAX_PLAIN_RUNS = 4  # up to this many contiguous runs a shard is cut into plain slices (fused kernel each)
+# runs at least this long are plain slices however many (one fused-kernel call each, ~tens of microseconds):
+# a row-parallel weight of a real model (rows of in_features / tp elements); shorter runs (a tiny model's rows)
+# cost less as one eager cast over index runs than as one kernel call per run
+MIN_KERNEL_RUN = 256
 
 _LAYER = re.compile(r"^(.*\.)?layers\.(\d+)$")
 TIED_OUTPUT = "output_layer.weight"
@@ -140,7 +145,7 @@ class TensorSplit:
         starts = self.run_starts(first, last)
         phase = start - first * length
         breaks = (starts[1:] != starts[:-1] + length).nonzero().flatten().tolist()
-        if len(breaks) + 1 <= MAX_PLAIN_RUNS:  # a few contiguous pieces: the fused kernel casts each
+        if len(breaks) + 1 <= MAX_PLAIN_RUNS or length >= MIN_KERNEL_RUN:  # the fused kernel casts each piece
             out, run = [], 0
             for end_run in [b + 1 for b in breaks] + [len(starts)]:
                 lo = max(run * length - phase, 0)
