@@ -28,7 +28,46 @@ import megatron_layout_worker as layouts  # noqa: E402  (its masters, splits and
 OUT = os.environ["OUT_DIR"]
 LAYOUTS = [tuple(int(x) for x in part.split(",")) for part in os.environ.get("LAYOUTS", "2,1").split(";") if part]
 SEED = 77
-NUM_LAYERS, HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB, SEQ = 2, 32, 4, 2, 8, 64, 64, 8
+NUM_LAYERS, HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB, SEQ = 2, 128, 4, 2, 32, 256, 128, 8  # vllm_worker's sizes
+VLLM = os.environ.get("VLLM", "") == "1"  # push the first layout's served weights into a vLLM CPU engine
+KV_CACHE_GIB = 1 / 16
+
+
+def push_to_vllm(source, walked: dict[str, torch.Tensor]) -> dict:  # walked: name -> served bf16 tensor
+    """Rank 0 starts a vLLM engine (its own process) on a Qwen3 HF directory of this shape (random weights),
+    every rank pushes the source's served bits (WeightPush, verified by the engine's digests), then rank 0
+    reads every HF tensor back from the engine and compares its bits with the walk's."""
+    from faircast_ds.vllm import VllmEngine, WeightPush, canonical
+    from faircast_ds.vllm.bits import bit_pattern
+
+    rank = torch.distributed.get_rank()
+    engine = None
+    if rank == 0:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=NUM_LAYERS,
+                          num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
+                          max_position_embeddings=64, tie_word_embeddings=False)
+        where = os.path.join(OUT, "qwen3-random")
+        torch.manual_seed(1)
+        Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(where)
+        engine = VllmEngine(where, max_model_len=64, seed=0, kv_cache_gib=KV_CACHE_GIB, in_process=False)
+    push = WeightPush(None, engine, source=source, delta=False, verify=True)
+    report = push.push(version=1)
+    out = {"verified": report.verified, "mismatched": list(report.mismatched), "params": report.params}
+    if rank == 0:
+        differing = {}
+        for name, served in walked.items():
+            back = engine.read(name, list(served.shape))
+            want = canonical(served)
+            n = int((bit_pattern(back).reshape(-1) != bit_pattern(want).reshape(-1)).sum())
+            if n:
+                differing[name] = n
+        out["read_back_differing"] = differing
+        out["read_back"] = len(walked)
+        out["packed"] = engine.info["packed"]
+        engine.close()
+    return out
 
 
 def build(tp: int, pp: int):
@@ -118,15 +157,18 @@ def run_layout(tp: int, pp: int) -> dict:
     layouts.serve(optimizer)
     reader = MegatronHFReader([model], config, family="qwen3")
     source = ServedSource(reader=reader, delta=False)
-    walked = {}
+    walked, raw = {}, {}
     for item in source.walk("dense"):
-        walked[item.name] = bf16_bits(item.tensor.clone()).reshape(item.tensor.shape)
+        raw[item.name] = item.tensor.clone()
+        walked[item.name] = bf16_bits(raw[item.name]).reshape(item.tensor.shape)
     # the oracle: every rank's local served tensors, gathered and joined by the worker's own rules
     local = [(layouts.full_name(n, pp_rank), tp_rank, p.detach().clone())
              for n, p in layouts.local_params(model).items()]
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, local)
     report = {"layout": [tp, pp], "specs": [(s.name, list(s.shape)) for s in source.specs]}
+    if VLLM and (tp, pp) == LAYOUTS[0]:
+        report["vllm"] = push_to_vllm(source, raw)
     if rank == 0:
         pieces: dict[str, dict[int, torch.Tensor]] = {}
         for rank_local in everyone:
