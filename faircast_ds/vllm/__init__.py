@@ -6,8 +6,9 @@
 - :class:`WeightPush` pushes the served weights into an engine the trainer holds (colocated),
   changed groups only, and verifies after each push that the engine computes with exactly the
   served bits (:class:`EngineWeightsMismatch` otherwise).
-- :class:`EngineServer` / :class:`RemoteEngine`: the same for an engine in a separate process,
-  over :mod:`faircast_ds.export`'s authenticated weight sync (dense, then sparse deltas).
+- A separate engine is a ``vllm serve`` process with the ``faircast`` weight-transfer backend
+  (:mod:`faircast_ds.vllm.transfer`: vLLM's RL API over :mod:`faircast_ds.export`'s authenticated
+  weight sync, dense then sparse deltas; ``VllmServer`` / ``ServedPush`` from the trainer).
 - :class:`FairCastWeightSource`: the served weights as vLLM's trainer-side ``WeightSource``, for
   vLLM's own weight-transfer engines.
 
@@ -26,8 +27,6 @@ _LAZY = {
     "PushReport": "faircast_ds.vllm.push",
     "EngineWeightsMismatch": "faircast_ds.vllm.push",
     "packed_groups": "faircast_ds.vllm.push",
-    "EngineServer": "faircast_ds.vllm.remote",
-    "RemoteEngine": "faircast_ds.vllm.remote",
     "FairCastWeightSource": "faircast_ds.vllm.source",
     "canonical": "faircast_ds.vllm.bits",
     "digest": "faircast_ds.vllm.bits",

@@ -54,11 +54,19 @@ class FairCastTrainerInitInfo(TrainerInitInfo):
 
 
 def model_of(source: Any) -> Any:
-    """The DeepSpeed engine (or module) a source serves from: ``source`` itself or its ``.model``."""
+    """The DeepSpeed engine (or module) a source serves from: ``source`` itself, a
+    :class:`~faircast_ds.export.source.ServedSource`'s model, or a
+    :class:`~faircast_ds.vllm.source.FairCastWeightSource`'s."""
     if source is None:
         raise ValueError("the faircast backend sends the served weights of a model: pass source=<DeepSpeed engine>")
-    inner = getattr(source, "model", None)
-    return inner if inner is not None and not callable(getattr(source, "forward", None)) else source
+    if callable(getattr(source, "forward", None)):
+        return source
+    inner = getattr(source, "source", None)  # a FairCastWeightSource wraps a ServedSource
+    model = getattr(inner if inner is not None else source, "model", None)
+    if model is None:
+        raise ValueError(f"the faircast backend cannot find the model behind {type(source).__name__}: pass the "
+                         "DeepSpeed engine, a ServedSource or a FairCastWeightSource")
+    return model
 
 
 class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTrainerInitInfo]):
