@@ -202,6 +202,7 @@ def sync_session(stage: str, mode: str, port: int, steps: int, lr: float) -> dic
                         "cast_changed": stats["changed"] if stats else None,
                         "walked": walked, "oracle_changed": oracle,
                         "traced_gathers": bf16_gathers(tracer.collectives),
+                        "traced_collectives": len(tracer.collectives),
                         "expected_gathers": sum(1 for n, _ in walked if n in absent)})
 
     push()  # dense, version 0
