@@ -4,24 +4,25 @@ in it, so every layout serves the same bits.
 
 Unit tests check the index map against ``torch.chunk``/``torch.cat`` and the naming against hand-built
 modules. With megatron-core installed, tests/dist/megatron_layout_worker.py runs a GPT model (fused GQA QKV,
-SwiGLU, biases) on CPU ranks over gloo in two launches: 2 ranks for (TP1, PP1, DP2), (TP2, PP1, DP1),
-(TP1, PP2, DP1); 4 ranks for (TP2, PP1, DP2) and (TP2, PP2, DP1), the expert-parallel refusal, and a
+SwiGLU, biases) on CPU ranks over gloo in two launches: 2 ranks, on the hook route, for (TP1, PP1, DP2),
+(TP2, PP1, DP1), (TP1, PP2, DP1); 4 ranks, on the runtime route, for (TP2, PP1, DP2) and (TP2, PP2, DP1), the expert-parallel refusal, and a
 checkpoint saved on (TP2, PP1, DP2) and resumed on (TP1, PP2, DP2).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
 import torch
 
-from conftest import DIST, cpu_env, free_port, run_logged
+from conftest import DIST, ROOT, cpu_env, free_port, run_logged
 from faircast_ds.config import FairCastConfig
 from faircast_ds.megatron.layout import TensorSplit, global_names
 from faircast_ds.reference import cast_reference
 from faircast_ds.shard_caster import ShardCaster
-from test_megatron import needs_megatron
+from test_megatron import needs_megatron, patched_megatron  # noqa: F401  (the patched copy: a fixture)
 
 MODES = ["nearest", "stochastic", "dither", "error_feedback"]
 SPLITS = [((8, 6), 0, 1, 2), ((8, 6), 1, 1, 2), ((8, 6), 0, 2, 2), ((16, 4), 0, 2, 4), ((2, 6, 4), 1, 1, 2),
@@ -134,10 +135,13 @@ def test_global_names_number_layers_globally_and_name_the_tied_copy():
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory):
-    """Two launches of tests/dist/megatron_layout_worker.py: 2 ranks (3 layouts), 4 ranks (2 layouts)."""
+def layout_runs(tmp_path_factory, patched_megatron):
+    """Two launches of tests/dist/megatron_layout_worker.py: 2 ranks (3 layouts) on the hook route (a copy of
+    Megatron-Core with patches/megatron-core-0.16.1-fair-cast.patch first on the path), 4 ranks (2 layouts,
+    the refusal, the checkpoint) on the runtime route."""
     runs = {}
-    for ranks, layouts, extra in ((2, "1,1;2,1;1,2", {}),
+    hook_path = os.pathsep.join([str(patched_megatron), str(ROOT)])
+    for ranks, layouts, extra in ((2, "1,1;2,1;1,2", {"ROUTE": "hook", "PYTHONPATH": hook_path}),
                                   (4, "2,1;2,2", {"EXPERT_CHECK": "1", "CHECKPOINT_LAYOUTS": "2,1>1,2"})):
         out = tmp_path_factory.mktemp(f"megatron_layouts_{ranks}")
         env = cpu_env(OUT_DIR=str(out), LAYOUTS=layouts, STEPS="2", **extra)
@@ -165,6 +169,7 @@ def _bits(layout_runs, label: str) -> dict:
 
 
 LAYOUTS = ["1x1x2", "2x1x1", "1x2x1", "2x1x2", "2x2x1"]
+HOOK_LAYOUTS = LAYOUTS[:3]  # the 2-rank launch runs on the hook route: both routes serve the same bits
 
 
 @needs_megatron
@@ -182,6 +187,7 @@ def test_every_layout_serves_the_reference_cast_of_the_full_masters(layout_runs)
             assert case["train_step_ok"] and case["masters_moved"] > 10000, (label, mode)
             assert case["after_train_equal_reference"], (label, mode, case["mismatches"])
             assert case["caster_step"] == 3
+            assert case["route"] == ("megatron-hook" if label in HOOK_LAYOUTS else "megatron-runtime"), (label, case)
             assert len(case["names"]) == 53  # every parameter of the model, under its full name
         if label.startswith("2x"):  # row-parallel slices take the index-runs path, the rest plain runs
             for rank in report["slices_per_rank"]:

@@ -6,7 +6,8 @@ of the world; Megatron's parallel state is torn down and built again between the
 For every layout and mode the fp32 main params are set from FULL masters the worker defines per full
 parameter name (its own mapping: stage-local layer ``i`` of stage ``p`` is global layer ``i + p * layers
 per stage``), split per layout by the worker's own ``torch.chunk`` (SwiGLU's fc1 as ``[gate_r; up_r]``),
-then Megatron's main->model copy (Fair Cast's runtime route) and its param all-gather serve them. Rank 0
+then Megatron's main->model copy (Fair Cast's route: ``ROUTE`` runtime, or hook on a patched copy) and its
+param all-gather serve them. Rank 0
 reassembles every full parameter from all ranks' local served tensors with ``torch.cat`` and compares it
 with ``faircast_ds.reference.cast_reference`` of the full master keyed by the full name (error feedback:
 the reference's residual carried per full parameter), and writes the full served bits for the
@@ -37,6 +38,7 @@ LAYOUTS = [tuple(int(x) for x in part.split(",")) for part in os.environ.get("LA
 MODES = [m for m in os.environ.get("MODES", "nearest,stochastic,dither,error_feedback").split(",") if m]
 STEPS = int(os.environ.get("STEPS", "2"))
 SEED = 77
+ROUTE = os.environ.get("ROUTE", "runtime")  # "hook": a patched Megatron-Core copy is first on PYTHONPATH
 NUM_LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ = 4, 16, 4, 2, 32, 64, 8
 
 # how the worker itself splits a full parameter (the oracle's layout knowledge, written apart from the product's)
@@ -134,7 +136,7 @@ def build(mode: str | None, tp: int, pp: int):
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, clip_grad=0.0,
                                                        use_distributed_optimizer=True), [model])
     config.finalize_model_grads_func = finalize_model_grads  # the DP reduce-scatter, TP/PP grad all-reduces
-    fc = attach(optimizer, {"mode": mode, "seed": SEED}, route="runtime") if mode else None
+    fc = attach(optimizer, {"mode": mode, "seed": SEED}, route=ROUTE) if mode else None
     return model, optimizer, fc
 
 
@@ -328,6 +330,7 @@ def run_layout(tp: int, pp: int, world: int) -> dict:
                     case["mismatches"].append(f"after the real step {name}")
         if fc is not None:
             case["caster_step"] = fc.adapters[0].caster.step
+            case["route"] = fc.route
         report["modes"][mode] = case
         del model, optimizer, fc
     if rank == 0:
