@@ -11,8 +11,8 @@ all-gather; the noise of an element is keyed by (parameter name, index in the fl
 as for DeepSpeed, so a parameter with the same name and fp32 values is served the same bits by
 either framework at any data-parallel size. ``route`` picks how: ``"runtime"`` replaces the
 optimizer's ``_copy_main_params_to_model_params``; ``"hook"`` registers with a Megatron-Core that
-carries ``patches/megatron-core-0.16.1-fair-cast.patch``; ``"auto"`` (default) takes the hook when
-the patch is there. The handle is the same :class:`faircast_ds.handle.FairCast` every route returns,
+carries its release's ``patches/megatron-core-<release>-fair-cast.patch``; ``"auto"`` (default) takes
+the hook when the patch is there. The handle is the same :class:`faircast_ds.handle.FairCast` every route returns,
 kept on the optimizer (``faircast_ds.get_fair_cast(optimizer)``). Fair Cast's state goes into Megatron's
 distributed checkpoints as one more entry of the state dict (``faircast_ds.megatron.checkpoint``:
 ``sharded_state_dict(fc, model_sd)`` beside the model's and the optimizer's, ``load_state_dict(fc, loaded["fair_cast"])``

@@ -74,8 +74,8 @@ def release_problem(version: str | None = None) -> str | None:
     number = Version(parsed.base_version)
     if Version("0.12.0") <= number < Version("0.20"):
         return None
-    why = ("its DistributedOptimizer's refresh site and shard bookkeeping were not read for it" if number < Version("0.12.0")
-           else "its main->model copy has not been verified")
+    why = ("its DistributedOptimizer's refresh site and shard bookkeeping were not read for it"
+           if number < Version("0.12.0") else "its main->model copy has not been verified")
     return (f"megatron-core {version} is not supported: faircast-ds supports megatron-core{SUPPORTED_RANGE} ({why}); "
             f"tested: {', '.join(TESTED)}")
 

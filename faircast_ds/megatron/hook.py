@@ -1,4 +1,5 @@
-"""Fair Cast through a patched Megatron-Core's cast hook (``patches/megatron-core-0.16.1-fair-cast.patch``).
+"""Fair Cast through a patched Megatron-Core's cast hook (``patches/megatron-core-<release>-fair-cast.patch``:
+the 0.12.0 variant for 0.12.x, the 0.16.1 one for 0.14 - 0.16; ``patches/README.md``).
 
 The patched ``_copy_main_params_to_model_params`` hands every shard of one refresh to
 ``megatron.core.optimizer.param_cast.copy_main_params_to_model_params``: one call per optimizer step,
@@ -61,8 +62,8 @@ def connect(adapter: MegatronAdapter) -> None:
     caster through the hook."""
     if not megatron_has_cast_hook():
         raise UnsupportedSetupError("fair_cast: this Megatron-Core has no cast hook (megatron.core.optimizer."
-                                    "param_cast); apply patches/megatron-core-0.16.1-fair-cast.patch or use "
-                                    "route='runtime'")
+                                    "param_cast); apply its release's patch (patches/README.md: the 0.12.0 or "
+                                    "0.16.1 variant of megatron-core-<release>-fair-cast.patch) or use route='runtime'")
     from megatron.core.optimizer import param_cast
 
     if "previous" not in _installed:  # once per process; a later hook is expected to hand ours the rest
