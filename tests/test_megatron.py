@@ -214,10 +214,12 @@ def test_unsupported_megatron_setups_are_refused():
                                          optimizer_cpu_offload=False, fp8_recipe="mxfp8",
                                          reuse_grad_buf_for_mxfp8_param_ag=False)
     unsupported.ddp_config = SimpleNamespace(use_megatron_fsdp=True)
+    # two chunks whose parameters have one name (not a virtual pipeline's, whose layer numbers are global):
+    # the noise id would not name one element
     unsupported.model_chunks = [torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)]
     with pytest.raises(UnsupportedSetupError) as refused:
         attach(unsupported, {"mode": "stochastic"}, route="runtime")
-    for setting in ("bf16=True", "use_precision_aware_optimizer", "fp8", "use_megatron_fsdp", "model chunks"):
+    for setting in ("bf16=True", "use_precision_aware_optimizer", "fp8", "use_megatron_fsdp", "one full parameter"):
         assert setting in str(refused.value), setting
 
 

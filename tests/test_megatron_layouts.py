@@ -5,7 +5,7 @@ in it, so every layout serves the same bits.
 Unit tests check the index map against ``torch.chunk``/``torch.cat`` and the naming against hand-built
 modules. With megatron-core installed, tests/dist/megatron_layout_worker.py runs a GPT model (fused GQA QKV,
 SwiGLU, biases) on CPU ranks over gloo in two launches: 2 ranks, on the hook route, for (TP1, PP1, DP2),
-(TP2, PP1, DP1), (TP1, PP2, DP1); 4 ranks, on the runtime route, for (TP2, PP1, DP2) and (TP2, PP2, DP1), the expert-parallel refusal, and a
+(TP2, PP1, DP1), (TP1, PP2, DP1) and (TP1, PP2 with 2 virtual stages, DP1); 4 ranks, on the runtime route, for (TP2, PP1, DP2) and (TP2, PP2, DP1), the expert-parallel refusal, and a
 checkpoint saved on (TP2, PP1, DP2) and resumed on (TP1, PP2, DP2).
 """
 from __future__ import annotations
@@ -136,12 +136,12 @@ def test_global_names_number_layers_globally_and_name_the_tied_copy():
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory, patched_megatron):
-    """Two launches of tests/dist/megatron_layout_worker.py: 2 ranks (3 layouts) on the hook route (a copy of
+    """Two launches of tests/dist/megatron_layout_worker.py: 2 ranks (4 layouts) on the hook route (a copy of
     Megatron-Core with patches/megatron-core-0.16.1-fair-cast.patch first on the path), 4 ranks (2 layouts,
     the refusal, the checkpoint) on the runtime route."""
     runs = {}
     hook_path = os.pathsep.join([str(patched_megatron), str(ROOT)])
-    for ranks, layouts, extra in ((2, "1,1;2,1;1,2", {"ROUTE": "hook", "PYTHONPATH": hook_path}),
+    for ranks, layouts, extra in ((2, "1,1;2,1;1,2;1,2,2", {"ROUTE": "hook", "PYTHONPATH": hook_path}),
                                   (4, "2,1;2,2", {"EXPERT_CHECK": "1", "CHECKPOINT_LAYOUTS": "2,1>1,2"})):
         out = tmp_path_factory.mktemp(f"megatron_layouts_{ranks}")
         env = cpu_env(OUT_DIR=str(out), LAYOUTS=layouts, STEPS="2", **extra)
@@ -168,8 +168,8 @@ def _bits(layout_runs, label: str) -> dict:
     raise AssertionError(f"no bits for layout {label}")
 
 
-LAYOUTS = ["1x1x2", "2x1x1", "1x2x1", "2x1x2", "2x2x1"]
-HOOK_LAYOUTS = LAYOUTS[:3]  # the 2-rank launch runs on the hook route: both routes serve the same bits
+LAYOUTS = ["1x1x2", "2x1x1", "1x2x1", "1x2x1v2", "2x1x2", "2x2x1"]  # v2: virtual pipeline, 2 chunks per rank
+HOOK_LAYOUTS = LAYOUTS[:4]  # the 2-rank launch runs on the hook route: both routes serve the same bits
 
 
 @needs_megatron

@@ -63,9 +63,6 @@ def _problems(optimizer: Any) -> Iterator[str]:
         yield f"{', '.join(quantized)}: fp8 / fp4 parameters: the served copy is quantized, not cast"
     if compat.uses_megatron_fsdp(ddp):
         yield f"{' / '.join(compat.fsdp_fields(ddp))}: Megatron-FSDP copies main weights in its own buffer"
-    if len(optimizer.model_chunks) != 1:
-        yield ("several model chunks (virtual pipeline): not tested with Fair Cast; tensor and pipeline "
-               "parallelism with one model chunk per rank are supported")
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_expert_model_parallel_world_size() > 1:
         yield (f"expert_model_parallel_size {parallel_state.get_expert_model_parallel_world_size()}: a rank's local "
                "expert numbers are not mapped to the model's global expert ids (the noise id), so the served bits "

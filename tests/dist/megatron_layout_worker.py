@@ -34,6 +34,7 @@ from faircast_ds.noise import name_id  # noqa: E402
 from faircast_ds.reference import cast_reference  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
+# "tp,pp" or "tp,pp,vp" (vp: virtual pipeline stages, model chunks per rank)
 LAYOUTS = [tuple(int(x) for x in part.split(",")) for part in os.environ.get("LAYOUTS", "").split(";") if part]
 MODES = [m for m in os.environ.get("MODES", "nearest,stochastic,dither,error_feedback").split(",") if m]
 STEPS = int(os.environ.get("STEPS", "2"))
@@ -55,14 +56,33 @@ def kind_of(name: str) -> str:
 
 
 def full_name(local: str, pp_rank: int) -> str:
+    """``vp<v>|`` prefixes a virtual-pipeline chunk's names: chunk ``v`` of stage ``p`` holds layers
+    ``(v * pp + p) * per_chunk + i`` (Megatron's interleaved assignment, written here from its definition)."""
+    vp_stage, _, local = local.rpartition("|")
+    v = int(vp_stage[2:]) if vp_stage else 0
     parts = local.split(".")
     if "layers" in parts:
         i = parts.index("layers") + 1
-        parts[i] = str(int(parts[i]) + pp_rank * (NUM_LAYERS // PP_SIZE[0]))
+        per_chunk = NUM_LAYERS // (PP_SIZE[0] * VP_SIZE[0])
+        parts[i] = str(int(parts[i]) + (v * PP_SIZE[0] + pp_rank) * per_chunk)
     return ".".join(parts)
 
 
 PP_SIZE = [1]
+VP_SIZE = [1]
+
+
+class Chunks(list):
+    """A virtual-pipeline rank's model chunks, seen by the worker as one model (names prefixed ``vp<v>|``)."""
+
+    def named_parameters(self):
+        for v, chunk in enumerate(self):
+            for name, param in chunk.named_parameters():
+                yield f"vp{v}|{name}", param
+
+    def zero_grad_buffer(self):
+        for chunk in self:
+            chunk.zero_grad_buffer()
 
 
 def full_shape(local_shape: tuple, kind: str, tp: int) -> tuple:
@@ -108,7 +128,7 @@ def full_master(name: str, shape: tuple, step: int) -> torch.Tensor:
     return (values * scale + 1e-3 * step).reshape(shape)
 
 
-def build(mode: str | None, tp: int, pp: int):
+def build(mode: str | None, tp: int, pp: int, vp: int = 1):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -125,16 +145,22 @@ def build(mode: str | None, tp: int, pp: int):
                                params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
                                use_cpu_initialization=True, tensor_model_parallel_size=tp,
                                attention_dropout=0.0, hidden_dropout=0.0,
-                               pipeline_model_parallel_size=pp)
+                               pipeline_model_parallel_size=pp,
+                               virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
     torch.manual_seed(0)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=False)
-    model = Float16Module(config, model)  # as megatron.training's get_model wraps it: every parameter bf16
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                                          grad_reduce_in_fp32=True), model)
+    chunks = []
+    for vp_stage in range(vp):
+        first = ps.is_pipeline_first_stage(ignore_virtual=vp == 1, vp_stage=vp_stage if vp > 1 else None)
+        last = ps.is_pipeline_last_stage(ignore_virtual=vp == 1, vp_stage=vp_stage if vp > 1 else None)
+        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                         pre_process=first, post_process=last, share_embeddings_and_output_weights=False,
+                         vp_stage=vp_stage if vp > 1 else None)
+        model = Float16Module(config, model)  # as megatron.training's get_model wraps it: every parameter bf16
+        chunks.append(DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                                     grad_reduce_in_fp32=True), model))
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, clip_grad=0.0,
-                                                       use_distributed_optimizer=True), [model])
+                                                       use_distributed_optimizer=True), chunks)
+    model = chunks[0] if vp == 1 else Chunks(chunks)
     config.finalize_model_grads_func = finalize_model_grads  # the DP reduce-scatter, TP/PP grad all-reduces
     fc = attach(optimizer, {"mode": mode, "seed": SEED}, route=ROUTE) if mode else None
     return model, optimizer, fc
@@ -144,9 +170,10 @@ def local_params(model) -> dict[str, torch.nn.Parameter]:
     """The model's parameters by Megatron's name, the wrappers' (DDP, Float16Module) ``module.`` removed."""
     out = {}
     for name, param in model.named_parameters():
+        chunk, bar, name = name.rpartition("|")
         while name.startswith("module."):
             name = name[len("module."):]
-        out[name] = param
+        out[chunk + bar + name] = param
     return out
 
 
@@ -211,8 +238,11 @@ def train_step(model, optimizer, step: int) -> bool:
 
     optimizer.zero_grad()
     model.zero_grad_buffer()
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
-                                num_microbatches=1, seq_length=SEQ, micro_batch_size=2, forward_only=False)
+    chunks = list(model) if isinstance(model, Chunks) else [model]
+    micro = 2 if len(chunks) > 1 else 1  # the interleaved schedule takes a multiple of the pipeline size
+    iterators = [iter([None] * micro) for _ in chunks] if len(chunks) > 1 else iter([None])
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iterators, model=chunks,
+                                num_microbatches=micro, seq_length=SEQ, micro_batch_size=2, forward_only=False)
     ok, _, _ = optimizer.step()
     return bool(ok)
 
@@ -252,18 +282,18 @@ def full_masters(everyone: list, tp: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_layout(tp: int, pp: int, world: int) -> dict:
+def run_layout(tp: int, pp: int, world: int, vp: int = 1) -> dict:
     from megatron.core import parallel_state as ps
 
-    init_layout(tp, pp)
+    init_layout(tp, pp, vp)
     rank = torch.distributed.get_rank()
     tp_rank, pp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), \
         ps.get_data_parallel_rank()
-    label = f"{tp}x{pp}x{world // (tp * pp)}"
+    label = f"{tp}x{pp}x{world // (tp * pp)}" + (f"v{vp}" if vp > 1 else "")
     report = {"layout": label, "modes": {}}
     bits: dict = {}
     for mode in MODES:
-        model, optimizer, fc = build(mode, tp, pp)
+        model, optimizer, fc = build(mode, tp, pp, vp)
         residual: dict[str, torch.Tensor] = {}
         case = {"equal_reference": True, "mismatches": [], "names": None, "indexed_slices": 0, "plain_slices": 0}
         if fc is not None:
@@ -342,12 +372,13 @@ def run_layout(tp: int, pp: int, world: int) -> dict:
     return report
 
 
-def init_layout(tp: int, pp: int) -> tuple[int, int]:
+def init_layout(tp: int, pp: int, vp: int = 1) -> tuple[int, int]:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    PP_SIZE[0] = pp
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+    PP_SIZE[0], VP_SIZE[0] = pp, vp
     return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
 
 
@@ -486,7 +517,7 @@ def main() -> None:
     torch.distributed.init_process_group("gloo")
     schedule_stand_ins()
     world = torch.distributed.get_world_size()
-    reports = [run_layout(tp, pp, world) for tp, pp in LAYOUTS]
+    reports = [run_layout(layout[0], layout[1], world, *layout[2:]) for layout in LAYOUTS]
     refusal = expert_parallel_refusal() if os.environ.get("EXPERT_CHECK") == "1" else None
     checkpoint = None
     if os.environ.get("CHECKPOINT_LAYOUTS"):  # "tp,pp>tp,pp": save on the first, load on the second
