@@ -41,6 +41,10 @@ from faircast_ds.casts import bf16_spacing
 
 # Steps at which the first-change histogram is cut: weights not changed by then count as "not yet".
 HORIZON_CAP = 1 << 17
+# Elements of one tensor taken at a time: the per-element model works in float64 with a handful of
+# temporaries, so a whole 155M-element embedding (Qwen3's vocabulary x 1024) would need ~8 GB; the
+# figures are sums and a histogram, so slices add up to the same answer.
+CHUNK_ELEMENTS = 1 << 22
 # Verdict thresholds on the predicted peak lag (steps): below the first RN tracks within a step or
 # two; from the second the served copy is tens of steps behind (docs/predict.md).
 MATTERS_BELOW = 2.0
@@ -448,6 +452,17 @@ def adam_step(t: TensorState, values: torch.Tensor, lr: float, betas: tuple[floa
     return lr + decay.abs()
 
 
+def _slices(t: TensorState) -> Iterator[TensorState]:
+    """``t`` flattened into consecutive slices of at most :data:`CHUNK_ELEMENTS` (views, no copies)."""
+    flat = t.values.reshape(-1)
+    avg = t.exp_avg.reshape(-1) if t.exp_avg is not None else None
+    sq = t.exp_avg_sq.reshape(-1) if t.exp_avg_sq is not None else None
+    for lo in range(0, flat.numel(), CHUNK_ELEMENTS):
+        hi = lo + CHUNK_ELEMENTS
+        yield TensorState(t.name, flat[lo:hi], avg[lo:hi] if avg is not None else None,
+                          sq[lo:hi] if sq is not None else None, t.step)
+
+
 def predict(path: str, settings: AdamSettings, steps: int | None = None) -> dict[str, Any]:
     """The prediction for the checkpoint at ``path`` (see the module docstring); ``steps``: also the
     figures over a run of that many steps."""
@@ -471,18 +486,21 @@ def predict(path: str, settings: AdamSettings, steps: int | None = None) -> dict
     total = Tally()
     per_tensor = []
     for t in tensors:
-        values = t.values.detach().float()
-        finite = torch.isfinite(values)
-        if t.exp_avg is not None and t.exp_avg_sq is not None:
-            finite &= torch.isfinite(t.exp_avg) & torch.isfinite(t.exp_avg_sq)
         tally = Tally()
-        tally.nonfinite = int((~finite).sum())
-        values = values[finite]
-        if t.exp_avg is not None and t.exp_avg_sq is not None:
-            t = TensorState(t.name, values, t.exp_avg.detach()[finite], t.exp_avg_sq.detach()[finite], t.step)
-        spacing = bf16_spacing(values.bfloat16()).double() if values.numel() else values.double()
-        if values.numel():
-            tally.add(spacing, adam_step(t, values.double(), settings.lr, betas, eps, wd), steps)
+        for part in _slices(t):
+            values = part.values.detach().float()
+            moments = part.exp_avg is not None and part.exp_avg_sq is not None
+            finite = torch.isfinite(values)
+            if moments:
+                finite &= torch.isfinite(part.exp_avg) & torch.isfinite(part.exp_avg_sq)
+            tally.nonfinite += int((~finite).sum())
+            values = values[finite]
+            if moments:
+                part = TensorState(t.name, values, part.exp_avg.detach()[finite], part.exp_avg_sq.detach()[finite],
+                                   t.step)
+            if values.numel():
+                spacing = bf16_spacing(values.bfloat16()).double()
+                tally.add(spacing, adam_step(part, values.double(), settings.lr, betas, eps, wd), steps)
         per_tensor.append({"name": t.name, **tally.figures(steps)})
         total.merge(tally)
     if not per_tensor:
