@@ -1,0 +1,135 @@
+"""A trainer for the weight-update fault tests (tests/test_vllm_faults.py), in pytest's process or as its
+own process (``python fault_trainer.py URL DIR VERSION... [--pause-at N]``) so that it can be killed.
+
+The served weights are a plain bf16 module, not a DeepSpeed engine: the faults concern the transport
+and the engine, and a plain process starts in seconds. :func:`set_version` gives every version its own
+weights (a subset of the parameters moves, so deltas are partial). :func:`pause_mid_update` holds a
+sender inside an update after ``n`` parameters were sent (the engine has the header and part of the
+payload), which is where the tests kill the engine or the trainer.
+
+As a process: pushes each VERSION in turn; writes DIR/pushed-<v> after each; with ``--pause-at N``
+the last version's update stops after N parameters, writes DIR/paused and waits to be killed.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+# the tiny Qwen3 of the other tests with head_dim 32: vLLM's CPU attention has no kernel for head_dim 8
+MODEL = dict(std=0.1, head_dim=32)
+PROMPTS = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]]
+SEEDS = [1, 2, 3]
+# how vLLM fuses HF projections in Qwen3 (restated: the test's checksums use no Fair Cast code)
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def build_model() -> torch.nn.Module:
+    from faircast_ds.models import tiny_qwen3
+
+    return tiny_qwen3(seed=0, **MODEL)
+
+
+def set_version(model: torch.nn.Module, version: int) -> None:
+    """The weights of ``version``: the initial ones, with layer ``version % 2``'s MLP and the final norm
+    moved by an amount that depends on the version (version 0: the initial weights)."""
+    fresh = dict(build_model().named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            w = fresh[name].detach().float()
+            if version and (f"layers.{version % 2}.mlp." in name or name == "model.norm.weight"):
+                idx = torch.arange(w.numel(), dtype=torch.float32).reshape(w.shape)
+                w = w + 0.02 * version * torch.sin(0.7 * idx + version)
+            p.copy_(w.to(p.dtype))
+
+
+def canonical_bits(t: torch.Tensor) -> torch.Tensor:
+    """int16 bits, ±0 and subnormals as +0 (the CPU kernels flush them)."""
+    bits = t.detach().contiguous().reshape(-1).view(torch.int16)
+    return torch.where((bits & 0x7F80) == 0, torch.zeros_like(bits), bits)
+
+
+def expected_checksums(model: torch.nn.Module, prefix: str = "dp0:pp0:pcp0:tp0:") -> dict[str, str]:
+    """What vLLM's /weight_checker must answer for ``model``'s bf16 weights: SHA-256 of each engine
+    parameter's canonical bits, fused layers being their HF parts concatenated along rows."""
+    params = dict(model.named_parameters())
+    out, done = {}, set()
+    for name, p in params.items():
+        path, _, attr = name.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        fused = next((f for f, parts in FUSED.items() if leaf in parts), None)
+        if fused is None:
+            out[prefix + name] = hashlib.sha256(canonical_bits(p).numpy().tobytes()).hexdigest()
+        elif (parent, fused) not in done:
+            done.add((parent, fused))
+            h = hashlib.sha256()
+            for part in FUSED[fused]:
+                h.update(canonical_bits(params[f"{parent}.{part}.{attr}"]).numpy().tobytes())
+            out[f"{prefix}{parent}.{fused}.{attr}"] = h.hexdigest()
+    return out
+
+
+@contextlib.contextmanager
+def pause_mid_update(n: int, on_pause: Callable[[], None]) -> Iterator[None]:
+    """Within the block, the first update that sends more than ``n`` parameters calls ``on_pause()``
+    before its (n+1)-th one (which may block or never return)."""
+    from faircast_ds.export.sync import WeightSender
+
+    original = WeightSender._send
+    sent = {"n": 0, "paused": False}
+
+    def send(self: Any, failure: Any, *args: Any, **kwargs: Any) -> Any:
+        if failure is None and not sent["paused"]:
+            if sent["n"] == n:
+                sent["paused"] = True
+                on_pause()
+            sent["n"] += 1
+        return original(self, failure, *args, **kwargs)
+
+    WeightSender._send = send
+    try:
+        yield
+    finally:
+        WeightSender._send = original
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("versions", type=int, nargs="+")
+    parser.add_argument("--pause-at", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    args = parser.parse_args()
+    from faircast_ds.vllm.transfer.server import ServedPush
+
+    model = build_model()
+    push = ServedPush(model, args.url, timeout=args.timeout, verify=False)
+    for i, version in enumerate(args.versions):
+        set_version(model, version)
+        last = i == len(args.versions) - 1
+        if last and args.pause_at is not None:
+            def hold() -> None:
+                (args.dir / "paused").write_text(str(version))
+                while True:  # until killed
+                    time.sleep(1)
+
+            with pause_mid_update(args.pause_at, hold):
+                push.push(version)
+        else:
+            report = push.push(version)
+            (args.dir / f"pushed-{version}").write_text(report.kind)
+
+
+if __name__ == "__main__":
+    main()
