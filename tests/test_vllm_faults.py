@@ -231,7 +231,7 @@ def test_unreachable_engine_is_a_clear_error():
     from faircast_ds.vllm.transfer.server import ServedPush
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with pytest.raises(Exception, match="(?i)connect|refused"):
+    with pytest.raises(WeightSyncError, match="did not initialize the faircast backend: .*(?i:connect|refused)"):
         ServedPush(ft.build_model(), url, timeout=5.0, verify=False)
 
 
