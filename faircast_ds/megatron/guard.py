@@ -40,6 +40,15 @@ def _explain() -> str:
             "tested release, and report this one")
 
 
+def _explain_load() -> str:
+    return (f"The loaded bf16 model weights are not the cast of the loaded fp32 main params at the restored noise "
+            f"step: the model and the optimizer state come from different checkpoints, or megatron-core "
+            f"{compat.release()} ({compat.release_location()}) rebuilt the model weights on load (e.g. by "
+            f"round-to-nearest), so this run would not serve what Fair Cast cast. Resume from one consistent "
+            f"checkpoint. Fair Cast supports megatron-core{compat.SUPPORTED_RANGE} "
+            f"(tested: {', '.join(compat.TESTED)})")
+
+
 def guards(fair_cast: FairCast) -> list[Guard]:
     """The guards of ``fair_cast`` (one per DistributedOptimizer), or [] when none is installed."""
     return list(fair_cast.extras.get("guards", []))
@@ -98,5 +107,9 @@ def check_after_load(fair_cast: FairCast, site: str) -> None:
                     flat[s.offset:s.offset + s.numel], cfg.mode, seed=cfg.seed, step=g.caster.step, name=s.name,
                     start=s.start, index=s.indices(flat.device) if s.runs is not None else None)
             g.record(key, want, slices)
-        g.check(site)
+        steps_explain, g.explain = g.explain, _explain_load  # a load mismatch means something else than a step's
+        try:
+            g.check(site)
+        finally:
+            g.explain = steps_explain
         g.full_pending = True
