@@ -1,8 +1,11 @@
 """`faircast-ds predict` at a real size: the CI-sized Qwen3-0.6B (2 layers, 187M parameters), real AdamW steps.
 
-    nice -n 10 python3 benchmarks/predict_realsize.py                       # lr 1e-6, 1e-5, 1e-4; ~3 min on 2 cores
-    nice -n 10 python3 benchmarks/predict_realsize.py --lrs 1e-5 --steps 2  # one lr (the slow test's run)
+    nice -n 10 python3 benchmarks/predict_realsize.py                       # lr 1e-6, 1e-5, 1e-4; 45 min on 2 loaded cores
+    nice -n 10 python3 benchmarks/predict_realsize.py --lrs 1e-5 --steps 2  # one lr
     ... --json out.json                                                     # the figures as one object as well
+
+Memory: the training process peaks at ~6.8 GB (fp32 masters, AdamW moments, the bf16 copy), each
+``faircast-ds predict`` child at ~1.5 GB. Not run by the test suite (too slow for a slow test on 2 cores).
 
 One process, plain torch, no DeepSpeed. The model is ``faircast_ds.models.real_causal_lm('qwen3-0.6b',
 layers=2)`` (the published architecture at its published init, tied embeddings), built once in bf16 and
