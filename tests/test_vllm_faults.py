@@ -1,6 +1,7 @@
 """Weight-update faults against a real ``vllm serve`` process with the ``faircast`` backend (issue 24
-item 5): a wrong secret, a stale or repeated version, a trainer killed mid-update, an unreachable
-engine, and the engine killed mid-update and restarted.
+item 5): a wrong secret, a stale or repeated version, a trainer killed mid-update (mid-payload, and
+after the payload but before finish), an unreachable engine, and the engine killed mid-update and
+restarted.
 
 Each fault must end in a clear error within a bounded time (every wait has a timeout; no wall-clock
 assertion), or in a reconnect with a dense update, and the engine must never compute with part of an
@@ -224,6 +225,30 @@ def test_trainer_killed_mid_update_leaves_the_previous_version(engine, tmp_path)
     ft.set_version(model, 12)
     assert push.push(12).kind == "dense"
     assert_serves(server, 12, model)
+    push.close()
+
+
+def test_trainer_killed_before_finish_leaves_the_previous_version(engine, tmp_path):
+    """The engine received and checked all of update 21 (staged), then the trainer died before asking it to
+    finish: nothing of 21 may reach the model or vLLM's weight version."""
+    server = engine["server"]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    cmd = [sys.executable, str(DIST / "fault_trainer.py"), server.url, str(marks), "20", "21",
+           "--pause-before-finish", "--timeout", str(TIMEOUT)]
+    with open(tmp_path / "trainer.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True)
+    try:
+        wait_for(marks / "paused", proc)
+    finally:
+        kill_tree(proc)
+    model = ft.build_model()
+    ft.set_version(model, 20)
+    assert_serves(server, 20, model)
+    push = connect(server, model)  # the next trainer: dense, and the staged 21 never shows
+    ft.set_version(model, 22)
+    assert push.push(22).kind == "dense"
+    assert_serves(server, 22, model)
     push.close()
 
 

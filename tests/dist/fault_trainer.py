@@ -8,7 +8,8 @@ sender inside an update after ``n`` parameters were sent (the engine has the hea
 payload), which is where the tests kill the engine or the trainer.
 
 As a process: pushes each VERSION in turn; writes DIR/pushed-<v> after each; with ``--pause-at N``
-the last version's update stops after N parameters, writes DIR/paused and waits to be killed.
+the last version's update stops after N parameters, with ``--pause-before-finish`` once the engine has
+received all of it but before ``finish_weight_update``; then it writes DIR/paused and waits to be killed.
 """
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("dir", type=Path)
     parser.add_argument("versions", type=int, nargs="+")
     parser.add_argument("--pause-at", type=int, default=None)
+    parser.add_argument("--pause-before-finish", action="store_true",
+                        help="the last version's update: all sent and received, then stop before finish_weight_update")
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
     from faircast_ds.vllm.transfer.server import ServedPush
@@ -118,14 +121,19 @@ def main() -> None:
     for i, version in enumerate(args.versions):
         set_version(model, version)
         last = i == len(args.versions) - 1
-        if last and args.pause_at is not None:
-            def hold() -> None:
-                (args.dir / "paused").write_text(str(version))
-                while True:  # until killed
-                    time.sleep(1)
+        def hold(*_: Any) -> None:
+            (args.dir / "paused").write_text(str(version))
+            while True:  # until killed
+                time.sleep(1)
 
+        if last and args.pause_at is not None:
             with pause_mid_update(args.pause_at, hold):
                 push.push(version)
+        elif last and args.pause_before_finish:
+            from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+            HTTPVLLMWeightSyncClient.finish_weight_update = hold  # the engine has the whole update, staged
+            push.push(version)
         else:
             report = push.push(version)
             (args.dir / f"pushed-{version}").write_text(report.kind)
