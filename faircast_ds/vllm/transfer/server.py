@@ -28,9 +28,8 @@ import torch
 
 from faircast_ds.dist import from_rank0, rank_world
 from faircast_ds.export.channel import DEFAULT_HOST
-from faircast_ds.export.served import served_weights
-from faircast_ds.vllm.push import EngineWeightsMismatch, PushReport
-from faircast_ds.vllm.transfer.checksums import served_checksums
+from faircast_ds.vllm.push import EngineWeightsMismatch, PushReport, packed_groups
+from faircast_ds.vllm.transfer.checksums import FUSED, served_checksums
 from faircast_ds.vllm.transfer.trainer import free_port
 
 # what a launcher sets and vLLM would read as its own world (see faircast_ds.vllm.inference)
@@ -214,6 +213,14 @@ class ServedPush:
             FairCastTrainerInitInfo(rank=self.rank, port=port, host=host, timeout=timeout, delta=delta),
             client=client, source=model)
         self.params_total = len(self.transfer.sender.specs)
+        # verification rides on the update's own walk: a delta walk also shows the unchanged parts of a
+        # fused layer with a changed part (vLLM checksums the fused tensor), and the checksums of the
+        # layers it does not show are the acknowledged update's
+        names = [s.name for s in self.transfer.sender.specs]
+        self.groups = {n: g for n, g in packed_groups(names, {k: list(v) for k, v in FUSED.items()}).items()
+                       if len(g) > 1}
+        self._checksums: dict[str, str] = {}  # rank 0: vLLM-named checksums of the last verified update
+        self._complete = False  # every rank alike: whether _checksums covers the engine's current weights
 
     def push(self, version: int | None = None, *, verify: bool | None = None, kind: str = "auto") -> PushReport:
         """One update (dense the first time and after any failure, then deltas), the prefix cache reset,
@@ -221,7 +228,22 @@ class ServedPush:
         with ``version``; :class:`EngineWeightsMismatch` on every rank otherwise."""
         verify = self.verify if verify is None else verify
         began = time.perf_counter()
-        sync = self.transfer.send_weights(version, kind=kind)
+        seen: list[tuple[str, torch.Tensor]] = []  # rank 0: what this walk showed, for its checksums
+        keep = verify and self.rank == 0
+
+        def see(item: Any) -> None:
+            if keep:  # the tensor is valid only until the walk advances: fused parts are hashed later
+                seen.append((item.name, item.tensor.detach().cpu().clone() if item.name in self.groups
+                             else item.tensor))
+                if item.name not in self.groups:  # hash now, keep only the digest
+                    seen[-1] = (item.name, served_checksums([seen[-1]]))
+
+        try:
+            sync = self.transfer.send_weights(version, kind=kind, on_param=see if verify else None,
+                                              groups=self.groups if verify else None)
+        except Exception:
+            self._checksums, self._complete = {}, False
+            raise
         version = sync.version
         error, mismatched, verify_seconds = None, [], 0.0
         if self.server is not None:
@@ -231,7 +253,22 @@ class ServedPush:
                 error = f"reset_prefix_cache failed: {exc}"
         if verify:
             t0 = time.perf_counter()
-            expected = served_checksums(served_weights(self.model))  # every rank: a collective under ZeRO-3
+            expected: dict[str, str] = {}
+            if sync.kind != "dense" and not self._complete:
+                # the layers this delta did not show were last sent unverified: one more walk (a
+                # collective under ZeRO-3, every rank alike)
+                from faircast_ds.export.served import served_weights
+
+                everything = served_checksums(served_weights(self.model))
+                seen, self._checksums = [], everything if self.rank == 0 else {}
+            if self.rank == 0:
+                if sync.kind == "dense":
+                    self._checksums = {}
+                for name, value in seen:
+                    if isinstance(value, dict):
+                        expected.update(value)
+                expected.update(served_checksums([(n, v) for n, v in seen if not isinstance(v, dict)]))
+                expected = {**self._checksums, **expected}
             if self.server is not None and error is None:
                 try:
                     result = self.server.compare(expected)
@@ -246,6 +283,9 @@ class ServedPush:
                     error = f"/weight_checker failed: {exc}"
             verify_seconds = time.perf_counter() - t0
         error, mismatched = from_rank0((error, mismatched))
+        self._complete = bool(verify and error is None)
+        if self.rank == 0:
+            self._checksums = expected if self._complete else {}
         if error is not None:
             self.transfer._drop()  # the next push is dense
             raise EngineWeightsMismatch(error, mismatched)

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
@@ -96,9 +96,12 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
             raise WeightSyncError(f"the vLLM engine did not initialize the faircast backend: {error}")
         return self
 
-    def send_weights(self, version: int | None = None, *, kind: str = "auto") -> SyncReport:
+    def send_weights(self, version: int | None = None, *, kind: str = "auto",
+                     on_param: Callable[[Any], None] | None = None,
+                     groups: Mapping[str, Sequence[str]] | None = None) -> SyncReport:
         """One update round (every rank): the served weights at ``version`` (default: the DeepSpeed
-        engine's ``global_steps``) into the engine, and vLLM's weight version set to ``str(version)``."""
+        engine's ``global_steps``) into the engine, and vLLM's weight version set to ``str(version)``.
+        ``on_param`` and ``groups`` go to :meth:`WeightSender.sync` (e.g. checksums taken in the same walk)."""
         sender = self.sender
         if version is None:
             version = getattr(sender.model, "global_steps", None)
@@ -123,7 +126,7 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
             thread.start()
         report, failure = None, None
         try:
-            report = sender.sync(version, kind=kind)
+            report = sender.sync(version, kind=kind, on_param=on_param, groups=groups)
         except WeightSyncError as exc:
             failure = str(exc)
         if self.is_sender:
