@@ -635,3 +635,28 @@ def test_a_sync_shows_a_changed_groups_members_to_its_caller_and_sends_only_the_
     _, update, closed = serving.join()  # the dense update, this one, the end of the session
     assert (update.params, update.changed) == (1, round(0.01 * 2048)) and closed == "closed"
     assert digest(rx.targets.items()) == digest(model.named_parameters())
+
+
+@pytest.mark.parametrize("encoding", ["coo", "bitmap", "whole"])
+def test_same_bits_says_whether_a_payload_would_change_the_target(encoding):
+    """The receiver refuses other bits under the version it serves by this predicate: payloads built
+    here by hand (indices, a packed little-endian bitmap, the whole parameter) against a target."""
+    target = torch.arange(20, dtype=torch.int16).view(torch.bfloat16).clone()
+    bits = target.view(torch.int16)
+    where = torch.tensor([1, 7, 19])
+
+    def payload(values: torch.Tensor):
+        if encoding == "coo":
+            return delta.COO, where.to(torch.int32), values
+        if encoding == "bitmap":
+            packed = [0] * 3
+            for i in where.tolist():
+                packed[i // 8] |= 1 << (i % 8)
+            return delta.BITMAP, torch.tensor(packed, dtype=torch.uint8), values
+        full = bits.clone()
+        full[where] = values
+        return delta.DENSE, None, full
+
+    assert delta.same_bits(target, *payload(bits[where].clone()))
+    assert not delta.same_bits(target, *payload(bits[where] + torch.tensor([0, 1, 0], dtype=torch.int16)))
+    assert torch.equal(target.view(torch.int16), torch.arange(20, dtype=torch.int16))  # nothing written

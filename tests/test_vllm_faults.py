@@ -185,9 +185,6 @@ def test_stale_version_is_refused(engine, trainer):
     assert_serves(server, 6, model)
 
 
-@pytest.mark.xfail(strict=True, reason="defect: WeightReceiver._check_header refuses only version < served, so other "
-                   "bits under the served version are applied and vLLM's weight version no longer names the bits "
-                   "(reported to the owner of faircast_ds/export/sync.py; remove this mark with the fix)")
 def test_repeated_version_is_refused(engine, trainer):
     push, model = trainer
     server = engine["server"]

@@ -98,6 +98,19 @@ def count_bits(bitmap: torch.Tensor, numel: int) -> int:
     return int(_POPCOUNT[bitmap.to(torch.int32)].sum(dtype=torch.int64))
 
 
+def same_bits(target: torch.Tensor, encoding: int, first: torch.Tensor | None, values: torch.Tensor) -> bool:
+    """Whether writing one parameter's payload (``encoding``: :data:`COO`, :data:`BITMAP` or whole) into
+    ``target`` would leave every bit as it is (nothing is written)."""
+    flat = bits_view(target)
+    values = values.to(target.device)
+    if encoding == COO:
+        return torch.equal(flat[first.to(target.device)], values)
+    if encoding == BITMAP:
+        mask = (first.view(-1, 1) & _WEIGHTS).ne(0).view(-1)[:flat.numel()]
+        return torch.equal(flat[mask.to(target.device)], values)
+    return torch.equal(flat, values.view(-1))
+
+
 def apply_bitmap(target: torch.Tensor, bitmap: torch.Tensor, values: torch.Tensor) -> None:
     """Write bit patterns ``values`` at the set bits of ``bitmap`` of ``target``, in index order (in place,
     on the target's device; a bool mask of one byte per element is the only scratch)."""

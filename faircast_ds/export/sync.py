@@ -526,6 +526,13 @@ class WeightReceiver:
             self._reply(f"dense update without {missing[:5]}")
             raise WeightSyncError(f"dense update {version} is missing {len(missing)} "
                                   f"parameter(s), e.g. {missing[:5]}; discarded")
+        if self.version is not None and int(version) == self.version and not all(
+                delta_encoding.same_bits(self.targets[self.names[i]], *item) for i, item in staged.items()):
+            # a version names one set of bits: other bits under the served version would make the
+            # engine's weight version (and every check keyed by it) lie
+            self._reply(f"update version {version} carries bits other than those served under version {version}")
+            raise WeightSyncError(f"refused update {version}: it changes the weights this receiver already serves "
+                                  f"as version {version}; versions must increase when the weights change")
         with self.lock:  # validated in full: nothing below can fail halfway
             for index, (encoding, first, values) in staged.items():
                 target = self.targets[self.names[index]]
