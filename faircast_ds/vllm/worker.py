@@ -28,7 +28,6 @@ import torch
 
 from faircast_ds.vllm.bits import canonical, digest, pack, unpack
 
-_PROBE_ROWS = 1024  # identity rows per kernel call when reading a linear weight back
 _QUIET = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
 
 
@@ -112,18 +111,12 @@ class FairCastWorkerExtension:
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
+        from faircast_ds.vllm.transfer.checksums import _linear_readback
+
         module, attr, index = self._faircast_resolve(name)
         dtype = self.model_config.dtype  # type: ignore[attr-defined]
         if attr == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
-            width = module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
-            device = next((t.device for t in module.parameters()), torch.device("cpu"))
-            cols = []
-            for start in range(0, width, _PROBE_ROWS):
-                rows = min(_PROBE_ROWS, width - start)
-                eye = torch.zeros(rows, width, dtype=dtype, device=device)
-                eye[:, start:start + rows] = torch.eye(rows, dtype=dtype, device=device)
-                cols.append(module.quant_method.apply(module, eye))  # [rows, out]: W^T's rows, no bias
-            full = torch.cat(cols).t()
+            full = _linear_readback(module, dtype)
         elif attr == "weight" and isinstance(module, VocabParallelEmbedding):
             device = module.weight.device
             full = module(torch.arange(shape[0], device=device))

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -35,10 +34,10 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from faircast_ds.export.channel import DEFAULT_HOST
 from faircast_ds.export.sync import SyncReport, WeightReceiver
 from faircast_ds.vllm.push import packed_groups
+from faircast_ds.vllm.worker import _quiet_reload
 
 logger = logging.getLogger("faircast_ds.vllm")
 _DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32)}
-_QUIET = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
 
 
 @dataclass
@@ -57,20 +56,6 @@ class FairCastUpdateInfo(WeightTransferUpdateInfo):
 
     version: int | None = None
     abandon: bool = False
-
-
-@contextmanager
-def _quiet_reload() -> Iterator[None]:
-    """A partial reload makes vLLM warn once per layer that got no tensor, which is what a delta is."""
-    loggers = [logging.getLogger(n) for n in _QUIET]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCastUpdateInfo]):
