@@ -4,8 +4,9 @@ Fair Cast replaces a framework's fp32 -> bf16 refresh at the sites it knows. A r
 (a second copy after ours, a renamed method that is no longer called, another buffer gathered in its
 place) would serve round-to-nearest without a word. :class:`Guard` turns that into an error:
 
-- every cast the caster makes is recorded where it wrote it: every bit when a full check will read the
-  record (the first optimizer step, every checkpoint load), a small sample of elements otherwise;
+- every cast the caster makes is recorded where it wrote it: a digest of every block of 4,096 elements
+  when a full check will read the record (the first optimizer step, every checkpoint load), the bits of a
+  small sample of elements otherwise;
 - :meth:`Guard.check` compares on every rank, element for element, what the adapter says the framework
   serves (``Adapter.served_views``) with that record: fully after the first step and loads, a rotating
   sample (up to 32 parameters of each flat group, 64 elements of each) after later steps.
@@ -30,21 +31,61 @@ from faircast_ds.shard_caster import ShardSlice
 
 SAMPLE_SLICES = 32  # parameters of a flat group read by one sampled check
 SAMPLE_ELEMENTS = 64  # elements of each
+BLOCK = 4096  # elements per digest of a full record
+_CHUNK_BLOCKS = 256  # blocks digested at a time (an 8 MiB int64 temporary)
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.int16)
 
 
+def _weights(device: torch.device) -> torch.Tensor:
+    w = _WEIGHTS.get(device)
+    if w is None:  # fixed odd weights below 2^31: a digest of 4,096 16-bit values stays below 2^59
+        gen = torch.Generator().manual_seed(0x6A09E667)
+        w = (torch.randint(1, 2**31, (BLOCK,), generator=gen, dtype=torch.int64) | 1).to(device)
+        _WEIGHTS[device] = w
+    return w
+
+
+@torch.no_grad()
+def block_digests(bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One int64 per block of :data:`BLOCK` elements of 1-D int16 ``bits``: the sum of each element's
+    16-bit pattern times a fixed odd weight of its position in the block (no overflow). Any one changed
+    element changes its block's digest; several collide with a chance of about 2^-31. Memory: a
+    chunk of 256 blocks at a time, whatever the size of ``bits``."""
+    n = bits.numel()
+    blocks = -(-n // BLOCK)
+    if out is None:
+        out = torch.empty(blocks, dtype=torch.int64, device=bits.device)
+    w = _weights(bits.device)
+    buf = torch.empty(min(_CHUNK_BLOCKS, blocks), BLOCK, dtype=torch.int64, device=bits.device)  # made once
+    step = _CHUNK_BLOCKS * BLOCK
+    for at in range(0, n, step):
+        chunk = bits.narrow(0, at, min(step, n - at))
+        whole, rest, b0 = chunk.numel() // BLOCK, chunk.numel() % BLOCK, at // BLOCK
+        if whole:
+            x = buf.narrow(0, 0, whole)
+            x.copy_(chunk.narrow(0, 0, whole * BLOCK).view(whole, BLOCK))
+            torch.sum(x.bitwise_and_(0xFFFF).mul_(w), dim=1, out=out.narrow(0, b0, whole))
+        if rest:
+            x = buf[0, :rest]
+            x.copy_(chunk.narrow(0, whole * BLOCK, rest))
+            out[b0 + whole] = x.bitwise_and_(0xFFFF).mul_(w[:rest]).sum()
+    return out
+
+
 @dataclass
 class _Record:
-    """What the caster last wrote into one flat group: all of it (``full``) or a sample (``picks``: the
-    position of a parameter slice among the group's parameter slices and element indices in it;
-    ``flat``: the same elements' offsets in the flat shard; ``values``: their bits)."""
+    """What the caster last wrote into one flat group: all of it (``full``: the :func:`block_digests` of
+    each parameter slice) or a sample (``picks``: the position of a parameter slice among the group's
+    parameter slices and element indices in it; ``flat``: the same elements' offsets in the flat shard;
+    ``values``: their bits)."""
 
     source: Sequence[ShardSlice]  # the adapter's slice list the record was made for
     slices: list[ShardSlice]  # its parameter slices
-    full: torch.Tensor | None = None
+    full: list[torch.Tensor] | None = None
     picks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     flat: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -83,7 +124,7 @@ class Guard:
 
     def prepare(self, *, full: bool) -> None:
         """Before a step or a load: make the records' buffers now, so that recording inside the cast
-        allocates nothing (a full record is a bf16-sized copy of the rank's shard, held until the check)."""
+        allocates little (a full record is 8 bytes per 4,096 shard elements, held until the check)."""
         self.record_full = full
         self.ready = {key: self._new_record(slices, served.numel(), served.device, self.caster.step + 1, full)
                       for key, _, served, slices in self.adapter.flat_groups()}
@@ -93,7 +134,7 @@ class Guard:
         params = [s for s in slices if not s.is_padding]
         rec = _Record(slices, params)
         if full:
-            rec.full = torch.empty(numel, dtype=torch.int16, device=device)
+            rec.full = [torch.empty(-(-s.numel // BLOCK), dtype=torch.int64, device=device) for s in params]
             return rec
         rec.picks = self._picks(params, step, device)
         if rec.picks:
@@ -125,7 +166,8 @@ class Guard:
         if rec is None or rec.source is not slices or (rec.full is not None) != self.record_full:
             rec = self._new_record(slices, bits.numel(), bits.device, self.caster.step, self.record_full)
         if rec.full is not None:
-            rec.full.copy_(bits)
+            for s, digests in zip(rec.slices, rec.full):
+                block_digests(bits.narrow(0, s.offset, s.numel), out=digests)
         elif rec.flat is not None:
             if rec.flat.device == bits.device and rec.values.device == bits.device:
                 torch.index_select(bits, 0, rec.flat, out=rec.values)
@@ -148,7 +190,7 @@ class Guard:
             if len(views) != len(rec.slices) or (rec.full is not None and [s for s, _ in views] != rec.slices):
                 return f"flat group {key!r} changed its layout since Fair Cast cast it: {self._moved()}"
             if rec.full is not None:
-                pairs = ((s, _bits(v), rec.full.narrow(0, s.offset, s.numel), None) for s, v in views)
+                pairs = ((s, block_digests(_bits(v).to(want.device)), want, None) for (s, v), want in zip(views, rec.full))
             else:
                 pairs = self._sampled_pairs(views, rec)
             for s, got, want, idx in pairs:
@@ -162,10 +204,16 @@ class Guard:
             bad = [int(c[0]) for c in compared]
         if not any(bad):
             return None
-        checked = sum(c[4].numel() for c in compared)
         i = next(i for i, n in enumerate(bad) if n)
         _, key, s, got, want, idx = compared[i]
         j = int((got != want).nonzero()[0, 0])
+        if self.records[key].full is not None:  # a full check compares block digests
+            blocks = sum(c[4].numel() for c in compared)
+            first = s.start + j * BLOCK
+            return (f"after {site}: {int(sum(bad))} of {blocks} checked blocks of up to {BLOCK} served bf16 elements "
+                    f"differ from what Fair Cast wrote (first: parameter {s.name!r} elements {first}.."
+                    f"{first + min(BLOCK, s.numel - j * BLOCK) - 1}, flat group {key!r}). {self._moved()}")
+        checked = sum(c[4].numel() for c in compared)
         element = s.start + (int(idx[j]) if idx is not None else j)
         served, wrote = int(got[j]) & 0xFFFF, int(want[j]) & 0xFFFF
         return (f"after {site}: {int(sum(bad))} of {checked} checked served bf16 elements differ from what Fair Cast "

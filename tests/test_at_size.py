@@ -185,3 +185,32 @@ def test_error_feedback_state_round_trips_after_the_in_place_save(tmp_path):
     keep[600:610] = False  # padding is not state
     assert torch.equal(bf16_bits(b.served)[keep], bf16_bits(a.served)[keep])
     assert torch.equal(b.caster.residuals["g"][keep].view(torch.int32), a.caster.residuals["g"][keep].view(torch.int32))
+
+
+# ---------------------------------------------------------------- the guard's full check
+
+def test_the_guards_full_check_holds_digests_not_a_copy_of_the_shard():
+    # the full record was an int16 copy of the shard (2 bytes per element: 148 MiB here) held from the
+    # step's start to its check, plus a bool per element to compare: the first step's peak grew with it
+    out = _peak_growth(
+        "from types import SimpleNamespace\n"
+        "        from faircast_ds.guard import Guard\n"
+        "        from faircast_ds.shard_caster import ShardSlice\n"
+        f"        n = {EMBEDDING_HALF}\n"
+        "        served = torch.randint(-2**15, 2**15, (n,), dtype=torch.int16).view(torch.bfloat16)\n"
+        "        slices = [ShardSlice('model.embed_tokens.weight', 0, n, 0)]\n"
+        "        class Stand:\n"
+        "            caster = SimpleNamespace(observers=[], step=0)\n"
+        "            def flat_groups(self):\n"
+        "                yield 0, None, served, slices\n"
+        "            def served_views(self, key):\n"
+        "                yield slices[0], served\n"
+        "        g = Guard(Stand(), describe_sites='the stand-in')",
+        "g.prepare(full=True)\n"
+        "        g.record(0, served, slices)\n"
+        "        clean = g.local_problem('step 1')\n"
+        "        served.view(torch.int16)[n // 2] += 1\n"
+        "        result = [clean, g.local_problem('step 1')]")
+    clean, caught = out["result"]
+    assert clean is None and "1 of 18992 checked blocks" in caught and "elements 38895616..38899711" in caught
+    assert out["growth"] < 48 * MIB, f"the full check grew the peak by {out['growth'] / MIB:.0f} MiB"
