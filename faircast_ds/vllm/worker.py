@@ -72,6 +72,15 @@ class FairCastWorkerExtension:
             self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return {"seconds": time.perf_counter() - began, "tensors": float(len(items))}
 
+    def faircast_transfer_last(self) -> dict[str, Any]:
+        """The ``faircast`` weight-transfer engine's account of its last update (version, kind, bytes,
+        ``receive_seconds``, ``loaded`` tensors, ``load_seconds`` inside vLLM's ``reload_weights``); empty
+        when the backend is another or no update arrived. JSON-safe: ``vllm serve`` answers it on
+        ``POST /collective_rpc``."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        last = getattr(engine, "last", None)
+        return {k: v for k, v in (last or {}).items() if isinstance(v, (int, float, str, bool))}
+
     # -- reading back ------------------------------------------------------------------------
     def faircast_read(self, name: str, shape: list[int]) -> tuple[str, list[int], bytes]:
         """What the kernels compute with for the HF tensor ``name`` of ``shape``, canonical, packed."""

@@ -63,10 +63,11 @@ def main() -> None:
                 engine.backward(engine(input_ids=x, labels=x).loss)
                 engine.step()
             r = push.push()  # version = engine.global_steps
+            check = push.last_check  # the first push is checked whole, later ones on sampled columns
             snap = snapshot(engine.module, step=engine.global_steps)  # every rank
             if rank == 0:
                 tokens, logps = server.generate(prompts, 8, seeds)
-                out[f"push{step}"] = {"report": report(r), "version": server.weight_version(),
+                out[f"push{step}"] = {"report": report(r), "check": check, "version": server.weight_version(),
                                       "checksums": server.checksums(), "snapshot": snap,
                                       "tokens": tokens, "logprobs": logps}
         out["prompts"] = prompts

@@ -13,6 +13,16 @@ subnormals count as +0, what the kernels flush them to). The keys stay vLLM's
 Trainer side (:func:`served_checksums`): the same checksums from the served weights alone, with no
 vLLM code — fused vLLM layers are the concatenation of their HF parts (``qkv_proj`` = q, k, v;
 ``gate_up_proj`` = gate, up) along the output dimension.
+
+Column samples. Reading a linear layer back costs a GEMM of ``in`` identity rows (``2 x in x
+params`` FLOPs: about 1.7 TFLOP for Qwen3-0.6B, seconds on a CPU and more than the push it checks).
+A sampled checksum reads ``k`` input columns of every matrix instead (``k`` identity rows, exact
+bits; :func:`sample_columns`): evenly spaced, from an offset hashed from the layer's name and the
+weight version it was loaded at, so the columns move with every update of the layer. Its digest
+is ``cols<k>@v<version>:<sha256>``, never equal to a whole tensor's. Vectors (norms, biases) and the
+embedding (a lookup of every id) are always hashed whole. The engine side computes a sampled check
+only when the ``faircast`` backend's last update asked for one (``check_columns``), once; vLLM's own
+``/weight_checker`` calls are whole otherwise.
 """
 from __future__ import annotations
 
@@ -26,39 +36,121 @@ from faircast_ds.vllm.bits import bit_pattern, canonical
 # how vLLM fuses HF projections (its models' packed_modules_mapping for Llama/Qwen2/Qwen3), restated here
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _PROBE_ROWS = 1024  # identity rows per kernel call when reading a linear weight back
+SAMPLE_COLUMNS = 64  # input columns per matrix in a sampled check
+
+
+# the exponent field of the float dtypes whose canonical form is computed on their bits
+_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+             torch.float32: (torch.int32, 0x7F800000)}
+_HASH_CHUNK = 1 << 24  # elements hashed at a time
 
 
 def checksum(t: torch.Tensor) -> str:
-    """SHA-256 of a tensor's canonical bits (contiguous, little-endian), what both sides hash."""
-    return hashlib.sha256(bit_pattern(canonical(t)).numpy().tobytes()).hexdigest()
+    """SHA-256 of a tensor's canonical bits (contiguous, little-endian), what both sides hash.
+
+    For bf16, fp16 and fp32 the canonical form is taken on the bits (an element whose exponent field
+    is zero — ±0 or a subnormal — hashes as +0), a chunk at a time and without a bytes copy; the
+    digest is the same as hashing :func:`~faircast_ds.vllm.bits.canonical`'s bit pattern."""
+    t = t.detach()
+    if t.dtype not in _EXPONENT:
+        return hashlib.sha256(bit_pattern(canonical(t)).numpy().tobytes()).hexdigest()
+    itype, exponent = _EXPONENT[t.dtype]
+    bits = t.contiguous().view(-1).cpu().view(itype)
+    h = hashlib.sha256()
+    for at in range(0, bits.numel(), _HASH_CHUNK):
+        chunk = bits.narrow(0, at, min(_HASH_CHUNK, bits.numel() - at))
+        h.update(torch.where((chunk & exponent) == 0, 0, chunk).numpy())
+    return h.hexdigest()
+
+
+def sample_columns(name: str, width: int, k: int, version: int) -> torch.Tensor:
+    """The ``min(k, width)`` input columns a sampled check reads of the matrix vLLM calls ``name``
+    (without the rank prefix) at weight ``version``: every ``width // k``-th column from an offset
+    below that stride, hashed (SHA-256) from ``"<version>:<name>"``."""
+    k = max(1, min(int(k), int(width)))
+    stride = width // k
+    offset = int.from_bytes(hashlib.sha256(f"{int(version)}:{name}".encode()).digest()[:8], "little") % stride
+    return torch.arange(k, dtype=torch.long) * stride + offset
+
+
+def sampled_digest(columns: torch.Tensor, k: int, version: int) -> str:
+    """The digest of a matrix's sampled columns (``[out, k]``, as read): tagged with k and the version."""
+    return f"cols{int(k)}@v{int(version)}:" + checksum(columns)
+
+
+def is_matrix(vllm_name: str, tensor: torch.Tensor) -> bool:
+    """Whether the trainer side samples this tensor: a linear layer's (or the LM head's) 2-D weight,
+    what the engine reads through a kernel (the embedding is looked up whole)."""
+    return tensor.dim() == 2 and vllm_name.endswith(("proj.weight", "lm_head.weight"))
+
+
+class ChecksumCollector:
+    """vLLM-named checksums of served HF-named tensors, added one at a time (a ZeRO-3 walk: each tensor
+    valid only until the next): whole (``whole=True``) and/or sampled at ``sample=(k, version)``.
+    Fused parts are kept until their group is complete — whole copies for whole checksums, only the
+    sampled columns otherwise. ``tied``: the engine has no separate ``lm_head.weight``."""
+
+    def __init__(self, prefix: str = "dp0:pp0:pcp0:tp0:", *, whole: bool = True,
+                 sample: tuple[int, int] | None = None, tied: bool = False) -> None:
+        if not whole and sample is None:
+            raise ValueError("ChecksumCollector needs whole=True or a sample")
+        self.prefix, self.whole, self.sample, self.tied = prefix, whole, sample, tied
+        self.full: dict[str, str] = {}
+        self.sampled: dict[str, str] = {}
+        self._waiting: dict[str, dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
+
+    def _cols(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        k, version = self.sample  # type: ignore[misc]
+        return t.index_select(1, sample_columns(key, t.shape[1], k, version))
+
+    def _finish(self, key: str, whole: torch.Tensor | None, cols: torch.Tensor | None, matrix: bool) -> None:
+        if whole is not None:
+            self.full[self.prefix + key] = checksum(whole)
+        if self.sample is not None:
+            self.sampled[self.prefix + key] = (sampled_digest(cols, *self.sample) if matrix
+                                               else checksum(whole if whole is not None else cols))
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().cpu()
+        path, _, attr = name.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        fused = next((f for f, parts in FUSED.items() if leaf in parts), None)
+        key = name if fused is None else f"{parent}.{fused}.{attr}"
+        matrix = is_matrix(key, t)
+        if fused is None:
+            if not (self.tied and name == "lm_head.weight"):
+                sampled = self._cols(key, t) if (self.sample is not None and matrix) else None
+                self._finish(key, t if (self.whole or not matrix) else None, sampled, matrix)
+            return
+        keep_whole = self.whole or not matrix
+        part = (t.clone() if keep_whole else None,
+                self._cols(key, t).clone() if (self.sample is not None and matrix) else None)
+        parts = self._waiting.setdefault(key, {})
+        parts[leaf] = part
+        if len(parts) == len(FUSED[fused]):
+            order = [parts[p] for p in FUSED[fused]]
+            whole = torch.cat([w for w, _ in order], dim=0) if keep_whole else None
+            cols = torch.cat([c for _, c in order], dim=0) if order[0][1] is not None else None
+            self._finish(key, whole, cols, matrix)
+            del self._waiting[key]
+
+    def done(self) -> None:
+        if self._waiting:
+            raise ValueError(f"fused layers with missing parts: {sorted(self._waiting)[:5]}")
 
 
 # ------------------------------------------------------------------------------ trainer side
 
 def served_checksums(served: Iterable[tuple[str, torch.Tensor]], prefix: str = "dp0:pp0:pcp0:tp0:",
-                     *, tied: bool = False) -> dict[str, str]:
-    """vLLM-named checksums of served HF-named tensors (bf16 bits as the trainer serves them). ``served``
-    may be a ZeRO-3 walk (each tensor valid only until the next): fused parts are copied until their
-    group is complete. ``tied``: the engine has no separate ``lm_head.weight`` (tied embeddings)."""
-    out: dict[str, str] = {}
-    waiting: dict[str, dict[str, torch.Tensor]] = {}
+                     *, tied: bool = False, sample: tuple[int, int] | None = None) -> dict[str, str]:
+    """vLLM-named checksums of served HF-named tensors (bf16 bits as the trainer serves them): whole,
+    or (``sample=(k, version)``) sampled for the matrices. ``served`` may be a ZeRO-3 walk. ``tied``:
+    the engine has no separate ``lm_head.weight`` (tied embeddings)."""
+    collector = ChecksumCollector(prefix, whole=sample is None, sample=sample, tied=tied)
     for name, tensor in served:
-        path, _, attr = name.rpartition(".")
-        parent, _, leaf = path.rpartition(".")
-        fused = next((f for f, parts in FUSED.items() if leaf in parts), None)
-        if fused is None:
-            if not (tied and name == "lm_head.weight"):
-                out[prefix + name] = checksum(tensor.detach().cpu())
-            continue
-        key = f"{parent}.{fused}.{attr}"
-        parts = waiting.setdefault(key, {})
-        parts[leaf] = tensor.detach().cpu().clone()
-        if len(parts) == len(FUSED[fused]):
-            out[prefix + key] = checksum(torch.cat([parts[p] for p in FUSED[fused]], dim=0))
-            del waiting[key]
-    if waiting:
-        raise ValueError(f"fused layers with missing parts: {sorted(waiting)[:5]}")
-    return out
+        collector.add(name, tensor)
+    collector.done()
+    return collector.sampled if sample is not None else collector.full
 
 
 def compare(engine: Mapping[str, str], served: Mapping[str, str]) -> list[str]:
@@ -68,8 +160,11 @@ def compare(engine: Mapping[str, str], served: Mapping[str, str]) -> list[str]:
 
 # ------------------------------------------------------------------------------ engine side
 
-def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]]:
-    """(vLLM parameter name, the tensor its kernel computes with) for every parameter of ``model``."""
+def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype,
+                   sample: Any = None) -> Iterable[tuple[str, torch.Tensor | str]]:
+    """(vLLM parameter name, the tensor its kernel computes with) for every parameter of ``model``;
+    with ``sample`` (``(k, version_of)``: columns per matrix and each vLLM name's loaded version, or
+    None where unknown), a matrix's item is its sampled digest instead (:func:`sample_columns`)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -81,6 +176,13 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterable[tuple
             # an (unsharded) vocabulary the engine padded is cut back to the checkpoint's rows
             vocab = getattr(module, "org_vocab_size", None)
             if attr == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
+                version = sample[1](name) if sample is not None else None
+                if version is not None:
+                    width = module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
+                    cols = _linear_readback(module, dtype, sample_columns(name, width, sample[0], version))
+                    yield name, sampled_digest(cols[:vocab] if isinstance(module, ParallelLMHead) and vocab else cols,
+                                               sample[0], version)
+                    continue
                 t = _linear_readback(module, dtype)
                 yield name, t[:vocab] if isinstance(module, ParallelLMHead) and vocab else t
             elif attr == "weight" and isinstance(module, VocabParallelEmbedding):
@@ -90,11 +192,17 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterable[tuple
                 yield name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
 
-def _linear_readback(module: Any, dtype: torch.dtype) -> torch.Tensor:
+def _linear_readback(module: Any, dtype: torch.dtype, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight ``[out, in]`` a linear kernel computes with, read through the kernel (identity rows);
+    with ``columns``, only those input columns (``[out, len(columns)]``)."""
     from vllm.model_executor.layers.linear import LinearBase
 
     width = module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
     device = next((t.device for t in module.parameters()), torch.device("cpu"))
+    if columns is not None:
+        probe = torch.zeros(len(columns), width, dtype=dtype, device=device)
+        probe[torch.arange(len(columns)), columns.to(device)] = 1
+        return module.quant_method.apply(module, probe).t().contiguous()
     cols = []
     for start in range(0, width, _PROBE_ROWS):
         rows = min(_PROBE_ROWS, width - start)
@@ -105,11 +213,16 @@ def _linear_readback(module: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 def kernel_checksums(worker: Any) -> dict[str, str]:
-    """``Worker.compute_weight_checksums`` as the kernels compute: vLLM's keys, canonical kernel bits."""
+    """``Worker.compute_weight_checksums`` as the kernels compute: vLLM's keys, canonical kernel bits;
+    sampled for the matrices when the ``faircast`` backend's last update asked for it (once)."""
     prefix = worker._weight_checksum_prefix()
     model = worker.model_runner.get_model()
     dtype = worker.model_config.dtype
-    return {prefix + name: checksum(t.cpu()) for name, t in kernel_tensors(model, dtype)}
+    engine = getattr(worker, "weight_transfer_engine", None)
+    take = getattr(engine, "take_check_request", None)
+    sample = take() if callable(take) else None
+    return {prefix + name: t if isinstance(t, str) else checksum(t.cpu())
+            for name, t in kernel_tensors(model, dtype, sample)}
 
 
 def install_checksums() -> None:

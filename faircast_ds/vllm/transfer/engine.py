@@ -56,6 +56,7 @@ class FairCastUpdateInfo(WeightTransferUpdateInfo):
 
     version: int | None = None
     abandon: bool = False
+    check_columns: int = 0  # > 0: the next /weight_checker checksum samples this many columns per matrix
 
 
 class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCastUpdateInfo]):
@@ -73,6 +74,9 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         self._loaded: dict[str, int] = {}  # staging tensors' version counters at the last load into the model
         self._received: SyncReport | None = None  # this session's complete update, not yet loaded
         self._abandoned = False
+        self._loaded_version: dict[str, int] = {}  # staging name -> the version it was last loaded at
+        self._check: int = 0  # columns per matrix the next checksum samples (0: whole)
+        self._pending_check: int = 0  # what this session's update asked for, set at finish
         self.last: dict[str, Any] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -92,12 +96,13 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         packed = {k: list(v) for k, v in (getattr(self.model, "packed_modules_mapping", None) or {}).items()}
         self.groups = packed_groups(list(staging), packed)
         self._loaded = {n: t._version for n, t in staging.items()}
+        self._loaded_version, self._check = {}, 0
         logger.info("faircast weight transfer: receiver on %s:%d (%d parameters)", self.receiver.host,
                     self.receiver.port, len(staging))
 
     def start_weight_update(self) -> None:
         self._require()
-        self._received, self._abandoned = None, False
+        self._received, self._abandoned, self._pending_check = None, False, 0
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class would synchronize an accelerator: this engine loads nothing before finish
@@ -123,7 +128,10 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         if report.version != update_info.version:
             raise RuntimeError(f"faircast: received version {report.version}, the trainer announced "
                                f"{update_info.version}; not loaded")
-        self._received = report
+        columns = update_info.check_columns
+        if type(columns) is not int or columns < 0:
+            raise ValueError(f"faircast update_info 'check_columns' must be a non-negative integer, got {columns!r}")
+        self._received, self._pending_check = report, columns
         self.last = {"version": report.version, "kind": report.kind, "params": report.params,
                      "elements": report.changed, "bytes": report.bytes,
                      "receive_seconds": time.perf_counter() - began}
@@ -147,8 +155,30 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                 reload_weights(self.vllm_config, self.model, weights_iterator=iter(items), weights_path=None,
                                is_checkpoint_format=True)
         self._loaded = {n: t._version for n, t in self.staging.items()}
+        self._loaded_version.update((n, self._received.version) for n in load)
+        self._check = self._pending_check
         self.last.update(loaded=len(load), load_seconds=time.perf_counter() - began)
         self._received = None
+
+    def take_check_request(self) -> tuple[int, Any] | None:
+        """For the next ``/weight_checker`` checksum (once): ``(columns per matrix, version_of)``, where
+        ``version_of(vllm name)`` is the weight version that layer was last loaded at (None: never
+        loaded through this backend, checked whole); None when the last update asked for a whole check."""
+        columns, self._check = self._check, 0
+        if not columns:
+            return None
+        reverse = {}  # vLLM fused name -> its first HF part, whose load version the group shares
+        for fused, parts in (getattr(self.model, "packed_modules_mapping", None) or {}).items():
+            reverse[fused] = parts[0]
+
+        def version_of(name: str) -> int | None:
+            path, _, attr = name.rpartition(".")
+            parent, _, leaf = path.rpartition(".")
+            if leaf in reverse:
+                name = f"{parent}.{reverse[leaf]}.{attr}" if parent else f"{reverse[leaf]}.{attr}"
+            return self._loaded_version.get(name)
+
+        return columns, version_of
 
     def shutdown(self) -> None:
         if self.receiver is not None:

@@ -29,7 +29,7 @@ import torch
 from faircast_ds.dist import from_rank0, rank_world
 from faircast_ds.export.channel import DEFAULT_HOST
 from faircast_ds.vllm.push import EngineWeightsMismatch, PushReport, packed_groups
-from faircast_ds.vllm.transfer.checksums import FUSED, served_checksums
+from faircast_ds.vllm.transfer.checksums import FUSED, SAMPLE_COLUMNS, ChecksumCollector, served_checksums
 from faircast_ds.vllm.transfer.trainer import free_port
 
 # what a launcher sets and vLLM would read as its own world (see faircast_ds.vllm.inference)
@@ -48,7 +48,8 @@ class VllmServer:
     def __init__(self, model_dir: str | os.PathLike | None = None, *, url: str | None = None,
                  host: str = DEFAULT_HOST, port: int | None = None, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int | None = None, kv_cache_gib: float = 1 / 16, log_path: str | os.PathLike | None = None,
-                 start_timeout: float = 600.0, request_timeout: float = 300.0, extra_args: Sequence[str] = ()) -> None:
+                 start_timeout: float = 600.0, request_timeout: float = 300.0, extra_args: Sequence[str] = (),
+                 worker_extension: bool = False) -> None:
         self.proc: subprocess.Popen | None = None
         self.request_timeout = request_timeout
         self._log = None
@@ -64,6 +65,8 @@ class VllmServer:
                "--enforce-eager", "--skip-tokenizer-init", "--dtype", dtype, "--seed", str(seed),
                "--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30)), "--uvicorn-log-level", "warning",
                *extra_args]
+        if worker_extension:  # faircast_ds.vllm.worker's methods on vLLM's worker: engine_report()
+            cmd += ["--worker-extension-cls", "faircast_ds.vllm.worker.FairCastWorkerExtension"]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
@@ -155,6 +158,15 @@ class VllmServer:
         """vLLM's ``/weight_checker`` compare: ``{"match": bool, "mismatches": [...]}``."""
         return self._post("weight_checker", {"action": "compare", "baseline": baseline})
 
+    def engine_report(self) -> dict[str, Any]:
+        """The engine side's account of the last update (``receive_seconds``, ``load_seconds`` inside
+        vLLM's own ``reload_weights``, ``loaded``, ``bytes``), through vLLM's ``/collective_rpc``; needs a
+        server started with ``worker_extension=True`` (:class:`ServerUnavailable` otherwise)."""
+        results = self._post("collective_rpc", {"method": "faircast_transfer_last"})["results"]
+        if not results or not isinstance(results[0], dict):
+            raise ServerUnavailable(f"/collective_rpc faircast_transfer_last answered {results!r}")
+        return results[0]
+
     def reset_prefix_cache(self) -> None:
         self._post("reset_prefix_cache")
 
@@ -192,18 +204,30 @@ class VllmServer:
 class ServedPush:
     """Push Fair Cast's served weights into a ``vllm serve`` process through the ``faircast`` backend.
     Construct and :meth:`push` on every rank (collectives under ZeRO-3); ``server`` (a
-    :class:`VllmServer` or a URL) on rank 0, None elsewhere."""
+    :class:`VllmServer` or a URL) on rank 0, None elsewhere.
+
+    Verification (``verify=True``, the default) compares vLLM's ``/weight_checker`` checksums of the
+    bits its kernels compute with against the served weights' own, after every push. The first
+    verified push of a session (and any push after a failed or unverified one) is checked whole:
+    every element of every tensor. Later pushes check every vector and the embedding whole and
+    ``check_columns`` input columns of every matrix (64; columns that move with each update of the
+    layer, :func:`~faircast_ds.vllm.transfer.checksums.sample_columns`), because reading a whole
+    matrix back through its kernel costs more than the push (docs/vllm.md). ``push(verify="full")``
+    asks for a whole check; ``check_columns=0`` makes every check whole."""
 
     def __init__(self, model: Any, server: VllmServer | str | None, *, port: int = 0, host: str = DEFAULT_HOST,
-                 timeout: float = 120.0, delta: bool = True, verify: bool = True) -> None:
+                 timeout: float = 120.0, delta: bool = True, verify: bool = True,
+                 check_columns: int = SAMPLE_COLUMNS) -> None:
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from faircast_ds.vllm.transfer import register
         from faircast_ds.vllm.transfer.trainer import FairCastTrainerInitInfo
 
+        if type(check_columns) is not int or check_columns < 0:
+            raise ValueError(f"check_columns must be a non-negative integer, got {check_columns!r}")
         register()  # this process may not have run vLLM's plugin loader
-        self.model, self.verify = model, verify
+        self.model, self.verify, self.check_columns = model, verify, check_columns
         self.rank, _ = rank_world()
         if self.rank == 0 and server is None:
             raise ValueError("ServedPush needs the server (or its URL) on rank 0")
@@ -215,34 +239,43 @@ class ServedPush:
         self.params_total = len(self.transfer.sender.specs)
         # verification rides on the update's own walk: a delta walk also shows the unchanged parts of a
         # fused layer with a changed part (vLLM checksums the fused tensor), and the checksums of the
-        # layers it does not show are the acknowledged update's
+        # layers it does not show are the last verified update's
         names = [s.name for s in self.transfer.sender.specs]
         self.groups = {n: g for n, g in packed_groups(names, {k: list(v) for k, v in FUSED.items()}).items()
                        if len(g) > 1}
-        self._checksums: dict[str, str] = {}  # rank 0: vLLM-named checksums of the last verified update
-        self._complete = False  # every rank alike: whether _checksums covers the engine's current weights
+        # rank 0: vLLM-named checksums the engine's current weights must have, whole and sampled; None
+        # where they are not known for every layer (every rank alike: whether they are known)
+        self._whole: dict[str, str] | None = None
+        self._sampled: dict[str, str] | None = None
+        self.last_check: str | None = None  # "whole" or "sampled": how the last push was verified
 
-    def push(self, version: int | None = None, *, verify: bool | None = None, kind: str = "auto") -> PushReport:
+    def push(self, version: int | None = None, *, verify: bool | str | None = None, kind: str = "auto") -> PushReport:
         """One update (dense the first time and after any failure, then deltas), the prefix cache reset,
-        and (``verify``) vLLM's ``/weight_checker`` compared with the served bits and ``/weight_info``
-        with ``version``; :class:`EngineWeightsMismatch` on every rank otherwise."""
+        and (``verify``: True, ``"full"`` or False) vLLM's ``/weight_checker`` compared with the served bits
+        and ``/weight_info`` with ``version``; :class:`EngineWeightsMismatch` on every rank otherwise."""
         verify = self.verify if verify is None else verify
+        if verify not in (True, False, "full"):
+            raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
+        if version is None:
+            version = getattr(self.model, "global_steps", None)
         began = time.perf_counter()
-        seen: list[tuple[str, torch.Tensor]] = []  # rank 0: what this walk showed, for its checksums
-        keep = verify and self.rank == 0
+        sampled = bool(verify) and verify != "full" and self.check_columns > 0 and self._sampled is not None
+        collector = None
+        if verify and self.rank == 0:
+            # whole checksums only for a whole check; sampled ones always (cheap), for the next push
+            collector = ChecksumCollector(whole=not sampled,
+                                          sample=(self.check_columns, int(version)) if self.check_columns else None)
 
-        def see(item: Any) -> None:
-            if keep:  # the tensor is valid only until the walk advances: fused parts are hashed later
-                seen.append((item.name, item.tensor.detach().cpu().clone() if item.name in self.groups
-                             else item.tensor))
-                if item.name not in self.groups:  # hash now, keep only the digest
-                    seen[-1] = (item.name, served_checksums([seen[-1]]))
+        def see(item: Any) -> None:  # the tensor is valid only until the walk advances
+            if collector is not None:
+                collector.add(item.name, item.tensor)
 
         try:
             sync = self.transfer.send_weights(version, kind=kind, on_param=see if verify else None,
-                                              groups=self.groups if verify else None)
+                                              groups=self.groups if verify else None,
+                                              check_columns=self.check_columns if sampled else 0)
         except Exception:
-            self._checksums, self._complete = {}, False
+            self._whole = self._sampled = None
             raise
         version = sync.version
         error, mismatched, verify_seconds = None, [], 0.0
@@ -251,24 +284,31 @@ class ServedPush:
                 self.server.reset_prefix_cache()  # its KV blocks were computed with the old weights
             except Exception as exc:  # noqa: BLE001 - reported on every rank
                 error = f"reset_prefix_cache failed: {exc}"
+        whole = sampled_now = None
         if verify:
             t0 = time.perf_counter()
-            expected: dict[str, str] = {}
-            if sync.kind != "dense" and not self._complete:
-                # the layers this delta did not show were last sent unverified: one more walk (a
-                # collective under ZeRO-3, every rank alike)
+            if collector is not None:
+                collector.done()
+            dense = sync.kind == "dense"
+            if not sampled and not dense and self._whole is None:
+                # a whole check of a delta, but the layers it did not show were last sent unverified or
+                # sampled: one more walk (a collective under ZeRO-3, every rank alike)
                 from faircast_ds.export.served import served_weights
 
                 everything = served_checksums(served_weights(self.model))
-                seen, self._checksums = [], everything if self.rank == 0 else {}
+                if collector is not None:
+                    collector.full = everything
+                    dense = True  # the expected checksums now cover every layer
             if self.rank == 0:
-                if sync.kind == "dense":
-                    self._checksums = {}
-                for name, value in seen:
-                    if isinstance(value, dict):
-                        expected.update(value)
-                expected.update(served_checksums([(n, v) for n, v in seen if not isinstance(v, dict)]))
-                expected = {**self._checksums, **expected}
+                if sampled:
+                    sampled_now = {**self._sampled, **collector.sampled}
+                    expected = sampled_now
+                else:
+                    whole = collector.full if dense else {**self._whole, **collector.full}
+                    expected = whole
+                    if self.check_columns and (sync.kind == "dense" or self._sampled is not None):
+                        sampled_now = collector.sampled if sync.kind == "dense" else {**self._sampled,
+                                                                                      **collector.sampled}
             if self.server is not None and error is None:
                 try:
                     result = self.server.compare(expected)
@@ -276,16 +316,20 @@ class ServedPush:
                     served_version = self.server.weight_version()
                     if mismatched:
                         error = (f"after update {version} vLLM's /weight_checker disagrees with the served bits in "
-                                 f"{len(mismatched)} tensor(s): {mismatched[:5]}")
+                                 f"{len(mismatched)} tensor(s) ({'sampled' if sampled else 'whole'} check): "
+                                 f"{mismatched[:5]}")
                     elif served_version != str(version):
                         error = f"vLLM serves weight version {served_version!r} after update {version}"
                 except Exception as exc:  # noqa: BLE001
                     error = f"/weight_checker failed: {exc}"
             verify_seconds = time.perf_counter() - t0
         error, mismatched = from_rank0((error, mismatched))
-        self._complete = bool(verify and error is None)
-        if self.rank == 0:
-            self._checksums = expected if self._complete else {}
+        ok = bool(verify) and error is None
+        # every rank alike: whether rank 0's checksums describe the engine's weights now
+        known_sampled = from_rank0(sampled_now is not None) if ok else False
+        self._whole = (whole if self.rank == 0 else {}) if ok and not sampled else None
+        self._sampled = (sampled_now if self.rank == 0 else {}) if known_sampled else None
+        self.last_check = ("sampled" if sampled else "whole") if verify else None
         if error is not None:
             self.transfer._drop()  # the next push is dense
             raise EngineWeightsMismatch(error, mismatched)

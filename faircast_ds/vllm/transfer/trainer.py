@@ -98,10 +98,12 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
 
     def send_weights(self, version: int | None = None, *, kind: str = "auto",
                      on_param: Callable[[Any], None] | None = None,
-                     groups: Mapping[str, Sequence[str]] | None = None) -> SyncReport:
+                     groups: Mapping[str, Sequence[str]] | None = None, check_columns: int = 0) -> SyncReport:
         """One update round (every rank): the served weights at ``version`` (default: the DeepSpeed
         engine's ``global_steps``) into the engine, and vLLM's weight version set to ``str(version)``.
-        ``on_param`` and ``groups`` go to :meth:`WeightSender.sync` (e.g. checksums taken in the same walk)."""
+        ``on_param`` and ``groups`` go to :meth:`WeightSender.sync` (e.g. checksums taken in the same walk).
+        ``check_columns > 0`` asks the engine to answer the next ``/weight_checker`` checksum with that
+        many sampled columns per matrix (:mod:`faircast_ds.vllm.transfer.checksums`)."""
         sender = self.sender
         if version is None:
             version = getattr(sender.model, "global_steps", None)
@@ -121,7 +123,8 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         thread = None
         if self.is_sender:
             thread = threading.Thread(target=lambda: box.update(error=_call(self.client.update_weights,
-                                                                             {"version": int(version)})),
+                                                                             {"version": int(version),
+                                                                              "check_columns": int(check_columns)})),
                                       daemon=True, name="faircast update_weights")
             thread.start()
         report, failure = None, None

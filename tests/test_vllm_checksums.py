@@ -1,0 +1,113 @@
+"""The trainer side of /weight_checker's sampled checks (faircast_ds.vllm.transfer.checksums), against an
+oracle written from the docstrings: SHA-256 of the canonical bf16 bits of the chosen input columns of
+each matrix, the columns every (width // k)-th from an offset hashed from "<version>:<name>". No vLLM
+needed; the engine side's agreement is what the `vllm serve` tests check (a sampled delta push that
+the engine's read-back disagreed with would raise there)."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from faircast_ds.vllm.transfer.checksums import ChecksumCollector, sample_columns, served_checksums
+
+PREFIX = "dp0:pp0:pcp0:tp0:"
+
+
+def oracle_columns(name: str, width: int, k: int, version: int) -> list[int]:
+    stride = width // k
+    offset = int.from_bytes(hashlib.sha256(f"{version}:{name}".encode()).digest()[:8], "little") % stride
+    return [offset + i * stride for i in range(k)]
+
+
+def oracle_digest(matrix: torch.Tensor, cols: list[int]) -> str:
+    bits = matrix.contiguous().view(torch.int16).numpy()[:, cols].copy()
+    exp_zero = (bits.astype("int32") & 0x7F80) == 0  # ±0 and subnormals count as +0
+    bits[exp_zero] = 0
+    return hashlib.sha256(bits.tobytes()).hexdigest()
+
+
+def weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
+    return {"model.embed_tokens.weight": w(50, 16),
+            "model.layers.0.self_attn.q_proj.weight": w(16, 16), "model.layers.0.self_attn.k_proj.weight": w(8, 16),
+            "model.layers.0.self_attn.v_proj.weight": w(8, 16), "model.layers.0.self_attn.o_proj.weight": w(16, 16),
+            "model.layers.0.mlp.down_proj.weight": w(16, 48), "model.layers.0.input_layernorm.weight": w(16)}
+
+
+def test_columns_are_evenly_spaced_inside_the_matrix_and_move_with_the_version():
+    for width, k in ((1024, 64), (3072, 64), (100, 7), (5, 64)):
+        cols = sample_columns("model.layers.3.mlp.down_proj.weight", width, k, version=11).tolist()
+        kk = min(k, width)
+        assert cols == oracle_columns("model.layers.3.mlp.down_proj.weight", width, kk, 11)
+        assert len(cols) == kk and 0 <= min(cols) and max(cols) < width
+    moves = {tuple(sample_columns("x.o_proj.weight", 1024, 64, v).tolist()) for v in range(20)}
+    assert len(moves) > 10  # 16 possible offsets: the columns move from update to update
+
+
+def test_sampled_digests_match_the_oracle_fused_layers_included():
+    w = weights()
+    w["model.layers.0.self_attn.o_proj.weight"][0, 3] = -0.0  # canonical: counts as +0
+    got = served_checksums(w.items(), sample=(4, 7))
+    qkv = torch.cat([w[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    key = "model.layers.0.self_attn.qkv_proj.weight"
+    assert got[PREFIX + key] == "cols4@v7:" + oracle_digest(qkv, oracle_columns(key, 16, 4, 7))
+    key = "model.layers.0.mlp.down_proj.weight"
+    assert got[PREFIX + key] == "cols4@v7:" + oracle_digest(w[key], oracle_columns(key, 48, 4, 7))
+    # the embedding and vectors stay whole
+    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"):
+        t = w[key].reshape(1, -1) if w[key].dim() == 1 else w[key]
+        assert got[PREFIX + key] == oracle_digest(t, list(range(t.shape[1])))
+    assert len(got) == 5
+
+
+def test_a_collector_gives_whole_and_sampled_checksums_from_one_walk():
+    w = weights()
+    c = ChecksumCollector(sample=(4, 3))
+    for name, t in w.items():  # each tensor handed over once, as a ZeRO-3 walk would
+        c.add(name, t.clone())
+    c.done()
+    assert c.full == served_checksums(w.items()) and c.sampled == served_checksums(w.items(), sample=(4, 3))
+    assert all(not v.startswith("cols") for v in c.full.values())
+
+
+def test_a_changed_column_is_seen_only_when_sampled_and_a_wrong_version_never_matches():
+    w = weights()
+    key = "model.layers.0.self_attn.o_proj.weight"
+    base = served_checksums(w.items(), sample=(4, 7))
+    cols = oracle_columns(key, 16, 4, 7)
+    hit, miss = dict(w), dict(w)
+    hit[key] = w[key].clone()
+    hit[key][5, cols[1]] += 0.25
+    miss[key] = w[key].clone()
+    miss[key][5, next(c for c in range(16) if c not in cols)] += 0.25
+    assert served_checksums(hit.items(), sample=(4, 7))[PREFIX + key] != base[PREFIX + key]
+    assert served_checksums(miss.items(), sample=(4, 7))[PREFIX + key] == base[PREFIX + key]  # what sampling gives up
+    assert served_checksums(miss.items())[PREFIX + key] != served_checksums(w.items())[PREFIX + key]
+    other = served_checksums(w.items(), sample=(4, 8))
+    assert other[PREFIX + key] != base[PREFIX + key]
+
+
+def test_a_missing_fused_part_is_an_error():
+    w = weights()
+    del w["model.layers.0.self_attn.v_proj.weight"]
+    with pytest.raises(ValueError, match="missing parts"):
+        served_checksums(w.items(), sample=(4, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_chunked_checksum_is_sha256_of_the_canonical_bits(dtype, monkeypatch):
+    from faircast_ds.vllm.transfer import checksums
+
+    monkeypatch.setattr(checksums, "_HASH_CHUNK", 1000)  # several chunks, a partial last one
+    x = torch.randn(300, 37, generator=torch.Generator().manual_seed(3)).to(dtype)
+    tiny = torch.finfo(dtype).tiny
+    special = [0.0, -0.0, tiny / 4, -tiny / 2, tiny, float("nan"), float("-inf"), 3.0]
+    x.view(-1)[:len(special)] = torch.tensor(special, dtype=torch.float64).to(dtype)
+    itype = {2: torch.int16, 4: torch.int32}[x.element_size()]
+    ints = x.t().contiguous().view(itype).numpy().copy()
+    exponent = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}[dtype]
+    ints[(ints.astype("int64") & exponent) == 0] = 0  # ±0 and subnormals hash as +0, NaN kept
+    assert checksums.checksum(x.t()) == hashlib.sha256(ints.tobytes()).hexdigest()
