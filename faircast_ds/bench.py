@@ -334,7 +334,13 @@ def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
                                                              "full check)")
     model.add_argument("--rounds", type=int, default=1, help="repeat every configuration this many times, "
                                                              "interleaved")
-    model.add_argument("--out", help="folder for the launches' logs and JSON (default: a temporary one)")
+    model.add_argument("--out", help="folder for the launches' logs and JSON (default: a temporary one); "
+                                     "launches whose results are already there are not repeated")
+    model.add_argument("--push-modes", nargs="+", choices=MODES, default=None,
+                       help="modes whose ZeRO-3 push into `vllm serve` is measured (default: dither stochastic)")
+    model.add_argument("--push-lr", type=float, default=None,
+                       help="AdamW learning rate of the steps between delta pushes (default 1e-6)")
+    model.add_argument("--no-push", action="store_true", help="skip the engine push")
     parser.add_argument("--offload", action="store_true",
                         help="also time the CPU-offload route (master on the host, served on the accelerator; "
                              "forced on the CPU without one), 1M and 16M elements")

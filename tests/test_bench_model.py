@@ -50,3 +50,63 @@ def test_stages_are_checked(capsys):
     args = argparse.Namespace(stages="3,1", modes=["dither"])
     assert main_from_args(args) == 2
     assert "--stages takes 2 and/or 3" in capsys.readouterr().err
+
+
+def _push(mode: str, dense: float, bare: float, reload: float, delta: float, verify: float) -> dict:
+    def row(version, kind, seconds, changed, load, verify_s, gathers):
+        return {"version": version, "kind": kind, "params": gathers, "params_total": 311, "changed": changed,
+                "numel": 1000, "elements": changed, "bytes": 2 * changed, "seconds": seconds, "gathers": gathers,
+                "verify_seconds": verify_s, "verified": True, "engine": {"load_seconds": load, "receive_seconds": 1}}
+    return {"mode": mode, "layers": 28, "lr": 1e-6, "memcpy_s": 0.1, "export_s": 5.0, "server_start_s": 60.0,
+            "pushes": [row(0, "dense", 2 * dense, 1000, reload, 1.0, 311), row(1, "dense", bare, 1000, reload, 0, 311),
+                       row(2, "dense", 3 * bare, 1000, reload, 1.0, 311), row(3, "dense", dense, 1000, reload, 1.0, 311),
+                       row(4, "delta", delta, 7, 0.1, verify, 200), row(5, "delta", delta, 9, 0.1, verify, 210)]}
+
+
+def test_push_table_prints_the_push_goals():
+    from faircast_ds.bench_model import format_push_table
+
+    good = _push("dither", dense=6.0, bare=5.0, reload=5.0, delta=1.0, verify=0.2)
+    bad = _push("stochastic", dense=12.0, bare=6.0, reload=4.0, delta=9.0, verify=6.0)
+    text = format_push_table([good, bad], model="qwen3-0.6b", layers=28, lr=1e-6)
+    rows = [line for line in text.splitlines() if line.startswith(("dither", "stochastic"))]
+    whole_ok, dense_ok, _, delta_ok, _, dense_bad, _, delta_bad = rows
+    assert "whole" in whole_ok and "<=0.5 MISS" in whole_ok and "2.00" in whole_ok  # (15 - 5) / 5
+    assert "sampled" in dense_ok and "<=1.5 pass" in dense_ok and "1.20" in dense_ok  # 6.0 / 5.0
+    assert "<=0.5 pass" in dense_ok and "0.20" in dense_ok  # (6 - 5) / 5
+    assert "<=0.25 pass" in delta_ok and "0.167" in delta_ok and "0.70%/0.90%" in delta_ok and "200/210" in delta_ok
+    assert delta_ok.split()[-5:-1] == ["0.20", "0.25", "<=0.5", "pass"]  # 0.2 / (1.0 - 0.2)
+    assert "<=1.5 MISS" in dense_bad and "3.00" in dense_bad  # 12 / 4
+    assert "<=0.5 MISS" in dense_bad  # (12 - 6) / 6 = 1.0
+    assert "<=0.5 MISS" in delta_bad  # 6 / (9 - 6)
+    assert "<=0.25" not in delta_bad  # the delta goal is dither's
+
+
+def test_a_stopped_run_is_resumed_and_a_failed_launch_is_reported(tmp_path, monkeypatch):
+    import json
+
+    from faircast_ds import bench_model
+
+    def write(stem, config, layers=28):
+        for r in (0, 1):
+            d = _rank(config, [9, 10, 10, 10], 0.05, 3000, 10.0, 1000)
+            d.update(layers=layers)
+            (tmp_path / f"{stem}.rank{r}.json").write_text(json.dumps(d))
+
+    write("r0-z3-plain", "plain")
+    write("r0-z3-dither", "dither", layers=2)  # another depth: not reused
+    launched = []
+
+    def launch(stem, model, layers, stage, config, warmup, steps, log):
+        launched.append(config)
+        if config == "stochastic":
+            raise bench_model.LaunchFailed("stochastic ZeRO-3 exited -9 (SIGKILL: ...)")
+        write(stem.rsplit("/", 1)[1], config)
+
+    monkeypatch.setattr(bench_model, "_launch", launch)
+    failures: list[str] = []
+    rows = bench_model.run("qwen3-0.6b", layers=28, stages=(3,), configs=("plain", "stochastic", "dither"),
+                           warmup=1, steps=3, rounds=1, out_dir=str(tmp_path), log=lambda s: None, failures=failures)
+    assert launched == ["stochastic", "dither"]  # plain's results were there
+    assert [r.config for r in rows] == ["plain", "dither"]
+    assert len(failures) == 1 and "stochastic" in failures[0] and "-9" in failures[0]

@@ -110,7 +110,8 @@ FRAMEWORKS = ("deepspeed", "megatron")
 # may import a framework: the integrations themselves, the GRPO job and the benchmarks (bench.py and its model
 # worker, launched under DeepSpeed); the shared model builder does not (ZeRO-3's zero.Init build is
 # faircast_ds/deepspeed/models.py)
-MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS + ("faircast_ds.jobs", "faircast_ds.bench", "faircast_ds.bench_model_worker")
+MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS + ("faircast_ds.jobs", "faircast_ds.bench", "faircast_ds.bench_model_worker",
+                                          "faircast_ds.bench_push_worker")
 
 
 def module_name(path: Path) -> str:
