@@ -60,17 +60,17 @@ def block_digests(bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     if out is None:
         out = torch.empty(blocks, dtype=torch.int64, device=bits.device)
     w = _weights(bits.device)
-    buf = torch.empty(min(_CHUNK_BLOCKS, blocks), BLOCK, dtype=torch.int64, device=bits.device)  # made once
     step = _CHUNK_BLOCKS * BLOCK
+    buf = torch.empty(min(step, n), dtype=torch.int64, device=bits.device)  # made once, never above the input
     for at in range(0, n, step):
         chunk = bits.narrow(0, at, min(step, n - at))
         whole, rest, b0 = chunk.numel() // BLOCK, chunk.numel() % BLOCK, at // BLOCK
         if whole:
-            x = buf.narrow(0, 0, whole)
+            x = buf.narrow(0, 0, whole * BLOCK).view(whole, BLOCK)
             x.copy_(chunk.narrow(0, 0, whole * BLOCK).view(whole, BLOCK))
             torch.sum(x.bitwise_and_(0xFFFF).mul_(w), dim=1, out=out.narrow(0, b0, whole))
         if rest:
-            x = buf[0, :rest]
+            x = buf.narrow(0, 0, rest)
             x.copy_(chunk.narrow(0, whole * BLOCK, rest))
             out[b0 + whole] = x.bitwise_and_(0xFFFF).mul_(w[:rest]).sum()
     return out
@@ -126,6 +126,9 @@ class Guard:
         """Before a step or a load: make the records' buffers now, so that recording inside the cast
         allocates little (a full record is 8 bytes per 4,096 shard elements, held until the check)."""
         self.record_full = full
+        if full:  # the digest weights are made here, outside the cast
+            for _, _, served, _ in self.adapter.flat_groups():
+                _weights(served.device)
         self.ready = {key: self._new_record(slices, served.numel(), served.device, self.caster.step + 1, full)
                       for key, _, served, slices in self.adapter.flat_groups()}
 
