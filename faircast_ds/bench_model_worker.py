@@ -62,6 +62,38 @@ class _Clock:
         return s
 
 
+def bench_config(stage: int, config: str) -> dict[str, Any]:
+    """The DeepSpeed config of one benchmark launch: ``config`` is ``plain`` (no fair_cast section) or a
+    Fair Cast mode with the shipped defaults; the buffer knobs of :data:`BUCKET`."""
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                           "bf16": {"enabled": True}, "steps_per_print": 10**9,
+                           "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET,
+                                                 "allgather_bucket_size": BUCKET}}
+    if stage == 3:
+        cfg["zero_optimization"].update(sub_group_size=BUCKET, stage3_prefetch_bucket_size=BUCKET)
+    if config != "plain":
+        cfg["fair_cast"] = {"enabled": True, "mode": config, "seed": 1}  # the shipped defaults otherwise
+    return cfg
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    """``data`` at ``path``, whole or not at all (the bench reads a result only once it is complete)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def finish() -> None:
+    """Every rank: wait for the others, then leave without Python's finalization."""
+    import deepspeed.comm as dist
+    import torch
+
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads can abort a process that finalizes normally after destroy_process_group
+
+
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
@@ -80,14 +112,7 @@ def main(argv: list[str]) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                           "bf16": {"enabled": True}, "steps_per_print": 10**9,
-                           "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET,
-                                                 "allgather_bucket_size": BUCKET}}
-    if stage == 3:
-        cfg["zero_optimization"].update(sub_group_size=BUCKET, stage3_prefetch_bucket_size=BUCKET)
-    if config != "plain":
-        cfg["fair_cast"] = {"enabled": True, "mode": config, "seed": 1}  # the shipped defaults otherwise
+    cfg = bench_config(stage, config)
     t0 = time.perf_counter()
     model = real_causal_lm(model_name, layers=layers, seed=0, ds_config=cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
@@ -141,14 +166,8 @@ def main(argv: list[str]) -> None:
               "shard_elements": shard, "build_s": build_s, "build_peak_mib": build_peak, "warmup": warmup, "steps": rows,
               "train_peak_mib": train_peak, "peak_mib": _peak_mib(), "save_s": save_s, "load_s": load_s,
               "load_guard_s": load_guard_s, "checkpoint_bytes": size, "threads": torch.get_num_threads()}
-    out_json = f"{stem}.rank{rank}.json"
-    with open(out_json + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(out_json + ".tmp", out_json)
-    dist.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo's threads can abort a process that finalizes normally after destroy_process_group
+    write_json(f"{stem}.rank{rank}.json", result)
+    finish()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ copied in 128 MiB pieces on rank 0. Rank 0 writes STEM.json.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -53,7 +52,7 @@ def main(argv: list[str]) -> None:
     import deepspeed.comm as dist
     import torch
 
-    from faircast_ds.bench_model_worker import BUCKET, SEQUENCE
+    from faircast_ds.bench_model_worker import SEQUENCE, bench_config, finish, write_json
     from faircast_ds.deepspeed.models import real_causal_lm
     from faircast_ds.export import save_hf
     from faircast_ds.models import real_config
@@ -62,11 +61,7 @@ def main(argv: list[str]) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     os.environ.setdefault("FAIRCAST_DS_SYNC_SECRET", "faircast-ds bench push secret " + os.urandom(16).hex())
-    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                           "bf16": {"enabled": True}, "steps_per_print": 10**9,
-                           "zero_optimization": {"stage": 3, "reduce_bucket_size": BUCKET,
-                                                 "allgather_bucket_size": BUCKET, "sub_group_size": BUCKET},
-                           "fair_cast": {"enabled": True, "mode": mode, "seed": 1}}
+    cfg = bench_config(3, mode)
     model = real_causal_lm(model_name, layers=layers, seed=0, ds_config=cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
@@ -112,13 +107,8 @@ def main(argv: list[str]) -> None:
         numel = out["pushes"][0]["numel"]
         out["memcpy_s"] = memcpy_floor(numel)
         shutil.rmtree(export, ignore_errors=True)
-        with open(stem + ".json.tmp", "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(stem + ".json.tmp", stem + ".json")
-    dist.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo's threads can abort a process that finalizes normally after destroy_process_group
+        write_json(stem + ".json", out)
+    finish()
 
 
 if __name__ == "__main__":

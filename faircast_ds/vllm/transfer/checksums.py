@@ -178,8 +178,7 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype,
             if attr == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
                 version = sample[1](name) if sample is not None else None
                 if version is not None:
-                    width = module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
-                    cols = _linear_readback(module, dtype, sample_columns(name, width, sample[0], version))
+                    cols = _linear_readback(module, dtype, sample_columns(name, _input_width(module), sample[0], version))
                     yield name, sampled_digest(cols[:vocab] if isinstance(module, ParallelLMHead) and vocab else cols,
                                                sample[0], version)
                     continue
@@ -192,12 +191,17 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype,
                 yield name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
 
+def _input_width(module: Any) -> int:
+    """The input width of a vLLM linear layer (this rank's part) or LM head."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
+
+
 def _linear_readback(module: Any, dtype: torch.dtype, columns: torch.Tensor | None = None) -> torch.Tensor:
     """The weight ``[out, in]`` a linear kernel computes with, read through the kernel (identity rows);
     with ``columns``, only those input columns (``[out, len(columns)]``)."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    width = module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
+    width = _input_width(module)
     device = next((t.device for t in module.parameters()), torch.device("cpu"))
     if columns is not None:
         probe = torch.zeros(len(columns), width, dtype=dtype, device=device)
