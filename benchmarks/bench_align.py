@@ -15,8 +15,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from faircast_ds.align import ENGINES, REGIONS, align_model
-from faircast_ds.models import tiny_causal_lm
+from faircast_ds.models.builders import tiny_causal_lm
 
 
 def build(attn: str) -> torch.nn.Module:

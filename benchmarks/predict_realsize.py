@@ -7,7 +7,7 @@
 Memory: the training process peaks at ~6.8 GB (fp32 masters, AdamW moments, the bf16 copy), each
 ``faircast-ds predict`` child at ~1.5 GB. Not run by the test suite (too slow for a slow test on 2 cores).
 
-One process, plain torch, no DeepSpeed. The model is ``faircast_ds.models.real_causal_lm('qwen3-0.6b',
+One process, plain torch, no DeepSpeed. The model is ``faircast_ds.models.builders.real_causal_lm('qwen3-0.6b',
 layers=2)`` (the published architecture at its published init, tied embeddings), built once in bf16 and
 saved as a Hugging Face checkpoint (``save_pretrained``: safetensors): the user's bf16 checkpoint. Its
 fp32 masters are then trained with ``torch.optim.AdamW`` (weight decay 0) on a tiny batch of random
@@ -28,7 +28,7 @@ torch itself (``tensor.to(torch.bfloat16)``, bits compared), not by faircast_ds.
 - on the grid, steps 1..N: ``predicted_changed_fraction_over_run`` (``--steps N``);
 - off the grid, step 1 and steps 1..N: ``predicted_changed_fraction`` (``min(1, d/s)`` per step for a master
   anywhere in its cell);
-- off the grid, step N+1: the moments model (``faircast_ds.predict.adam_step`` on the optimizer's
+- off the grid, step N+1: the moments model (``faircast_ds.tools.predict.adam_step`` on the optimizer's
   ``exp_avg``/``exp_avg_sq`` after step N, what the command computes from a DeepSpeed checkpoint's moments).
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def offgrid_master(name: str, served: torch.Tensor, seed: int) -> torch.Tensor:
 
 def predict_cli(path: str, lr: float, steps: int) -> dict[str, Any]:
     """``faircast-ds predict PATH --lr LR --steps N --json`` in a child process (the installed command)."""
-    cmd = [sys.executable, "-m", "faircast_ds.deepspeed.cli", "predict", path, "--lr", repr(lr), "--steps",
+    cmd = [sys.executable, "-m", "faircast_ds.tools.cli", "predict", path, "--lr", repr(lr), "--steps",
            str(steps), "--json"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
@@ -79,8 +79,8 @@ def predict_cli(path: str, lr: float, steps: int) -> dict[str, Any]:
 
 def moments_prediction(model: torch.nn.Module, opt: torch.optim.Optimizer, lr: float) -> float:
     """RN's changed fraction per step that predict's moments model gives from the optimizer's state now."""
-    from faircast_ds.casts import bf16_spacing
-    from faircast_ds.predict import Tally, TensorState, adam_step
+    from faircast_ds.cast.rules import bf16_spacing
+    from faircast_ds.tools.predict import Tally, TensorState, adam_step
 
     total = Tally()
     b1, b2 = opt.param_groups[0]["betas"]
@@ -102,7 +102,7 @@ def train(model: torch.nn.Module, start: dict[str, torch.Tensor], lr: float, ste
     """Set the masters to ``start``, take ``steps`` AdamW steps; per step the measured RN changed fraction
     (torch's own bf16 cast, bits compared). With ``moments_before_last``: also the moments model's
     prediction for the last step, made from the optimizer's state before it."""
-    from faircast_ds.models import token_ids
+    from faircast_ds.models.builders import token_ids
 
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -132,7 +132,7 @@ def train(model: torch.nn.Module, start: dict[str, torch.Tensor], lr: float, ste
 
 
 def run(lrs: list[float], steps: int, workdir: str, seed: int = 0) -> dict[str, Any]:
-    from faircast_ds.models import real_causal_lm
+    from faircast_ds.models.builders import real_causal_lm
 
     started = time.time()
     model = real_causal_lm(ARCH, layers=LAYERS, seed=seed)  # bf16 parameters: the user's bf16 checkpoint

@@ -65,7 +65,7 @@ def initial_checkpoint(config: dict[str, Any], seed: int, directory: str) -> str
     """The job's initial weights for ``seed`` (its build_model: a bf16 tiny Qwen3) as one safetensors file."""
     from safetensors.torch import save_file
 
-    from faircast_ds.models import tiny_causal_lm
+    from faircast_ds.models.builders import tiny_causal_lm
 
     hidden = int(config["hidden"])
     model = tiny_causal_lm("qwen3", seed=seed, init_std=float(config["init_std"]), attn="eager",
@@ -78,7 +78,7 @@ def initial_checkpoint(config: dict[str, Any], seed: int, directory: str) -> str
 
 
 def predicted(path: str, lr: float, steps: int) -> dict[str, Any]:
-    from faircast_ds.predict import AdamSettings, predict
+    from faircast_ds.tools.predict import AdamSettings, predict
 
     rep = predict(path, AdamSettings(lr=lr), steps=steps)
     return {"model": rep["model"], "pred_delay_steps": rep["predicted_delay_steps"],

@@ -6,22 +6,22 @@ that never import DeepSpeed.
 """
 from __future__ import annotations
 
-from faircast_ds import lazy
+from faircast_ds._util import lazy
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "cast": "faircast_ds.casts",
-    "cast_into": "faircast_ds.casts",
-    "cast_reference": "faircast_ds.reference",
-    "MODES": "faircast_ds.casts",
-    "FairCastConfig": "faircast_ds.config",
-    "FairCastConfigError": "faircast_ds.config",
+    "cast": "faircast_ds.cast.rules",
+    "cast_into": "faircast_ds.cast.rules",
+    "cast_reference": "faircast_ds.cast.reference",
+    "MODES": "faircast_ds.cast.rules",
+    "FairCastConfig": "faircast_ds.config.section",
+    "FairCastConfigError": "faircast_ds.config.section",
     "install": "faircast_ds.deepspeed.attachment",
     "attach": "faircast_ds.deepspeed.attachment",
-    "get_fair_cast": "faircast_ds.handle",
-    "FairCast": "faircast_ds.handle",
-    "UnsupportedSetupError": "faircast_ds.adapter",
+    "get_fair_cast": "faircast_ds.shard.handle",
+    "FairCast": "faircast_ds.shard.handle",
+    "UnsupportedSetupError": "faircast_ds.shard.adapter",
     "served_weights": "faircast_ds.export",
     "save_hf": "faircast_ds.export",
     "WeightSender": "faircast_ds.export",

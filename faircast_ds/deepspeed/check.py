@@ -70,7 +70,7 @@ def _check_deepspeed(out: _Checklist) -> bool:
 
 
 def _check_kernels(out: _Checklist) -> None:
-    from faircast_ds import kernels
+    from faircast_ds.cast import kernels
 
     devices = ["cpu"]
     try:
@@ -116,8 +116,8 @@ def _load_config_file(path: str, out: _Checklist) -> dict | None:
 
 
 def _section(path: str | None, data: dict | None, out: _Checklist):
-    from faircast_ds import config_source
-    from faircast_ds.config import FairCastConfigError
+    from faircast_ds.config import source as config_source
+    from faircast_ds.config.section import FairCastConfigError
 
     env = os.environ.get(config_source.ENV)
     where = f"{config_source.ENV}={env!r}" if env is not None else f"{config_source.ENV} unset"
@@ -175,7 +175,7 @@ def _without_auto(data: dict) -> tuple[dict, list[str]]:
 def _predicted_optimizer(parsed) -> str:
     """The optimizer class DeepSpeed wraps a training optimizer in for this config (its
     ``_do_optimizer_sanity_check`` and ``_configure_*_optimizer``), bf16 assumed, for a client torch
-    optimizer where the config names none (tests/test_cli_check.py compares it with built engines)."""
+    optimizer where the config names none (tests/deepspeed/test_cli_check.py compares it with built engines)."""
     import torch
 
     from faircast_ds.deepspeed import compat
@@ -194,9 +194,9 @@ def _predicted_optimizer(parsed) -> str:
 
 
 def _check_setup(path: str, data: dict, out: _Checklist) -> None:
-    from faircast_ds.adapter import UnsupportedSetupError
     from faircast_ds.deepspeed.adapters import registry
     from faircast_ds.deepspeed.support import check_supported
+    from faircast_ds.shard.adapter import UnsupportedSetupError
 
     cleaned, dropped = _without_auto(data)
     if dropped:

@@ -8,7 +8,7 @@ gets the code path its objects actually have. The one version comparison in the 
 :func:`release_problem`, the range check at initialize.
 
 Differences, each read from the release sources (0.16.0 ... 0.19.8) and exercised by
-``tests/test_releases.py`` on the releases in :data:`TESTED`:
+``tests/deepspeed/test_releases.py`` on the releases in :data:`TESTED`:
 
 =========================================  ===================================================  ==========
 what                                       where it differs                                     first in
@@ -139,9 +139,8 @@ def zenflow_enabled(zero_cfg: Any) -> bool:
 def bf16_optimizer_config(cfg: Any) -> bool:
     """Whether the config asks for BF16_Optimizer: bf16, ZeRO stage 1, fp32 gradient accumulation, no
     CPU offload (DeepSpeed's own rule in ``_do_optimizer_sanity_check``)."""
-    from deepspeed.runtime.config import DtypeEnum
-
     import torch
+    from deepspeed.runtime.config import DtypeEnum
 
     accum = getattr(cfg, "grad_accum_dtype", None)
     if accum is None or not precision(cfg).bf16 or cfg.zero_config.stage != 1:
@@ -190,7 +189,7 @@ REQUIRED = {
 def require_internals(optimizer: Any, names: Iterable[str] | None = None, module: Any = None) -> None:
     """Refuse (UnsupportedSetupError) an optimizer that lacks an attribute its adapter reads, and a
     ZeRO-1/2 / BF16 module without ``all_gather_dp_groups`` in its namespace."""
-    from faircast_ds.adapter import UnsupportedSetupError
+    from faircast_ds.shard.adapter import UnsupportedSetupError
 
     cls = type(optimizer).__name__
     names = REQUIRED.get(cls, ()) if names is None else names

@@ -28,7 +28,7 @@ Replacements that are not an engine's methods, each made once and marked ``_fair
 - ``DeepSpeedEngine.__init__`` (``faircast_ds.deepspeed.attachment.install``): engines with a section
   attach as they are built;
 - ``deepspeed.runtime.engine.get_fp32_state_dict_from_zero_checkpoint``
-  (``faircast_ds.deepspeed.save_load``): during our loads it reads the tag being loaded;
+  (``faircast_ds.deepspeed.checkpoint``): during our loads it reads the tag being loaded;
 - ``all_gather_dp_groups`` of ``deepspeed.runtime.zero.stage_1_and_2`` / ``deepspeed.runtime.bf16_optimizer``
   (``faircast_ds.deepspeed.adapters.zero12``): the runtime route's ZeRO-1/2 and BF16_Optimizer cast site;
 - the optimizer's own refresh sites, on the optimizer instance (the runtime route's adapters:

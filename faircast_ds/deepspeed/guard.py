@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from faircast_ds import guard as _core
-from faircast_ds.adapter import UnsupportedSetupError
 from faircast_ds.deepspeed import compat
-from faircast_ds.guard import SAMPLE_ELEMENTS, SAMPLE_SLICES, _any_rank, _bits, _raise  # noqa: F401 (re-exported)
+from faircast_ds.shard import guard as _core
+from faircast_ds.shard.adapter import UnsupportedSetupError
+from faircast_ds.shard.guard import SAMPLE_ELEMENTS, SAMPLE_SLICES, _any_rank, _bits, _raise  # noqa: F401 (re-exported)
 
 
 class Guard(_core.Guard):
-    """The route-neutral guard (:class:`faircast_ds.guard.Guard`) in DeepSpeed's words: a mismatch names
+    """The route-neutral guard (:class:`faircast_ds.shard.guard.Guard`) in DeepSpeed's words: a mismatch names
     the DeepSpeed release and the supported range."""
 
     def _moved(self) -> str:

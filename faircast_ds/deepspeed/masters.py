@@ -12,7 +12,7 @@ import torch
 
 def reader(tag_dir: str) -> Callable[[str], torch.Tensor | None]:
     """name -> full fp32 master (None for a name the checkpoint lacks), read lazily from DeepSpeed's
-    checkpoint files (a :data:`faircast_ds.export.inspection.MastersReader`)."""
+    checkpoint files (a :data:`faircast_ds.tools.inspect.MastersReader`)."""
     tag_dir = os.path.abspath(tag_dir)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs and zero_to_fp32 reports progress on stdout
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

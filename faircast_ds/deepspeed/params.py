@@ -49,7 +49,7 @@ def gathered(param: torch.nn.Parameter) -> Iterator[torch.Tensor]:
 
 
 class Zero3Layout:
-    """ZeRO-3's partitioned parameters as the core reads them (:class:`faircast_ds.partitioned.Layout`)."""
+    """ZeRO-3's partitioned parameters as the core reads them (:class:`faircast_ds.shard.partitioned.Layout`)."""
 
     name = "deepspeed-zero3"
 

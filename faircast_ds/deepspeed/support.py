@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from faircast_ds.adapter import UnsupportedSetupError
 from faircast_ds.deepspeed import compat
+from faircast_ds.shard.adapter import UnsupportedSetupError
 
 
 def engine_config(engine: Any) -> Any:

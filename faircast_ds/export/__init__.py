@@ -13,8 +13,15 @@
 from __future__ import annotations
 
 from faircast_ds.export.atomic import AtomicDirectory
-from faircast_ds.export.channel import (DEFAULT_HOST, AcceptTimeout, AuthenticationError, ChannelError, ProtocolError,
-                                        Refused, WeightSyncError)
+from faircast_ds.export.channel import (
+                                        DEFAULT_HOST,
+                                        AcceptTimeout,
+                                        AuthenticationError,
+                                        ChannelError,
+                                        ProtocolError,
+                                        Refused,
+                                        WeightSyncError,
+)
 from faircast_ds.export.hf import ExportError, ExportResult, save_hf
 from faircast_ds.export.served import ParamSpec, local_served_slices, served_specs, served_weights
 from faircast_ds.export.source import ModelReader, ServedItem, ServedReader, ServedReport, ServedSource, Walk

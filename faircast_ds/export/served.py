@@ -1,7 +1,7 @@
 """The served weights: the bf16 parameters the trainer's forward uses, read one parameter at a time.
 
 A parameter a framework partitions across ranks (DeepSpeed ZeRO-3's) is gathered in its served dtype,
-through the framework's own gather (the layout its integration registers: ``faircast_ds.partitioned``),
+through the framework's own gather (the layout its integration registers: ``faircast_ds.shard.partitioned``),
 only while it is being read; under ZeRO-1/2 and BF16_Optimizer every rank already holds the full bf16
 model, so nothing is gathered. Nothing fp32 is ever read here.
 """
@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from faircast_ds import partitioned
+from faircast_ds.shard import partitioned
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def served_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
 def fair_cast_of(model: Any) -> Any:
     """The Fair Cast attached to an engine, or None (without importing DeepSpeed when no engine can
     exist)."""
-    from faircast_ds.handle import get_fair_cast
+    from faircast_ds.shard.handle import get_fair_cast
 
     return get_fair_cast(model)
 
@@ -126,7 +126,7 @@ def local_served_slices(model: Any) -> list[LocalSlice]:
     if any(partitioned.is_partitioned(p) for _, p in params):
         raise ValueError("reading a ZeRO-3 rank's served shard goes through Fair Cast's adapter, and this engine "
                          "has no fair_cast section (use mode 'nearest' for DeepSpeed's own rounding)")
-    from faircast_ds.dist import rank_world
+    from faircast_ds._util.dist import rank_world
 
     rank, world = rank_world()
     out = []

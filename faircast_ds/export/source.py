@@ -24,7 +24,7 @@ Acknowledge and abort::
     source.require_dense()                      # a new engine or a reconnect: the next walk is dense
 
 Where the parameters live is a :class:`ServedReader`'s business: :class:`ModelReader` reads a
-DeepSpeed engine or a plain module (ZeRO-3 through :mod:`faircast_ds.partitioned`); another
+DeepSpeed engine or a plain module (ZeRO-3 through :mod:`faircast_ds.shard.partitioned`); another
 framework (Megatron) supplies its own reader. No framework and no engine is imported here.
 """
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import Any, ContextManager, Iterator, Mapping, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from faircast_ds import partitioned
-from faircast_ds.dist import _collective_device, rank_world
+from faircast_ds._util.dist import _collective_device, rank_world
 from faircast_ds.export import delta as delta_encoding
 from faircast_ds.export.served import LocalSlice, ParamSpec, _checked, local_served_slices, module_of, served_specs
+from faircast_ds.shard import partitioned
 
 DENSE, DELTA = "dense", "delta"
 _WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)

@@ -55,10 +55,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from faircast_ds.dist import from_rank0, rank_world
+from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export import delta as delta_encoding
-from faircast_ds.export.channel import (DEFAULT_HOST, SECRET_ENV, AcceptTimeout, Channel, ChannelError, Limits,
-                                        Listener, WeightSyncError, connect, resolve_secret)
+from faircast_ds.export.channel import (
+    DEFAULT_HOST,
+    SECRET_ENV,
+    AcceptTimeout,
+    Channel,
+    ChannelError,
+    Limits,
+    Listener,
+    WeightSyncError,
+    connect,
+    resolve_secret,
+)
 from faircast_ds.export.served import ParamSpec, module_of
 from faircast_ds.export.source import ServedItem, ServedReport, ServedSource, Walk
 

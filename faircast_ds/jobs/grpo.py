@@ -38,7 +38,7 @@ __all__ = ["FULL_SEEDS", "JOB_MODES", "REFERENCE", "REGIMES", "JobConfig", "pars
 def build_model(cfg: JobConfig, seed: int, fp32: bool) -> torch.nn.Module:
     """The tiny Qwen3, initialized in bf16 so that the fp32 master starts on the bf16 grid (as when
     fine-tuning a bf16 checkpoint); the fp32 reference starts from the same values."""
-    from faircast_ds.models import tiny_causal_lm
+    from faircast_ds.models.builders import tiny_causal_lm
 
     model = tiny_causal_lm("qwen3", seed=seed, init_std=cfg.init_std, attn="eager", vocab_size=cfg.vocab,
                            hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden, num_hidden_layers=cfg.layers,

@@ -7,7 +7,7 @@ Definitions used in the table:
 - wins/ties/losses against nearest (RN): per seed, the mode's final reward minus RN's with the same
   seed (same init, prompts and sampling noise); |difference| < ``tie`` is a tie.
 - changed: mean share of served elements whose bits the step's cast changed (all steps).
-- gap: Fair Cast's diagnostics (faircast_ds/diagnostics.py), mean over the last 20% of steps; lag (L2)
+- gap: Fair Cast's diagnostics (faircast_ds/shard/diagnostics.py), mean over the last 20% of steps; lag (L2)
   and lag along drift: mean over all steps.
 - bytes per sync: the payload a delta weight sync (``faircast_ds.export.WeightSender``) would send
   after the step: per changed parameter the smaller of its COO (int32 index + bf16 value, 6 bytes per
@@ -39,6 +39,7 @@ from typing import Any, Sequence
 from faircast_ds.jobs import stats
 from faircast_ds.jobs.config import CONTROL, REFERENCE, JobConfig
 from faircast_ds.jobs.steps_csv import read_csv
+
 LAG_MIN = 20  # "the served copy lags": lag along drift at least this many steps
 
 

@@ -12,7 +12,7 @@ as for DeepSpeed, so a parameter with the same name and fp32 values is served th
 either framework at any data-parallel size. ``route`` picks how: ``"runtime"`` replaces the
 optimizer's ``_copy_main_params_to_model_params``; ``"hook"`` registers with a Megatron-Core that
 carries its release's ``patches/megatron-core-<release>-fair-cast.patch``; ``"auto"`` (default) takes
-the hook when the patch is there. The handle is the same :class:`faircast_ds.handle.FairCast` every route returns,
+the hook when the patch is there. The handle is the same :class:`faircast_ds.shard.handle.FairCast` every route returns,
 kept on the optimizer (``faircast_ds.get_fair_cast(optimizer)``). Fair Cast's state goes into Megatron's
 distributed checkpoints as one more entry of the state dict (``faircast_ds.megatron.checkpoint``:
 ``sharded_state_dict(fc, model_sd)`` beside the model's and the optimizer's, ``load_state_dict(fc, loaded["fair_cast"])``
@@ -22,45 +22,18 @@ a sample after every later one, and every bit after that load.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from faircast_ds._util import lazy
 
-from faircast_ds import routes
-from faircast_ds.adapter import UnsupportedSetupError
-from faircast_ds.config import FairCastConfig
-from faircast_ds.handle import FairCast, build, get_fair_cast, resolve
-from faircast_ds.megatron import guard
-from faircast_ds.megatron.adapter import MegatronAdapter, check_supported, distributed_optimizers, parameter_names
-from faircast_ds.megatron.hook import megatron_has_cast_hook
-from faircast_ds.megatron.shards import ParamShard, param_shard
-from faircast_ds.shard_caster import ShardCaster
+_LAZY = {
+    "attach": "faircast_ds.megatron.attachment",
+    "FairCast": "faircast_ds.shard.handle",
+    "MegatronAdapter": "faircast_ds.megatron.adapters",
+    "ParamShard": "faircast_ds.megatron.shards",
+    "param_shard": "faircast_ds.megatron.shards",
+    "megatron_has_cast_hook": "faircast_ds.megatron.hook",
+}
 
-__all__ = ["FairCast", "MegatronAdapter", "ParamShard", "attach", "megatron_has_cast_hook", "param_shard"]
+__all__ = sorted(_LAZY)
 
-def attach(optimizer: Any, config: FairCastConfig | Mapping[str, Any], *,
-           route: routes.Choice = "auto") -> FairCast | None:
-    """Serve ``optimizer``'s bf16 parameters by Fair Cast (a DistributedOptimizer or a ChainedOptimizer of them).
 
-    Returns None when the config says ``enabled: false``. Raises FairCastConfigError for a malformed
-    config and UnsupportedSetupError for a setup whose served copy we do not route.
-    """
-    config = resolve(config)
-    if config is None:
-        return None
-    if config.align_rounding is not None:
-        raise UnsupportedSetupError("fair_cast.align_rounding: rounding alignment patches HF modules, not Megatron's")
-    choice = routes.resolve_choice(route, has_hook=megatron_has_cast_hook)
-    if get_fair_cast(optimizer) is not None:
-        raise RuntimeError("fair_cast: this optimizer already has Fair Cast attached")
-    inner = distributed_optimizers(optimizer)
-    for opt in inner:
-        check_supported(opt)
-    adapters = [MegatronAdapter(opt, ShardCaster(config), parameter_names(opt)) for opt in inner]
-    if choice == "hook":
-        from faircast_ds.megatron import hook
-
-        connect = hook.connect
-    else:
-        connect = MegatronAdapter.install
-    fair_cast = build(config, adapters, route=routes.kind("megatron", choice), owner=optimizer, connect=connect)
-    guard.install(fair_cast, optimizer)  # served bits == what Fair Cast wrote, after steps and loads
-    return fair_cast
+__getattr__ = lazy.exports(__name__, _LAZY, globals())

@@ -33,15 +33,15 @@ from typing import Any, Mapping
 
 import torch
 
-from faircast_ds import dist
-from faircast_ds.cast_state import FORMAT, FairCastStateError, MissingStateError, cast_mismatch
-from faircast_ds.handle import FairCast
+from faircast_ds._util import dist
+from faircast_ds.shard.handle import FairCast
+from faircast_ds.shard.state import FORMAT, FairCastStateError, MissingStateError, cast_mismatch
 
 PREFIX = "fair_cast"
 
 
 def _params(adapter: Any) -> dict[str, Any]:
-    from faircast_ds.megatron.adapter import parameter_names
+    from faircast_ds.megatron.adapters import parameter_names
 
     return {name: param for param, name in parameter_names(adapter.optimizer).items()}
 

@@ -1,6 +1,6 @@
 """The run-time guard on the Megatron route: what the distributed optimizer serves is what Fair Cast wrote.
 
-The route-neutral :class:`faircast_ds.guard.Guard` (one per DistributedOptimizer, on its caster) checks,
+The route-neutral :class:`faircast_ds.shard.guard.Guard` (one per DistributedOptimizer, on its caster) checks,
 on every rank, this rank's range of the param buffer — the bf16 values the param all-gather serves,
 read back after the gather — against the record of the caster's writes:
 
@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from faircast_ds.adapter import UnsupportedSetupError
-from faircast_ds.casts import cast
-from faircast_ds.guard import Guard
-from faircast_ds.handle import FairCast
+from faircast_ds.cast.rules import cast
 from faircast_ds.megatron import compat
+from faircast_ds.shard.adapter import UnsupportedSetupError
+from faircast_ds.shard.guard import Guard
+from faircast_ds.shard.handle import FairCast
 
 SITES = "DistributedOptimizer._copy_main_params_to_model_params"
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from faircast_ds.adapter import UnsupportedSetupError
-from faircast_ds.megatron.adapter import MegatronAdapter
-from faircast_ds.routes import MEGATRON_HOOK, ROUTES
+from faircast_ds.megatron.adapters import MegatronAdapter
+from faircast_ds.shard.adapter import UnsupportedSetupError
+from faircast_ds.shard.routes import MEGATRON_HOOK, ROUTES
 
 HOOK_MODULE = "megatron.core.optimizer.param_cast"
 ROUTE = MEGATRON_HOOK

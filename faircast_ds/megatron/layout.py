@@ -23,7 +23,7 @@ the same whatever the layout:
 
 A local range of a rank's main shard becomes contiguous slices when it spans few runs or its runs are long
 (:data:`MIN_KERNEL_RUN`; the fused kernel casts each), else one slice with
-:class:`faircast_ds.shard_caster.IndexRuns` (one start per run, computed once per shard; the eager cast
+:class:`faircast_ds.shard.caster.IndexRuns` (one start per run, computed once per shard; the eager cast
 expands them), never a per-element Python loop.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Iterable
 
 import torch
 
-from faircast_ds.shard_caster import IndexRuns, ShardSlice
+from faircast_ds.shard.caster import IndexRuns, ShardSlice
 
 MAX_PLAIN_RUNS = 4  # up to this many contiguous runs a shard is cut into plain slices (fused kernel each)
 # runs at least this long are plain slices however many (one fused-kernel call each, ~tens of microseconds):

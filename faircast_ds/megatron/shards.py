@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from faircast_ds.megatron.layout import TensorSplit, split_of
-from faircast_ds.shard_caster import ShardSlice
+from faircast_ds.shard.caster import ShardSlice
 
 
 @dataclass(frozen=True)

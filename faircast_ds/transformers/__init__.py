@@ -9,7 +9,7 @@ Activation itself needs nothing from here: HF Trainer and TRL build their DeepSp
 """
 from __future__ import annotations
 
-from faircast_ds import lazy
+from faircast_ds._util import lazy
 
 _LAZY = {
     "FairCastCallback": "faircast_ds.transformers.callback",

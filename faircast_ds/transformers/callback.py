@@ -19,8 +19,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from faircast_ds import dist
-from faircast_ds.handle import FairCast, get_fair_cast
+from faircast_ds._util import dist
+from faircast_ds.shard.handle import FairCast, get_fair_cast
 
 PREFIX = "fair_cast/"
 

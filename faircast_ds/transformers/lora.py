@@ -22,11 +22,11 @@ from typing import Any, Callable
 
 import torch
 
-from faircast_ds import dist
-from faircast_ds.adapter import UnsupportedSetupError
-from faircast_ds.casts import cast
-from faircast_ds.config import FairCastConfig
-from faircast_ds.handle import FairCast, get_fair_cast
+from faircast_ds._util import dist
+from faircast_ds.cast.rules import cast
+from faircast_ds.config.section import FairCastConfig
+from faircast_ds.shard.adapter import UnsupportedSetupError
+from faircast_ds.shard.handle import FairCast, get_fair_cast
 
 NAME_SUFFIX = "@lora_merge"  # noise stream of a merged weight, apart from the served parameter's
 

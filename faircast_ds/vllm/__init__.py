@@ -17,7 +17,7 @@ docs/vllm.md. Importing this package does not import vLLM.
 """
 from __future__ import annotations
 
-from faircast_ds import lazy
+from faircast_ds._util import lazy
 
 _LAZY = {
     "VllmEngine": "faircast_ds.vllm.inference",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from faircast_ds.dist import from_rank0, rank_world
+from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export.source import ServedItem, ServedReport, ServedSource
 from faircast_ds.vllm.bits import digest
 

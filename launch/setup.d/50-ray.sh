@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ray, for the OpenRLHF-style layout test (tests/test_ray.py, docs/integrations.md): DeepSpeed ranks
+# Ray, for the OpenRLHF-style layout test (tests/system/test_ray.py, docs/integrations.md): DeepSpeed ranks
 # and the vLLM engine as Ray actors, weight updates through vLLM's RayVLLMWeightSyncClient.
 # - ray==2.55.0: the release OpenRLHF 0.11.2 pins (its requirement is ray[default]==2.55.0;
 #   30-frameworks.sh installs OpenRLHF with --no-deps). The plain wheel, not [default]: the test

@@ -1,4 +1,4 @@
-"""Checkpoint phases under the `deepspeed` runner (driven by tests/test_checkpoint.py).
+"""Checkpoint phases under the `deepspeed` runner (driven by tests/deepspeed/test_checkpoint.py).
 
   straight  run 6 steps per combination, saving a checkpoint after step 3 (and, for zero3/stochastic,
             after step 5, so `latest` names another tag); snapshots after steps 3-6; then a cast that
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ds_config, finish, full_served_bits, tiny_qwen3, train_step, write_json  # noqa: E402
 
-from faircast_ds.casts import bf16_bits, cast, fp32_bits  # noqa: E402
+from faircast_ds.cast.rules import bf16_bits, cast, fp32_bits  # noqa: E402
 
 COMBOS = [("zero3", "stochastic"), ("zero3", "error_feedback"), ("zero3", "dither"), ("zero3", "nearest"),
           ("zero2", "error_feedback"), ("zero1", "error_feedback"), ("bf16_optimizer", "error_feedback"),
@@ -126,7 +126,7 @@ def build_split(stage: str, mode: str):
 def nonfinite(root: str) -> dict:
     """A step whose cast meets a NaN master raises NonFiniteWeightError on every rank; the exception
     handler saves a checkpoint. Returns what the live engine held then (the resume phase loads it)."""
-    from faircast_ds.shard_caster import NonFiniteWeightError
+    from faircast_ds.shard.caster import NonFiniteWeightError
 
     records = {}
     for stage, mode in NONFINITE:

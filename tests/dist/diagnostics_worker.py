@@ -1,5 +1,5 @@
 """Diagnostics under the `deepspeed` runner: record the full master and served trajectory (test only)
-next to what Fair Cast reports, for tests/test_diagnostics.py. Writes $OUT_DIR/diagnostics.pt."""
+next to what Fair Cast reports, for tests/shard/test_diagnostics.py. Writes $OUT_DIR/diagnostics.pt."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,5 @@
 """Export and weight-sync checks under the real `deepspeed` runner, one launch on 2 CPU ranks
-(driven by tests/test_export_zero.py).
+(driven by tests/export/test_export_zero.py).
 
   served   ZeRO-3 and ZeRO-2: served_weights() against the bits the forward used, what it gathers
            and holds; save_hf() and logits of the loaded export against the engine's eval forward
@@ -25,10 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import batch, ds_config, finish, full_served_bits, tensors_in, train_step, write_json  # noqa: E402
 from export_common import bits_digest, greedy  # noqa: E402
-from faircast_ds.models import tiny_qwen3  # noqa: E402  (as from_pretrained(dtype=bfloat16) builds it)
+from faircast_ds.models.builders import tiny_qwen3  # noqa: E402  (as from_pretrained(dtype=bfloat16) builds it)
 
 import faircast_ds  # noqa: E402
-from faircast_ds.casts import MODES, bf16_bits, fp32_bits  # noqa: E402
+from faircast_ds.cast.rules import MODES, bf16_bits, fp32_bits  # noqa: E402
 from faircast_ds.export import WeightSender, save_hf, served_specs, served_weights  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]

@@ -1,4 +1,4 @@
-"""A trainer for the weight-update fault tests (tests/test_vllm_faults.py), in pytest's process or as its
+"""A trainer for the weight-update fault tests (tests/vllm/test_vllm_faults.py), in pytest's process or as its
 own process (``python fault_trainer.py URL DIR VERSION... [--pause-at N]``) so that it can be killed.
 
 The served weights are a plain bf16 module, not a DeepSpeed engine: the faults concern the transport
@@ -36,7 +36,7 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 
 def build_model() -> torch.nn.Module:
-    from faircast_ds.models import tiny_qwen3
+    from faircast_ds.models.builders import tiny_qwen3
 
     return tiny_qwen3(seed=0, **MODEL)
 

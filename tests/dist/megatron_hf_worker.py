@@ -1,14 +1,14 @@
 """A Qwen3-shaped Megatron-Core GPT model (local spec: RMSNorm, GQA fused QKV with query/key norms, SwiGLU,
 no biases, untied embeddings) under tensor parallel 2 with Fair Cast, its served weights read under HF names
-through the one served-weight source (``ServedSource(reader=faircast_ds.megatron.hf.MegatronHFReader)``),
-for tests/test_megatron_hf.py. ``LAYOUTS``: ``tp,pp`` pairs separated by ``;`` (the world is their product).
+through the one served-weight source (``ServedSource(reader=faircast_ds.megatron.reader.MegatronHFReader)``),
+for tests/megatron/test_megatron_hf.py. ``LAYOUTS``: ``tp,pp`` pairs separated by ``;`` (the world is their product).
 
 Per layout: the fp32 main params are set from full masters (the layout worker's: split by ``torch.chunk``),
 Fair Cast (stochastic) serves them, and a dense walk of the source yields every HF tensor on every rank.
 Rank 0 writes those (``hf_<tp>x<pp>.pt``) and, as the oracle, every full served parameter reassembled from
 all ranks' local served tensors with ``torch.cat`` (the layout worker's ``join``) and split into HF
 tensors here by explicit row indices (``oracle_<tp>x<pp>.pt``), with the full masters (``masters_...``).
-Nothing of faircast_ds.megatron.hf or faircast_ds.megatron.layout is used for the oracle.
+Nothing of faircast_ds.megatron.reader or faircast_ds.megatron.layout is used for the oracle.
 """
 from __future__ import annotations
 
@@ -143,9 +143,9 @@ def oracle_hf(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def run_layout(tp: int, pp: int) -> dict:
     from megatron.core import parallel_state as ps
 
-    from faircast_ds.casts import bf16_bits
+    from faircast_ds.cast.rules import bf16_bits
     from faircast_ds.export.source import ServedSource
-    from faircast_ds.megatron.hf import MegatronHFReader
+    from faircast_ds.megatron.reader import MegatronHFReader
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     layouts.PP_SIZE[0] = pp

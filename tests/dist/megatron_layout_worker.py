@@ -1,6 +1,6 @@
 """Megatron-Core GPT model (local spec: GQA fused QKV, SwiGLU, biases, untied embeddings) with Fair Cast on
 CPU ranks over gloo, under several (tensor, pipeline, data) parallel layouts in one launch, for
-tests/test_megatron_layouts.py. ``LAYOUTS`` (env): ``tp,pp`` pairs separated by ``;``, data parallel the rest
+tests/megatron/test_megatron_layouts.py. ``LAYOUTS`` (env): ``tp,pp`` pairs separated by ``;``, data parallel the rest
 of the world; Megatron's parallel state is torn down and built again between them.
 
 For every layout and mode the fp32 main params are set from FULL masters the worker defines per full
@@ -9,7 +9,7 @@ per stage``), split per layout by the worker's own ``torch.chunk`` (SwiGLU's fc1
 then Megatron's main->model copy (Fair Cast's route: ``ROUTE`` runtime, or hook on a patched copy) and its
 param all-gather serve them. Rank 0
 reassembles every full parameter from all ranks' local served tensors with ``torch.cat`` and compares it
-with ``faircast_ds.reference.cast_reference`` of the full master keyed by the full name (error feedback:
+with ``faircast_ds.cast.reference.cast_reference`` of the full master keyed by the full name (error feedback:
 the reference's residual carried per full parameter), and writes the full served bits for the
 cross-layout comparison (``bits_<tp>x<pp>x<dp>.pt``) and a report (``layouts.json``). Nothing of Fair
 Cast's own mapping (``faircast_ds.megatron.layout``) is used here.
@@ -29,9 +29,9 @@ megatron_cpu.enable()
 
 from common import deterministic_master  # noqa: E402
 
-from faircast_ds.casts import bf16_bits  # noqa: E402
-from faircast_ds.noise import name_id  # noqa: E402
-from faircast_ds.reference import cast_reference  # noqa: E402
+from faircast_ds.cast.rules import bf16_bits  # noqa: E402
+from faircast_ds.cast.noise import name_id  # noqa: E402
+from faircast_ds.cast.reference import cast_reference  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
 # "tp,pp" or "tp,pp,vp" (vp: virtual pipeline stages, model chunks per rank)
@@ -179,7 +179,7 @@ def local_params(model) -> dict[str, torch.nn.Parameter]:
 
 def set_masters(model, optimizer, step: int, tp: int, tp_rank: int, pp_rank: int) -> None:
     """Every main shard from the worker's full masters: split by the worker, cut by Megatron's own range."""
-    from faircast_ds.megatron.adapter import distributed_optimizers
+    from faircast_ds.megatron.adapters import distributed_optimizers
 
     names = {p: n for n, p in local_params(model).items()}
     for opt in distributed_optimizers(optimizer):
@@ -196,7 +196,7 @@ def set_masters(model, optimizer, step: int, tp: int, tp_rank: int, pp_rank: int
 
 def serve(optimizer) -> None:
     """Megatron's main->model copy (Fair Cast's, where attached) and its param all-gather."""
-    from faircast_ds.megatron.adapter import distributed_optimizers
+    from faircast_ds.megatron.adapters import distributed_optimizers
 
     for opt in distributed_optimizers(optimizer):
         opt._copy_main_params_to_model_params()
@@ -250,7 +250,7 @@ def train_step(model, optimizer, step: int) -> bool:
 def main_pieces(model, optimizer, tp_rank: int, pp_rank: int) -> list:
     """This rank's fp32 main shards: (full name, kind, tp rank, start in the local flattened slice, local
     shape, values), read from Megatron's own range map."""
-    from faircast_ds.megatron.adapter import distributed_optimizers
+    from faircast_ds.megatron.adapters import distributed_optimizers
 
     names = {p: n for n, p in local_params(model).items()}
     out = []
@@ -446,7 +446,7 @@ def checkpoint_across_layouts(save: tuple, load: tuple, ckpt_root: str) -> dict:
     from megatron.core import dist_checkpointing
 
     from faircast_ds.megatron import checkpoint as fair_cast_checkpoint
-    from faircast_ds.megatron.adapter import distributed_optimizers
+    from faircast_ds.megatron.adapters import distributed_optimizers
 
     if not torch.cuda.is_available():
         # the async writer's staging sync (filesystem_async.py:230), a no-op on CPU; the fully_reshardable gather
@@ -502,7 +502,7 @@ def expert_parallel_refusal() -> str:
     """attach under expert_model_parallel_size 2 (a dense model: the check is on the layout): the message."""
     from megatron.core import parallel_state as ps
 
-    from faircast_ds.adapter import UnsupportedSetupError
+    from faircast_ds.shard.adapter import UnsupportedSetupError
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(expert_model_parallel_size=2)

@@ -1,5 +1,5 @@
 """Megatron-Core's DistributedOptimizer (bf16 params, fp32 main params) with Fair Cast on CPU ranks over
-gloo, launched by torchrun for tests/test_megatron.py. ROUTE=runtime replaces the optimizer's copy at
+gloo, launched by torchrun for tests/megatron/test_megatron.py. ROUTE=runtime replaces the optimizer's copy at
 runtime; ROUTE=hook runs on a patched Megatron-Core copy (put first on PYTHONPATH by the test).
 
 Every case starts from the same model and deterministic fp32 main values and takes a few steps. Each
@@ -27,8 +27,8 @@ megatron_cpu.enable()
 
 from common import deterministic_master  # noqa: E402
 
-from faircast_ds.casts import bf16_bits, cast  # noqa: E402
-from faircast_ds.noise import name_id  # noqa: E402
+from faircast_ds.cast.rules import bf16_bits, cast  # noqa: E402
+from faircast_ds.cast.noise import name_id  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
 ROUTE = os.environ["ROUTE"]  # "runtime" or "hook"
@@ -70,7 +70,7 @@ def build(mode: str, module_cls=None):
     from megatron.core.transformer import TransformerConfig
 
     from faircast_ds.megatron import attach
-    from faircast_ds.megatron.adapter import distributed_optimizers, parameter_names
+    from faircast_ds.megatron.adapters import distributed_optimizers, parameter_names
     from faircast_ds.megatron.shards import low_precision_shards
 
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, bf16=True,
@@ -135,7 +135,7 @@ def run_case(mode: str, hook_calls: list) -> dict:
             for rank_pieces in everyone:
                 for name, start, main in rank_pieces:
                     full[name][start:start + main.numel()] = main
-            masters.append(full)  # for tests/test_megatron_releases.py's reference casts
+            masters.append(full)  # for tests/megatron/test_megatron_releases.py's reference casts
             for name, master in full.items():
                 if mode == "error_feedback":  # its residual is per element: replayed above
                     break
@@ -167,8 +167,9 @@ def refusals() -> dict:
     import copy
     import dataclasses
 
-    from faircast_ds.adapter import UnsupportedSetupError
-    from faircast_ds.megatron.adapter import check_supported, distributed_optimizers
+    from faircast_ds.shard.adapter import UnsupportedSetupError
+    from faircast_ds.megatron.adapters import distributed_optimizers
+    from faircast_ds.megatron.support import check_supported
 
     _, optimizer, _ = build("megatron")
     (opt,) = distributed_optimizers(optimizer)
@@ -197,9 +198,9 @@ def bypassed_cases() -> dict:
     """The guard on the runtime route, each case on fresh objects: Megatron's own round-to-nearest copy
     run again after Fair Cast's cast ("step"), Megatron's copy instead of Fair Cast's ("never_cast"), one
     served element flipped before Fair Cast's checkpoint load ("load"); "load_clean" is the control."""
-    from faircast_ds.adapter import UnsupportedSetupError
+    from faircast_ds.shard.adapter import UnsupportedSetupError
     from faircast_ds.megatron import checkpoint as fair_cast_checkpoint
-    from faircast_ds.megatron.adapter import distributed_optimizers
+    from faircast_ds.megatron.adapters import distributed_optimizers
 
     rank = torch.distributed.get_rank()
     out = {}
@@ -280,9 +281,9 @@ def checkpoint_case(mode: str, ckpt_dir: str) -> dict:
     """Save after step 3, run to step 6; fresh objects load and run to step 6: bitwise the same."""
     from megatron.core import dist_checkpointing
 
-    from faircast_ds.cast_state import MissingStateError
+    from faircast_ds.shard.state import MissingStateError
     from faircast_ds.megatron import checkpoint as fair_cast_checkpoint
-    from faircast_ds.megatron.adapter import distributed_optimizers
+    from faircast_ds.megatron.adapters import distributed_optimizers
 
     rank = torch.distributed.get_rank()
     if rank == 0:

@@ -1,4 +1,4 @@
-"""The multi-node checks' training script (driven by tests/test_multinode.py under every launcher).
+"""The multi-node checks' training script (driven by tests/system/test_multinode.py under every launcher).
 
 It reads nothing from the environment that a remote node would not have: everything comes as
 arguments, since pdsh and MPI forward only a few variables. Each run does what its flags ask:
@@ -37,7 +37,7 @@ from common import deterministic_master, finish, full_served_bits, tiny_qwen3, t
 from preflight import exit_without_finalizing, report_nodes  # noqa: E402
 
 from faircast_ds import get_fair_cast  # noqa: E402
-from faircast_ds.noise import name_id  # noqa: E402
+from faircast_ds.cast.noise import name_id  # noqa: E402
 
 
 def build(config_path: str, lr: float, **extra):

@@ -1,4 +1,4 @@
-"""One launch per route for tests/test_patch_deepspeed.py: the same training cases on the runtime route
+"""One launch per route for tests/deepspeed/test_patch_deepspeed.py: the same training cases on the runtime route
 (an unmodified DeepSpeed, Fair Cast from the interpreter-start hook) or on a patched DeepSpeed copy
 (FAIRCAST_DS_AUTOLOAD=0, Fair Cast through ``faircast_ds.deepspeed.attach(engine, route="hook")``).
 
@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (deterministic_master, ds_config, finish, full_served_bits, gather_shards,  # noqa: E402
                     tiny_qwen3, train_step, write_json)
 
-from faircast_ds.handle import get_fair_cast  # noqa: E402
-from faircast_ds.casts import bf16_bits  # noqa: E402
-from faircast_ds.noise import name_id  # noqa: E402
+from faircast_ds.shard.handle import get_fair_cast  # noqa: E402
+from faircast_ds.cast.rules import bf16_bits  # noqa: E402
+from faircast_ds.cast.noise import name_id  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
 ROUTE = os.environ["ROUTE"]  # "runtime" or "patched"
@@ -87,12 +87,12 @@ def _routed(engine) -> bool:
     """Whether the patched route serves this engine (and only it: attach hands back a runtime handle)."""
     if ROUTE != "patched":
         return False
-    from faircast_ds.deepspeed import attach as attach_engine, cast_hook as patched
+    from faircast_ds.deepspeed import attach as attach_engine, hook as patched
 
     again = attach_engine(engine, route="hook")
     runtime = get_fair_cast(engine)
     assert runtime is None or again is runtime, "attach(route='hook') did not hand back the runtime route's handle"
-    from faircast_ds.routes import ROUTES
+    from faircast_ds.shard.routes import ROUTES
 
     route = ROUTES.get(engine.optimizer)
     return route is not None and route.kind == patched.ROUTE
@@ -145,14 +145,14 @@ def main() -> None:
     if ROUTE == "patched":
         from deepspeed.runtime.engine import DeepSpeedEngine
 
-        from faircast_ds.deepspeed import attach as attach_engine, cast_hook as patched
+        from faircast_ds.deepspeed import attach as attach_engine, hook as patched
 
         report["has_hook"] = patched.deepspeed_has_cast_hook()
         report["engine_init_hooked"] = bool(getattr(DeepSpeedEngine.__init__, "_faircast_wrapped", False))
         first = build(*CASES[0])  # installs our hook; from here on every refresh is counted
         attach_engine(first, route="hook")
         count_hook_calls(counts)
-        from faircast_ds.routes import ROUTES
+        from faircast_ds.shard.routes import ROUTES
 
         ROUTES.remove(first.optimizer)
     for stage, mode in CASES:

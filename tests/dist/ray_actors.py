@@ -1,4 +1,4 @@
-"""Ray actors laid out as OpenRLHF lays out a job, for tests/test_ray.py.
+"""Ray actors laid out as OpenRLHF lays out a job, for tests/system/test_ray.py.
 
 - :class:`TrainerRank`: one DeepSpeed rank per actor (OpenRLHF's ``DistributedTorchRayActor``: the
   actor sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` itself and
@@ -54,7 +54,7 @@ class TrainerRank:
         from transformers.trainer import get_scheduler
 
         from faircast_ds import get_fair_cast
-        from faircast_ds.models import tiny_qwen3
+        from faircast_ds.models.builders import tiny_qwen3
 
         builders, _ = openrlhf_builders()
         cfg = train_config(builders)

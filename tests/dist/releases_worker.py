@@ -1,4 +1,4 @@
-"""One launch per DeepSpeed release (tests/test_releases.py): every supported optimizer class in every
+"""One launch per DeepSpeed release (tests/deepspeed/test_releases.py): every supported optimizer class in every
 mode on the same deterministic fp32 masters, the staging route forced on CPU, a save -> load ->
 continue round trip, and casts deliberately bypassed so that the guard must stop the run.
 
@@ -26,10 +26,10 @@ from checkpoint_worker import snapshot  # noqa: E402
 from common import finish, train_step, write_json  # noqa: E402
 from stages_worker import build, set_deterministic_masters  # noqa: E402
 
-from faircast_ds.adapter import UnsupportedSetupError  # noqa: E402
-from faircast_ds.casts import MODES, bf16_bits  # noqa: E402
+from faircast_ds.shard.adapter import UnsupportedSetupError  # noqa: E402
+from faircast_ds.cast.rules import MODES, bf16_bits  # noqa: E402
 from faircast_ds.deepspeed import compat  # noqa: E402
-from faircast_ds.shard_caster import STAGING_ENV  # noqa: E402
+from faircast_ds.shard.caster import STAGING_ENV  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
 

@@ -1,10 +1,10 @@
-"""One launch of the kill-anywhere soak (driven by tests/test_soak.py) under the `deepspeed` runner.
+"""One launch of the kill-anywhere soak (driven by tests/system/test_soak.py) under the `deepspeed` runner.
 
 Each run (a ZeRO stage and a Fair Cast mode, its own checkpoint folder under --root) resumes from the
 checkpoint `latest` names, if any, trains up to --steps and saves every --every steps, the runs in
 lockstep. FAIRCAST_TEST_KILL_AT=<site>:<n>[:<rank>] SIGKILLs that rank the n-th time this process
 reaches the site (rank 1 by default; the `latest` sites are rank 0's) and records the site it died at in
-OUT_DIR/killed.json. The sites (tests/test_soak.py checks that its CI schedule kills at each one):
+OUT_DIR/killed.json. The sites (tests/system/test_soak.py checks that its CI schedule kills at each one):
 
   save:before_state   inside save_checkpoint, before Fair Cast's state is written
   save:between        after our state, before DeepSpeed's model file (its _save_checkpoint)
@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_worker import build, save_rank0, snapshot  # noqa: E402
 from common import finish, train_step, write_json  # noqa: E402
 
-from faircast_ds.cast_state import FairCastStateError  # noqa: E402
-from faircast_ds.deepspeed.save_load import IncompleteCheckpointError  # noqa: E402
+from faircast_ds.shard.state import FairCastStateError  # noqa: E402
+from faircast_ds.deepspeed.checkpoint import IncompleteCheckpointError  # noqa: E402
 
 KILL_ENV = "FAIRCAST_TEST_KILL_AT"
 SITES = ("save:before_state", "save:between", "save:zero_file", "save:latest", "save:after_latest", "load:zero",
@@ -81,8 +81,8 @@ def install_kill_points(killer: Killer) -> None:
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from faircast_ds.deepspeed import save_load as checkpointing
-    from faircast_ds.shard_caster import ShardCaster
+    from faircast_ds.deepspeed import checkpoint as checkpointing
+    from faircast_ds.shard.caster import ShardCaster
 
     def before(obj, name, site):
         original = getattr(obj, name)

@@ -1,5 +1,5 @@
 """Checks of every supported optimizer class under the real `deepspeed` runner, one launch per world
-size (see tests/test_stages.py).
+size (see tests/deepspeed/test_stages.py).
 
 The script never calls faircast_ds.install() or attach(): Fair Cast must arrive through the
 interpreter-start hook, as it would for an unmodified training script. It writes one JSON file per
@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (batch, deterministic_master, ds_config, finish, full_served_bits, optimizer_class,  # noqa: E402
                     tensors_in, tiny_qwen3, train_step, write_json)
 
-from faircast_ds.casts import MODES, bf16_bits, cast, fp32_bits  # noqa: E402
-from faircast_ds.noise import name_id  # noqa: E402
+from faircast_ds.cast.rules import MODES, bf16_bits, cast, fp32_bits  # noqa: E402
+from faircast_ds.cast.noise import name_id  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
 STEPS = 4

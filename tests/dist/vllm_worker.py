@@ -1,5 +1,5 @@
 """Every check against a real in-process vLLM engine, run once (vLLM takes 15-30 s to start; `vllm serve`
-is checked by tests/dist/vllm_serve_worker.py): writes what it measured to OUT_DIR/vllm.json for tests/test_vllm.py.
+is checked by tests/dist/vllm_serve_worker.py): writes what it measured to OUT_DIR/vllm.json for tests/vllm/test_vllm.py.
 
 Usage: python tests/dist/vllm_worker.py OUT_DIR
 """
@@ -24,7 +24,7 @@ MODEL = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_
 
 
 def build():
-    from faircast_ds.models import tiny_causal_lm
+    from faircast_ds.models.builders import tiny_causal_lm
 
     # a large init std and RMSNorm weights around 1 so rounding differences show in the log-probs; built as
     # from_pretrained builds (fp32 RoPE buffers), as the engine computes its own fp32 tables

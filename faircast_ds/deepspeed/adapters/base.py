@@ -1,7 +1,7 @@
 """What every DeepSpeed adapter says about its optimizer: the ZeRO stage it shards at."""
 from __future__ import annotations
 
-from faircast_ds.adapter import Adapter, Setup
+from faircast_ds.shard.adapter import Adapter, Setup
 
 
 class ZeroAdapter(Adapter):
@@ -12,5 +12,5 @@ class ZeroAdapter(Adapter):
     @property
     def setup(self) -> Setup:
         """``zero_stage=N``: what the banner prints and the state file records (the load's completeness
-        check reads it: ``faircast_ds.deepspeed.save_load.incomplete``)."""
+        check reads it: ``faircast_ds.deepspeed.checkpoint.incomplete``)."""
         return Setup.of(zero_stage=self.zero_stage)

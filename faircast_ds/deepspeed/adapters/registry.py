@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from faircast_ds.adapter import Adapter, UnsupportedSetupError
-from faircast_ds.shard_caster import ShardCaster
+from faircast_ds.shard.adapter import Adapter, UnsupportedSetupError
+from faircast_ds.shard.caster import ShardCaster
 
 
 def _adapters() -> dict[type, type[Adapter]]:

@@ -20,11 +20,11 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from deepspeed import comm as dist
 
-from faircast_ds.adapter import narrowed, param_name
 from faircast_ds.deepspeed import compat
 from faircast_ds.deepspeed.adapters.base import ZeroAdapter
-from faircast_ds.routes import DEEPSPEED_RUNTIME, ROUTES
-from faircast_ds.shard_caster import ShardSlice, with_padding
+from faircast_ds.shard.adapter import narrowed, param_name
+from faircast_ds.shard.caster import ShardSlice, with_padding
+from faircast_ds.shard.routes import DEEPSPEED_RUNTIME, ROUTES
 
 
 def slices_from_fragments(params: Iterable[Any], names: dict, total: int) -> list[ShardSlice]:

@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator
 import torch
 from deepspeed import comm as dist
 
-from faircast_ds.adapter import UnsupportedSetupError, param_name
 from faircast_ds.deepspeed import compat
 from faircast_ds.deepspeed.adapters.base import ZeroAdapter
-from faircast_ds.shard_caster import ShardSlice, with_padding
+from faircast_ds.shard.adapter import UnsupportedSetupError, param_name
+from faircast_ds.shard.caster import ShardSlice, with_padding
 
 
 class Zero3Adapter(ZeroAdapter):

@@ -10,7 +10,7 @@ Importing this package does not import vLLM.
 """
 from __future__ import annotations
 
-from faircast_ds import lazy
+from faircast_ds._util import lazy
 
 BACKEND = "faircast"
 

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from faircast_ds.dist import from_rank0, rank_world
+from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export.channel import DEFAULT_HOST
 from faircast_ds.vllm.push import EngineWeightsMismatch, PushReport, packed_groups
 from faircast_ds.vllm.transfer.checksums import FUSED, SAMPLE_COLUMNS, ChecksumCollector, served_checksums

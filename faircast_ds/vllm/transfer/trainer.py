@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from faircast_ds.dist import from_rank0, rank_world
+from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export.channel import DEFAULT_HOST, WeightSyncError
 from faircast_ds.export.sync import SyncReport, WeightSender, spec_list
 

@@ -1,0 +1,2 @@
+"""Models the tests, the jobs and the benchmarks share: tiny and real-architecture builders
+(``builders``)."""

@@ -1,0 +1,309 @@
+"""Fair Cast's durable state inside a checkpoint.
+
+What a checkpoint tag directory gains: ``<tag>/fair_cast/rank<r>-of-<n>.pt``, one file per rank,
+written (atomically, fsynced) before the framework writes its own files. Each file holds the mode,
+seed and noise step, the framework's own step counter at save time (``engine_step``: a load checks
+it against the framework's files, so a tag holding parts of two saves is refused), and, for
+``error_feedback``, every local slice's residual (fp32) and served bits (bf16) keyed by (parameter
+name, start index) with a CRC32 per slice. Because the key is (parameter, index) and not (rank,
+offset), a checkpoint saved at one world size or ZeRO stage restores at any other: each rank reads
+only the pieces that overlap its own slices (files are memory-mapped, so no rank reads the whole
+model's residual).
+
+Restoring reproduces the served copy bit for bit: ``stochastic``/``dither``/``nearest`` recompute it
+from the restored fp32 master at the saved step; ``error_feedback`` puts back the saved served
+bits and residual (the served value depends on the residual before the last cast, which is gone).
+Where a load rebuilds the master from the model's bf16 weights instead (a module-only load),
+:class:`SavedCast` gives those weights as they were served.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from faircast_ds.cast.rules import bf16_from_bits, cast
+from faircast_ds.config.section import FairCastConfig
+from faircast_ds.shard.adapter import Adapter
+from faircast_ds.shard.caster import ShardCaster
+
+FORMAT = "faircast-ds/1"
+STATE_DIR = "fair_cast"
+
+
+class FairCastStateError(RuntimeError):
+    """The checkpoint's Fair Cast state is missing, from another configuration, or corrupted."""
+
+
+class MissingStateError(FairCastStateError):
+    """The checkpoint has no Fair Cast state at all (saved without Fair Cast, or converted by a tool that
+    does not carry ``fair_cast/`` along)."""
+
+
+def state_dir(tag_dir: str) -> str:
+    return os.path.join(tag_dir, STATE_DIR)
+
+
+def _crc(t: torch.Tensor) -> int:
+    # over the tensor's own buffer (no bytes copy: a slice of a real embedding is hundreds of MB)
+    return zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+
+
+def _write_atomically(payload: Any, path: str) -> None:
+    """torch.save to ``path`` so that a reader sees the old file or the whole new one, also after a
+    power loss (the data is on disk before the rename)."""
+    with open(path + ".tmp", "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+@torch.no_grad()
+def complete_step(adapter: Adapter, caster: ShardCaster) -> bool:
+    """After a cast that stopped on a non-finite weight (``on_nonfinite: error``), cast the flat shards
+    that step did not reach, at the same step and without raising, so that every served shard (and the
+    residual) is that one step's cast. Local; returns whether anything was cast (then the caller
+    publishes the shards). A no-op when no step failed."""
+    if caster.failed is None:
+        return False
+    done = False
+    for key, master, served, slices in adapter.flat_groups():
+        if key not in caster.cast_keys:
+            caster.cast_flat(key, master, served, slices, previous=adapter.previous(key), check=False)
+            done = True
+    return done
+
+
+def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int, world: int,
+               engine_step: int | None = None) -> str:
+    """Write this rank's Fair Cast state under ``tag_dir``; returns the file written. ``engine_step``:
+    the framework's step counter, checked against its own files at load time."""
+    complete_step(adapter, caster)  # never a served copy half of one step and half of the next
+    cfg = caster.config
+    keep_values = cfg.mode == "error_feedback"
+    groups = [(key, served, [s for s in group_slices if not s.is_padding])
+              for key, _, served, group_slices in adapter.flat_groups()]
+    total = sum(s.numel for _, _, parts in groups for s in parts) if keep_values else 0
+    # Written in place, slice by slice, into the two arrays the file holds: no per-slice copies joined
+    # at the end, no int64 bits (issue 23: at a real size those made the save's peak ~3x the payload).
+    residuals = torch.empty(total, dtype=torch.float32)
+    served_bits = torch.empty(total, dtype=torch.int32)
+    slices, at = [], 0
+    for key, served, parts in groups:
+        residual = caster.residuals.get(key)
+        for s in parts:
+            entry: dict[str, Any] = {"name": s.name, "start": s.start, "numel": s.numel}
+            if keep_values:
+                res, bits = residuals.narrow(0, at, s.numel), served_bits.narrow(0, at, s.numel)
+                if residual is not None:
+                    res.copy_(residual.detach().narrow(0, s.offset, s.numel))
+                else:
+                    res.zero_()
+                bits.copy_(served.detach().narrow(0, s.offset, s.numel).view(torch.int16))  # sign-extends
+                bits.bitwise_and_(0xFFFF)  # the bit pattern in [0, 2^16), as bf16_bits gives it
+                entry.update(crc_residual=_crc(res), crc_served=_crc(bits))
+                at += s.numel
+            slices.append(entry)
+    payload = {
+        "format": FORMAT, "mode": cfg.mode, "seed": cfg.seed, "step": caster.step, "engine_step": engine_step,
+        **adapter.setup.state(), "rank": rank, "world_size": world, "slices": slices,
+        "residual": residuals, "served": served_bits,
+    }
+    directory = state_dir(tag_dir)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"rank{rank:05d}-of-{world:05d}.pt")
+    _write_atomically(payload, path)
+    return path
+
+
+@dataclass
+class _Piece:
+    start: int
+    numel: int
+    record: dict[str, Any]
+    offset: int  # in the record's concatenated residual/served arrays
+    entry: dict[str, Any]
+    file: str
+
+
+def read_records(tag_dir: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every rank file of a tag directory's Fair Cast state, checked for format, completeness and that
+    all of them come from one save (memory-mapped: nothing is read until used)."""
+    files = sorted(glob.glob(os.path.join(state_dir(tag_dir), "rank*-of-*.pt")))
+    if not files:
+        raise MissingStateError(f"no Fair Cast state in {state_dir(tag_dir)} (checkpoint saved without fair_cast, "
+                                "or converted without its fair_cast/ folder?)")
+    records = []
+    for f in files:
+        try:
+            record = torch.load(f, mmap=True, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is corruption, named below
+            raise FairCastStateError(f"cannot read Fair Cast state file {f}: {exc}") from exc
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            raise FairCastStateError(f"{f} is not a {FORMAT} state file")
+        records.append((f, record))
+    worlds = {r["world_size"] for _, r in records}
+    if len(worlds) != 1 or len(records) != worlds.pop():
+        raise FairCastStateError(f"{state_dir(tag_dir)} holds {len(records)} rank files of inconsistent world sizes; "
+                                 "a rank's file is missing")
+    saves = {(r["mode"], r["seed"], r["step"], r.get("engine_step")) for _, r in records}
+    if len(saves) != 1:
+        steps = ", ".join(f"{os.path.basename(f)}: step {r['step']}" for f, r in records)
+        raise FairCastStateError(f"{state_dir(tag_dir)} holds rank files of different saves ({steps}): a save into "
+                                 "this tag was interrupted after some ranks had written theirs")
+    return records
+
+
+def _index(records: list[tuple[str, dict[str, Any]]]) -> dict[str, list[_Piece]]:
+    index: dict[str, list[_Piece]] = {}
+    for f, record in records:
+        offset = 0
+        for entry in record["slices"]:
+            index.setdefault(entry["name"], []).append(_Piece(entry["start"], entry["numel"], record, offset, entry, f))
+            offset += entry["numel"]
+    return index
+
+
+def _verified(p: _Piece, verified: set[tuple[str, int]]) -> None:
+    if (p.file, p.offset) in verified:
+        return
+    whole_res = p.record["residual"].narrow(0, p.offset, p.numel)
+    whole_bits = p.record["served"].narrow(0, p.offset, p.numel)
+    if _crc(whole_res) != p.entry["crc_residual"] or _crc(whole_bits) != p.entry["crc_served"]:
+        raise FairCastStateError(f"{p.file}: CRC mismatch for {p.entry['name']} [{p.start}, "
+                                 f"{p.start + p.numel}): the state file is corrupted")
+    verified.add((p.file, p.offset))
+
+
+def check_engine_step(records: list[tuple[str, dict[str, Any]]], tag_dir: str, engine_step: int | None) -> None:
+    """Refuse a tag whose Fair Cast state and framework files come from different saves."""
+    saved = records[0][1].get("engine_step")
+    if engine_step is not None and saved is not None and int(saved) != int(engine_step):
+        raise FairCastStateError(f"{tag_dir}: the Fair Cast state was saved at engine step {saved} but the "
+                                 f"checkpoint's own files are from step {engine_step}: the tag holds parts of two "
+                                 "saves (an interrupted save into an existing tag?)")
+
+
+@torch.no_grad()
+def cast_mismatch(saved: Mapping[str, Any], cfg: FairCastConfig, where: str) -> str | None:
+    """How a saved state's mode or seed differs from this run's ``cfg`` (``where``: what was saved, e.g.
+    "checkpoint <dir>"), first mode then seed; None when both match: a state is only valid for its cast."""
+    for what in ("mode", "seed"):
+        if saved[what] != getattr(cfg, what):
+            return f"{where} was saved with fair_cast.{what}={saved[what]!r}, this run has {getattr(cfg, what)!r}"
+    return None
+
+
+def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine_step: int | None = None) -> int:
+    """Restore this rank's state from ``tag_dir`` (any saved world size or stage); returns the step.
+
+    Local only (no collective), so that a failure on one rank can be agreed on before anyone
+    communicates; call :func:`publish_restored` on every rank afterwards. Raises FairCastStateError
+    on any mismatch, including a state saved at another ``engine_step`` than the framework's files."""
+    cfg = caster.config
+    records = read_records(tag_dir)
+    first = records[0][1]
+    mismatch = cast_mismatch(first, cfg, f"checkpoint {tag_dir}")
+    if mismatch is not None:
+        raise FairCastStateError(mismatch)
+    check_engine_step(records, tag_dir, engine_step)
+    step = int(first["step"])
+    index = _index(records)
+    values = cfg.mode == "error_feedback"
+    verified: set[tuple[str, int]] = set()
+    for key, master, served, group_slices in adapter.flat_groups():
+        residual = caster.residual_for(key, master)
+        for s in group_slices:
+            if s.is_padding:
+                continue
+            covered = 0
+            for p in index.get(s.name, []):
+                lo, hi = max(s.start, p.start), min(s.start + s.numel, p.start + p.numel)
+                if lo >= hi:
+                    continue
+                covered += hi - lo
+                if not values:
+                    continue
+                _verified(p, verified)
+                res_all, bits_all = p.record["residual"], p.record["served"]
+                src = p.offset + lo - p.start
+                dst = s.offset + lo - s.start
+                residual.narrow(0, dst, hi - lo).copy_(res_all.narrow(0, src, hi - lo))
+                served.narrow(0, dst, hi - lo).data.copy_(bf16_from_bits(bits_all.narrow(0, src, hi - lo).to(torch.int64)))
+            if covered != s.numel:
+                raise FairCastStateError(f"checkpoint {tag_dir} does not cover {s.name} elements "
+                                         f"[{s.start}, {s.start + s.numel}) (covered {covered})")
+        previous = adapter.previous(key)
+        if values and previous is not None:
+            previous.copy_(served.detach())
+    caster.step = step
+    caster.failed = None
+    return step
+
+
+@torch.no_grad()
+def publish_restored(adapter: Adapter, caster: ShardCaster) -> None:
+    """Collective second half of a restore: make the model serve exactly what it served at save time."""
+    if caster.config.mode == "error_feedback":
+        for key, _, served, slices in adapter.flat_groups():  # written by the restore, not a cast: still ours
+            caster.restored(key, served, slices)
+        adapter.publish()  # the saved served bits are already in the shards
+    else:
+        adapter.recast_and_publish()  # deterministic in (seed, step, name, index): the bits served at save time
+
+
+@torch.no_grad()
+def reset_state(adapter: Adapter, caster: ShardCaster, step: int) -> None:
+    """Start over from the restored masters: zero residual, noise step ``step``."""
+    caster.residuals.clear()
+    caster.step = step
+    caster.failed = None
+    adapter.recast_and_publish()
+
+
+class SavedCast:
+    """What a checkpoint's run served, parameter by parameter, for loads that rebuild the master from
+    the model's bf16 weights (a module-only load): given a parameter's whole fp32 master from the
+    checkpoint, :meth:`served` returns its served bf16 values. With the checkpoint's Fair Cast state
+    (``records``) that is the cast at the saved (mode, seed, step), or for ``error_feedback`` the saved
+    served bits; without it, the cast this run's ``config`` gives at ``step`` (the whole state of every
+    mode but ``error_feedback``; round-to-nearest, a zero residual, for ``error_feedback``)."""
+
+    def __init__(self, records: list[tuple[str, dict[str, Any]]] | None, config: FairCastConfig,
+                 step: int | None = None) -> None:
+        self.records = records
+        if records is not None:
+            first = records[0][1]
+            self.mode, self.seed, self.step = first["mode"], int(first["seed"]), int(first["step"])
+            self._index = _index(records)
+        else:
+            if step is None:
+                raise ValueError("SavedCast without a checkpoint's state needs the step")
+            self.mode, self.seed, self.step = config.mode, config.seed, int(step)
+            self._index = {}
+        self._verified: set[tuple[str, int]] = set()
+
+    @torch.no_grad()
+    def served(self, name: str, master: torch.Tensor) -> torch.Tensor:
+        flat = master.detach().reshape(-1).to(torch.float32)
+        if self.mode == "error_feedback" and self.records is not None:
+            bits = torch.full((flat.numel(),), -1, dtype=torch.int64)
+            covered = 0
+            for p in self._index.get(name, []):
+                _verified(p, self._verified)
+                bits[p.start:p.start + p.numel] = p.record["served"].narrow(0, p.offset, p.numel).to(torch.int64)
+                covered += p.numel
+            if covered != flat.numel():
+                raise FairCastStateError(f"the checkpoint's Fair Cast state covers {covered} of {flat.numel()} "
+                                         f"elements of {name}")
+            out = bf16_from_bits(bits)
+        elif self.mode == "error_feedback":  # no saved residual: what a zero residual serves
+            out = flat.to(torch.bfloat16)
+        else:
+            out = cast(flat, self.mode, seed=self.seed, step=self.step, name=name, start=0)
+        return out.reshape(master.shape)

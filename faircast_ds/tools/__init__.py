@@ -1,0 +1,1 @@
+"""The ``faircast-ds`` command (``cli``) and what it runs: ``predict``, ``inspect``, ``bench/``."""

@@ -1,0 +1,399 @@
+"""``faircast-ds bench --model qwen3-0.6b|qwen2.5-0.5b``: Fair Cast against plain DeepSpeed on a real
+architecture, on 2 CPU ranks, ZeRO-3 and ZeRO-2, in one run.
+
+Every configuration (plain DeepSpeed, then each mode with the shipped defaults: guard on, diagnostics
+every 10 steps) is one ``deepspeed`` launch of :mod:`faircast_ds.tools.bench.model_worker`, so each has its
+own peak RSS per rank. Launches run one after another; with ``--rounds R`` the whole sequence repeats
+R times, so plain and every mode are interleaved round by round and each configuration's median
+pools its rounds' timed steps. The first ``--warmup`` steps of each launch are not timed (the first
+also carries the guard's full check and the diagnostics' sample selection; their cost is reported
+separately). Figures: median step time and its ratio to plain, the cast's ms and share of the step,
+peak RSS per rank (the larger rank) and its difference from plain, checkpoint save and load time and
+size against plain, the guard's and the diagnostics' cost. The goals of issue 23 are printed as
+ratios with pass/miss; nothing is asserted.
+
+Then (``--push-modes``, default ``dither stochastic``; ``--no-push`` skips it) the engine push at this
+size, one launch of :mod:`faircast_ds.tools.bench.push_worker` per mode: ZeRO-3 on 2 ranks into a ``vllm
+serve`` process on rank 0 through the ``faircast`` backend, dense and then delta updates after real
+optimizer steps at ``--push-lr``, against vLLM's own ``reload_weights`` of the same tensors (timed
+inside the engine) and a memcpy floor of the same bytes.
+
+With ``--out``, a launch whose results are already there (a run that stopped part-way) is not repeated;
+a launch that fails is reported in the table and the others still run (the exit status is then 1).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from faircast_ds.cast.modes import MODES
+from faircast_ds.tools.bench.table import columns
+
+CONFIGS = ("plain",) + MODES
+MIB = 1 << 20
+# issue 23, item 4
+STEP_GOAL = {"nearest": 1.01, "stochastic": 1.01, "dither": 1.01, "error_feedback": 1.03}
+RSS_SLACK_MIB = 64
+SAVE_GOAL = 1.1
+DELTA_GOAL = 0.25  # dither's delta push / a dense push
+RELOAD_GOAL = 1.5  # a dense push / vLLM's own reload of the same tensors
+VERIFY_GOAL = 0.5  # verification / the push it checks
+PUSH_MODES = ("dither", "stochastic")
+PUSH_LR = 1e-6
+
+
+@dataclass
+class Figures:
+    """One (stage, configuration), pooled over rounds."""
+
+    stage: int
+    config: str
+    step_s: float  # median of the timed steps
+    cast_ms: float
+    guard_first_ms: float  # the first step's guard (the full check)
+    guard_ms: float  # median over the timed steps (sampled checks)
+    diagnostics_first_ms: float  # the first step's observer (sample selection included)
+    diagnostics_ms: float
+    peak_mib: float  # the larger rank's peak RSS while training (before the checkpoint)
+    peak_all_mib: float  # ... including the checkpoint save and load
+    save_s: float
+    load_s: float
+    checkpoint_bytes: int
+    shard_elements: int | None
+    params: int
+
+
+def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup: int, steps: int,
+            log: str) -> None:
+    from faircast_ds.tools.bench import model_worker as bench_model_worker
+
+    _deepspeed(bench_model_worker.__name__, [stem, model, str(layers), str(stage), config, str(warmup), str(steps)],
+               log, f"{config} ZeRO-{stage}")
+
+
+def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: str) -> None:
+    from faircast_ds.tools.bench import push_worker as bench_push_worker
+
+    _deepspeed(bench_push_worker.__name__, [stem, model, str(layers), mode, repr(lr)], log, f"push {mode}")
+
+
+def _deepspeed(module: str, worker_args: list[str], log: str, what: str) -> None:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    runner = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    if not os.path.exists(runner):
+        runner = "deepspeed"
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # as a module: run as a script, its folder (faircast_ds/, which has a deepspeed/ package) would come
+    # first on sys.path and shadow DeepSpeed itself
+    cmd = [runner, "--num_gpus", "2", "--master_port", str(port), "--module", module, *worker_args]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=root)
+    for leftover in _shm_buffers(port):  # DeepSpeed's CPU all-reduce never unlinks its /dev/shm buffers
+        os.unlink(leftover)
+    if proc.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-4000:]
+        raise LaunchFailed(f"{what} exited {proc.returncode}{_killed(proc.returncode)}; log {log}:\n{tail}")
+
+
+class LaunchFailed(RuntimeError):
+    """One launch of the benchmark did not finish (the message names it, its exit status and its log)."""
+
+
+def _killed(code: int) -> str:
+    # the launcher reports a worker killed by a signal as a negative status or 128+N; 9 is the OOM killer's
+    return " (SIGKILL: most likely the kernel's out-of-memory killer)" if code in (-9, 137) else ""
+
+
+def _shm_buffers(port: int) -> list[str]:
+    try:
+        return [os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm")
+                if n.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in n]
+    except OSError:
+        return []
+
+
+def _bar(done: int, total: int, label: str, started: float) -> str:
+    width = 30
+    filled = width * done // max(total, 1)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label} ({time.perf_counter() - started:.0f} s)"
+
+
+def figures(stage: int, config: str, runs: list[list[dict[str, Any]]]) -> Figures:
+    """Pool the ranks' JSON of every round of one (stage, configuration)."""
+    timed, first = [], []
+    for ranks in runs:
+        by_step = list(zip(*[r["steps"] for r in ranks]))
+        warm = ranks[0]["warmup"]
+        first.append(by_step[0])
+        for per_rank in by_step[warm:]:
+            timed.append({k: max(r[k] for r in per_rank) for k in ("seconds", "cast_s", "guard_s", "diagnostics_s")})
+    med = lambda k: statistics.median(t[k] for t in timed)  # noqa: E731
+    flat = [r for ranks in runs for r in ranks]
+    return Figures(stage=stage, config=config, step_s=med("seconds"), cast_ms=1e3 * med("cast_s"),
+                   guard_first_ms=1e3 * statistics.median(max(r["guard_s"] for r in f) for f in first),
+                   guard_ms=1e3 * med("guard_s"),
+                   diagnostics_first_ms=1e3 * statistics.median(max(r["diagnostics_s"] for r in f) for f in first),
+                   diagnostics_ms=1e3 * med("diagnostics_s"),
+                   peak_mib=statistics.median(max(r["train_peak_mib"] for r in ranks) for ranks in runs),
+                   peak_all_mib=statistics.median(max(r["peak_mib"] for r in ranks) for ranks in runs),
+                   save_s=statistics.median(max(r["save_s"] for r in ranks) for ranks in runs),
+                   load_s=statistics.median(max(r["load_s"] for r in ranks) for ranks in runs),
+                   checkpoint_bytes=max(r["checkpoint_bytes"] for r in flat),
+                   shard_elements=max((r["shard_elements"] or 0) for r in flat) or None,
+                   params=flat[0]["params"])
+
+
+def _verdict(ok: bool) -> str:
+    return "pass" if ok else "MISS"
+
+
+def format_table(rows: list[Figures], *, model: str, layers: int, rounds: int, steps: int, command: str) -> str:
+
+    lines = [("ZeRO", "config", "step s", "x plain", "step goal", "cast ms", "cast share", "peak RSS MiB",
+              "+MiB vs plain", "RSS goal", "save s", "x plain", "save goal", "load s", "x plain", "ckpt MiB",
+              "x plain", "guard ms first/later", "diag ms first/later")]
+    for r in rows:
+        plain = next((p for p in rows if p.stage == r.stage and p.config == "plain"), None)
+        if plain is None:  # plain DeepSpeed's launch failed: no ratios for this stage
+            lines.append((str(r.stage), r.config, f"{r.step_s:.2f}", "-", "-", f"{r.cast_ms:.0f}",
+                          f"{100 * r.cast_ms / 1e3 / r.step_s:.1f}%", f"{r.peak_mib:.0f}", "-", "-",
+                          f"{r.save_s:.1f}", "-", "-", f"{r.load_s:.1f}", "-", f"{r.checkpoint_bytes / MIB:.0f}", "-",
+                          f"{r.guard_first_ms:.0f}/{r.guard_ms:.0f}",
+                          f"{r.diagnostics_first_ms:.0f}/{r.diagnostics_ms:.0f}"))
+            continue
+        step_x, save_x, load_x = r.step_s / plain.step_s, r.save_s / plain.save_s, r.load_s / plain.load_s
+        extra = r.peak_mib - plain.peak_mib
+        if r.config == "plain":
+            goals = ("-", "-", "-")
+        else:
+            allowance = RSS_SLACK_MIB + (4 * (r.shard_elements or 0) / MIB if r.config == "error_feedback" else 0)
+            residual = 4 * (r.shard_elements or 0) * 2 if r.config == "error_feedback" else 0  # both ranks' files
+            save_goal = SAVE_GOAL * (1 + residual / max(plain.checkpoint_bytes, 1))
+            goals = (f"<={STEP_GOAL[r.config]} {_verdict(step_x <= STEP_GOAL[r.config])}",
+                     f"<=+{allowance:.0f} {_verdict(extra <= allowance)}",
+                     f"<={save_goal:.2f} {_verdict(save_x <= save_goal)}")
+        lines.append((str(r.stage), r.config, f"{r.step_s:.2f}", f"{step_x:.3f}", goals[0], f"{r.cast_ms:.0f}",
+                      f"{100 * r.cast_ms / 1e3 / r.step_s:.1f}%", f"{r.peak_mib:.0f}",
+                      "-" if r.config == "plain" else f"{extra:+.0f}", goals[1], f"{r.save_s:.1f}", f"{save_x:.2f}",
+                      goals[2], f"{r.load_s:.1f}", f"{load_x:.2f}", f"{r.checkpoint_bytes / MIB:.0f}",
+                      f"{r.checkpoint_bytes / max(plain.checkpoint_bytes, 1):.3f}",
+                      f"{r.guard_first_ms:.0f}/{r.guard_ms:.0f}", f"{r.diagnostics_first_ms:.0f}/{r.diagnostics_ms:.0f}"))
+    params = rows[0].params if rows else 0
+    shard = max((r.shard_elements or 0) for r in rows) if rows else 0
+    head = [f"faircast-ds bench --model {model}: {layers} layers, {params:,} parameters, 2 CPU ranks "
+            f"(largest shard {shard:,} elements); {rounds} round(s) x {steps} timed steps per configuration",
+            f"command: {command}",
+            "step s: median wall time of an optimizer step (forward, backward, step), the slower rank; "
+            "cast ms: Fair Cast's cast inside it; peak RSS: the larger rank's, while training (before the "
+            "checkpoint); guard/diag ms: their time in the first step (full check, sample selection) and later "
+            "steps (median)"]
+    return "\n".join(head + [""] + columns(lines))
+
+
+def run(model: str, *, layers: int | None, stages: tuple[int, ...], configs: tuple[str, ...], warmup: int,
+        steps: int, rounds: int, out_dir: str | None, log=print, failures: list[str] | None = None) -> list[Figures]:
+    from faircast_ds.models.builders import architecture
+
+    layers = layers or architecture(model).layers
+    failures = failures if failures is not None else []
+    out_dir = out_dir or tempfile.mkdtemp(prefix="faircast-bench-model-")
+    os.makedirs(out_dir, exist_ok=True)
+    plan = [(rnd, stage, config) for rnd in range(rounds) for stage in stages for config in configs]
+    started = time.perf_counter()
+    results: dict[tuple[int, str], list[list[dict[str, Any]]]] = {}
+    for done, (rnd, stage, config) in enumerate(plan):
+        stem = os.path.join(out_dir, f"r{rnd}-z{stage}-{config}")
+        ranks = _read_ranks(stem, layers, warmup, steps)
+        if ranks is None:
+            log(_bar(done, len(plan), f"round {rnd + 1}: ZeRO-{stage} {config}", started))
+            try:
+                _launch(stem, model, layers, stage, config, warmup, steps, stem + ".log")
+            except LaunchFailed as exc:
+                log(f"FAILED: {exc}")
+                failures.append(f"ZeRO-{stage} {config} (round {rnd + 1}): {str(exc).splitlines()[0]}")
+                continue
+            ranks = _read_ranks(stem, layers, warmup, steps)
+            if ranks is None:
+                failures.append(f"ZeRO-{stage} {config} (round {rnd + 1}): no results in {stem}.rank*.json")
+                continue
+        else:
+            log(f"ZeRO-{stage} {config} round {rnd + 1}: results already in {stem}.rank*.json, not repeated")
+        results.setdefault((stage, config), []).append(ranks)
+    log(_bar(len(plan), len(plan), "done", started))
+    return [figures(stage, config, results[stage, config]) for stage in stages for config in configs
+            if (stage, config) in results]
+
+
+def run_push(model: str, *, layers: int, modes: tuple[str, ...], lr: float, out_dir: str, log=print,
+             failures: list[str] | None = None) -> list[dict[str, Any]]:
+    """One push launch per mode (results already in ``out_dir`` are reused); their rank-0 JSON."""
+    failures = failures if failures is not None else []
+    started, out = time.perf_counter(), []
+    for done, mode in enumerate(modes):
+        stem = os.path.join(out_dir, f"push-{mode}")
+        data = _read_push(stem, layers, lr)
+        if data is None:
+            log(_bar(done, len(modes), f"push into vllm serve: {mode}", started))
+            try:
+                _launch_push(stem, model, layers, mode, lr, stem + ".log")
+            except LaunchFailed as exc:
+                log(f"FAILED: {exc}")
+                failures.append(f"push {mode}: {str(exc).splitlines()[0]}")
+                continue
+            data = _read_push(stem, layers, lr)
+            if data is None:
+                failures.append(f"push {mode}: no results in {stem}.json")
+                continue
+        else:
+            log(f"push {mode}: results already in {stem}.json, not repeated")
+        out.append(data)
+    log(_bar(len(modes), len(modes), "pushes done", started))
+    return out
+
+
+def _read_push(stem: str, layers: int, lr: float) -> dict[str, Any] | None:
+    try:
+        with open(stem + ".json") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if data.get("layers") == layers and data.get("lr") == lr and len(data.get("pushes", ())) == 6 else None
+
+
+def push_figures(data: dict[str, Any]) -> dict[str, Any]:
+    """The push worker's six pushes (dense verified whole, dense unverified, dense verified whole, dense
+    verified sampled, delta, delta) as the figures the table prints."""
+    p = data["pushes"]
+    first, bare, dense, dense_sampled, deltas = p[0], p[1], p[2], p[3], p[4:]
+    delta_s = statistics.median(d["seconds"] for d in deltas)
+    reload_s = dense["engine"].get("load_seconds") or float("nan")
+    return {"mode": data["mode"], "numel": dense["numel"], "params_total": dense["params_total"],
+            "first_s": first["seconds"], "dense_s": dense["seconds"], "bare_dense_s": bare["seconds"],
+            "dense_sampled_s": dense_sampled["seconds"],
+            "dense_sampled_reload_s": dense_sampled["engine"].get("load_seconds") or float("nan"), "dense_sampled_verify_s": dense_sampled["verify_seconds"],
+            "checks": [q.get("check") for q in p],
+            "dense_bytes": dense["bytes"], "dense_gathers": dense["gathers"], "dense_verify_s": dense["verify_seconds"],
+            "reload_s": reload_s, "bare_reload_s": bare["engine"].get("load_seconds") or float("nan"),
+            "receive_s": dense["engine"].get("receive_seconds") or float("nan"),
+            "delta_s": delta_s, "delta_changed": [d["changed"] / d["numel"] for d in deltas],
+            "delta_bytes": [d["bytes"] for d in deltas], "delta_gathers": [d["gathers"] for d in deltas],
+            "delta_params": [d["params"] for d in deltas],
+            "delta_verify_s": statistics.median(d["verify_seconds"] for d in deltas),
+            "delta_reload_s": statistics.median(d["engine"].get("load_seconds") or 0.0 for d in deltas),
+            "memcpy_s": data["memcpy_s"], "server_start_s": data.get("server_start_s"), "export_s": data.get("export_s")}
+
+
+def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, lr: float) -> str:
+    lines = [("mode", "update", "check", "changed", "MiB sent", "gathers", "push s", "x dense", "delta goal",
+              "vLLM reload s", "push x reload", "reload goal", "verify s", "verify x push", "verify goal",
+              "x memcpy")]
+    for f in map(push_figures, pushes):
+        bare = f["bare_dense_s"]
+        for label, check, push_s, reload_s in (("dense", "whole", f["dense_s"], f["reload_s"]),
+                                               ("dense", "sampled", f["dense_sampled_s"], f["dense_sampled_reload_s"])):
+            cost = push_s - bare  # the verified dense push against the same push unverified
+            ratio = push_s / reload_s
+            goal = f"<={RELOAD_GOAL} {_verdict(ratio <= RELOAD_GOAL)}" if check == "sampled" else "-"
+            lines.append((f["mode"], label, check, "100%", f"{f['dense_bytes'] / MIB:.0f}", str(f["dense_gathers"]),
+                          f"{push_s:.2f}", f"{push_s / f['dense_sampled_s']:.3f}", "-", f"{reload_s:.2f}",
+                          f"{ratio:.2f}", goal, f"{cost:.2f}", f"{cost / bare:.2f}",
+                          f"<={VERIFY_GOAL} {_verdict(cost <= VERIFY_GOAL * bare)}", f"{push_s / f['memcpy_s']:.0f}"))
+        lines.append((f["mode"], "dense", "none", "100%", f"{f['dense_bytes'] / MIB:.0f}", str(f["dense_gathers"]),
+                      f"{bare:.2f}", f"{bare / f['dense_sampled_s']:.3f}", "-", f"{f['bare_reload_s']:.2f}",
+                      f"{bare / f['bare_reload_s']:.2f}", "-", "-", "-", "-", f"{bare / f['memcpy_s']:.0f}"))
+        delta_x = f["delta_s"] / f["dense_sampled_s"]
+        goal = f"<={DELTA_GOAL} {_verdict(delta_x <= DELTA_GOAL)}" if f["mode"] == "dither" else "-"
+        unchecked = f["delta_s"] - f["delta_verify_s"]
+        lines.append((f["mode"], "delta after a step", "sampled", "/".join(f"{c:.2%}" for c in f["delta_changed"]),
+                      "/".join(f"{b / MIB:.0f}" for b in f["delta_bytes"]),
+                      "/".join(str(g) for g in f["delta_gathers"]), f"{f['delta_s']:.2f}", f"{delta_x:.3f}", goal,
+                      f"{f['delta_reload_s']:.2f}", "-", "-", f"{f['delta_verify_s']:.2f}",
+                      f"{f['delta_verify_s'] / unchecked:.2f}",
+                      f"<={VERIFY_GOAL} {_verdict(f['delta_verify_s'] <= VERIFY_GOAL * unchecked)}",
+                      f"{f['delta_s'] / f['memcpy_s']:.0f}"))
+    head = [f"engine push at this size: ZeRO-3, 2 ranks, into `vllm serve` (faircast backend, verified through "
+            f"vLLM's /weight_checker); deltas after one optimizer step each at lr {lr:g}",
+            "push s: the trainer's whole push (walk, channel, engine load, verification); x dense: against the "
+            "dense push with the default (sampled) check; vLLM reload s: inside the engine, vLLM's own "
+            "reload_weights of the tensors the update loaded; check: whole = every element read back through "
+            "the kernels, sampled = vectors and embedding whole and 64 input columns of every matrix; verify s: "
+            "dense = verified minus unverified push, delta = the check after the walk (verify x push: against "
+            "the rest of the push); gathers: ZeRO-3 full-parameter gathers of the walk; x memcpy: against "
+            "copying the same bf16 bytes once"]
+    if pushes:
+        f = push_figures(pushes[0])
+        head.append(f"first push (dense, the engine's first update, whole check) {f['first_s']:.2f} s; export "
+                    f"{f['export_s']:.1f} s; vllm serve start {f['server_start_s']:.0f} s; memcpy floor of "
+                    f"{2 * f['numel'] / MIB:.0f} MiB {1e3 * f['memcpy_s']:.0f} ms; {f['params_total']} tensors")
+    return "\n".join(head + [""] + columns(lines))
+
+
+def _read_ranks(stem: str, layers: int, warmup: int, steps: int) -> list[dict[str, Any]] | None:
+    """Both ranks' results of one launch, or None when they are not (all) there or were made with
+    another depth or step count."""
+    out = []
+    for r in (0, 1):
+        try:
+            with open(f"{stem}.rank{r}.json") as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            return None
+    if any(d.get("layers") != layers or d.get("warmup") != warmup or len(d.get("steps", ())) != warmup + steps
+           for d in out):
+        return None
+    return out
+
+
+def main_from_args(args) -> int:  # type: ignore[no-untyped-def]
+    stages = tuple(int(s) for s in str(args.stages).split(",") if s)
+    bad = [s for s in stages if s not in (2, 3)]
+    if bad:
+        print(f"error: --stages takes 2 and/or 3, got {bad}", file=sys.stderr)
+        return 2
+    configs = ("plain",) + tuple(m for m in args.modes if m != "plain")
+    command = "faircast-ds bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
+    push_modes = () if getattr(args, "no_push", False) else tuple(getattr(args, "push_modes", None) or PUSH_MODES)
+    bad = [m for m in push_modes if m not in MODES]
+    if bad:
+        print(f"error: --push-modes takes Fair Cast modes {list(MODES)}, got {bad}", file=sys.stderr)
+        return 2
+    lr = float(getattr(args, "push_lr", None) or PUSH_LR)
+    from faircast_ds.models.builders import architecture
+
+    layers = args.layers or architecture(args.model).layers
+    out_dir = args.out or tempfile.mkdtemp(prefix="faircast-bench-model-")
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    failures: list[str] = []
+    rows = run(args.model, layers=args.layers, stages=stages, configs=configs, warmup=args.warmup,
+               steps=args.steps, rounds=args.rounds, out_dir=out_dir, log=log, failures=failures)
+    pushes = run_push(args.model, layers=layers, modes=push_modes, lr=lr, out_dir=out_dir, log=log,
+                      failures=failures) if push_modes else []
+    table = format_table(rows, model=args.model, layers=layers, rounds=args.rounds, steps=args.steps, command=command)
+    if pushes:
+        table += "\n\n" + format_push_table(pushes, model=args.model, layers=layers, lr=lr)
+    if failures:
+        table += "\n\nFAILED (not in the tables above; logs in " + out_dir + "):\n" + "\n".join(f"- {f}" for f in failures)
+    print(table)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)) or ".", exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"model": args.model, "layers": layers, "rows": [r.__dict__ for r in rows],
+                       "pushes": [push_figures(p) for p in pushes], "push_lr": lr, "failures": failures,
+                       "table": table}, f, indent=1)
+    return 1 if failures else 0

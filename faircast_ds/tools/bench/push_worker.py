@@ -1,0 +1,115 @@
+"""The engine push of ``faircast-ds bench --model`` on the ranks of a ``deepspeed`` launch (started by
+:mod:`faircast_ds.tools.bench.model`, not by hand): the real architecture under ZeRO-3 with one Fair Cast mode
+pushes into a ``vllm serve`` process (the ``faircast`` weight-transfer backend, vLLM's HTTP routes,
+verification through vLLM's ``/weight_checker``) started on rank 0 from the model's own export.
+
+Arguments (after the script): STEM MODEL LAYERS MODE LR. The pushes, each with its own version:
+
+1. dense, verified (the engine's first update, checked whole; includes the first-use costs),
+2. dense, not verified (the push alone),
+3. dense, verified whole (after an unverified push; against 2: what a whole check costs),
+4. dense, verified by the default later check (every matrix on sampled columns),
+5. one optimizer step at LR, then a verified delta; 6. the same again.
+
+For each: the trainer's report (seconds, bytes on the channel, parameters walked = ZeRO-3 gathers,
+changed elements, verification seconds) and the engine's (seconds receiving, seconds inside vLLM's
+own ``reload_weights`` of the tensors it loaded). Then a memcpy floor: the same number of bf16 bytes
+copied in 128 MiB pieces on rank 0. Rank 0 writes STEM.json.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import time
+from typing import Any
+
+PIECE = 64 << 20  # elements per memcpy piece (128 MiB of bf16)
+
+
+def memcpy_floor(elements: int, repeats: int = 3) -> float:
+    """Seconds to copy ``elements`` bf16 values once, through two preallocated 128 MiB buffers."""
+    import torch
+
+    src = torch.ones(min(PIECE, elements), dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t, left = time.perf_counter(), elements
+        while left > 0:
+            n = min(left, src.numel())
+            dst[:n].copy_(src[:n])
+            left -= n
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv: list[str]) -> None:
+    stem, model_name, layers, mode, lr = [a for a in argv if not a.startswith("--local_rank")]
+    layers, lr = int(layers), float(lr)
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+
+    from faircast_ds.deepspeed.zero_init import real_causal_lm
+    from faircast_ds.export import save_hf
+    from faircast_ds.models.builders import real_config
+    from faircast_ds.tools.bench.model_worker import SEQUENCE, bench_config, finish, write_json
+    from faircast_ds.vllm.transfer.server import ServedPush, VllmServer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    os.environ.setdefault("FAIRCAST_DS_SYNC_SECRET", "faircast-ds bench push secret " + os.urandom(16).hex())
+    cfg = bench_config(3, mode)
+    model = real_causal_lm(model_name, layers=layers, seed=0, ds_config=cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    vocab = real_config(model_name).vocab_size
+    export = f"{stem}-export"
+    t = time.perf_counter()
+    exported = save_hf(engine, export, version=0)
+    export_s = time.perf_counter() - t
+    out: dict[str, Any] = {"model": model_name, "layers": layers, "mode": mode, "lr": lr, "export_s": export_s,
+                           "export_bytes": getattr(exported, "bytes", None), "pushes": []}
+    server = None
+    if rank == 0:
+        t = time.perf_counter()
+        server = VllmServer(export, max_model_len=SEQUENCE, kv_cache_gib=1 / 8, log_path=f"{stem}-server.log",
+                            worker_extension=True)
+        out["server_start_s"] = time.perf_counter() - t
+    try:
+        push = ServedPush(engine, server)
+        plan = [("dense", True, 0), ("dense", False, 0), ("dense", True, 0), ("dense", True, 0), ("delta", True, 1),
+                ("delta", True, 1)]
+        for version, (kind, verify, steps) in enumerate(plan):
+            for _ in range(steps):
+                x = torch.randint(0, vocab, (1, SEQUENCE),
+                                  generator=torch.Generator().manual_seed(1000 * version + rank))
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.step()
+            r = push.push(version=version, verify=verify, kind=kind)
+            if rank == 0:
+                row = {k: getattr(r, k) for k in ("version", "kind", "params", "params_total", "changed", "numel",
+                                                  "elements", "bytes", "seconds", "gathers", "verify_seconds",
+                                                  "verified")}
+                row["engine"] = server.engine_report()
+                row["check"] = push.last_check
+                out["pushes"].append(row)
+                print(f"[bench] push {mode} v{version} {kind}{' ' + push.last_check + ' check' if verify else ' (unverified)'}: {r.seconds:.2f} s, "
+                      f"{r.bytes / 2**20:.0f} MiB, {r.changed / r.numel:.2%} changed, engine load "
+                      f"{row['engine'].get('load_seconds', float('nan')):.2f} s", flush=True)
+        push.close()
+    finally:
+        if server is not None:
+            out["server_exit"] = server.close()
+    if rank == 0:
+        numel = out["pushes"][0]["numel"]
+        out["memcpy_s"] = memcpy_floor(numel)
+        shutil.rmtree(export, ignore_errors=True)
+        write_json(stem + ".json", out)
+    finish()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,362 @@
+"""faircast_ds.shard.state in process, with a fake two-group adapter and fake ranks (no DeepSpeed launch).
+
+The fake adapter lays out parameters the way ZeRO-1/2 does: each flat group concatenates its parameters
+(each aligned to ALIGN elements, the gaps are padding), pads the whole to a multiple of the world size and
+gives rank r the r-th equal part, so a partition cuts across parameters. A save at world 2 and a restore
+at world 3 therefore see different slices of the same named parameters.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+import zlib
+from typing import Hashable, Iterator
+
+import pytest
+import torch
+
+from faircast_ds.cast.rules import MODES, bf16_bits, cast, fp32_bits
+from faircast_ds.config.section import FairCastConfig
+from faircast_ds.shard import state as checkpoint
+from faircast_ds.shard.adapter import Adapter, Setup
+from faircast_ds.shard.caster import ShardCaster, ShardSlice, with_padding
+from faircast_ds.shard.state import FairCastStateError, publish_restored, reset_state, restore_state, save_state
+
+SEED = 77
+ALIGN = 4
+GROUPS = {  # flat group key -> its parameters (name, numel)
+    0: [("embed.weight", 30), ("layers.0.w", 45)],
+    1: [("layers.1.w", 37), ("head.b", 11)],
+}
+PAD_VALUE = 0.1234567  # fp32 in the padding (DeepSpeed keeps its own copy there)
+
+
+def initial_params(groups=GROUPS) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {name: torch.randn(n, generator=g) * 0.05 for params in groups.values() for name, n in params}
+
+
+def update(full: dict[str, torch.Tensor], step: int) -> None:
+    """An optimizer step of about a tenth of a spacing, a function of (parameter, index, step) only."""
+    for i, (name, p) in enumerate(full.items()):
+        idx = torch.arange(p.numel(), dtype=torch.float32)
+        p += 2e-5 * torch.sin(0.7 * idx + 1.3 * step + i)
+
+
+def partition(params: list[tuple[str, int]], rank: int, world: int) -> tuple[list[ShardSlice], int]:
+    """Rank ``rank``'s slices of one flat group (padding included) and its partition size."""
+    ranges, cursor = [], 0
+    for name, n in params:
+        ranges.append((name, cursor, n))
+        cursor += -(-n // ALIGN) * ALIGN
+    size = -(-cursor // world)
+    lo_rank, hi_rank = rank * size, (rank + 1) * size
+    slices = []
+    for name, a, n in ranges:
+        lo, hi = max(a, lo_rank), min(a + n, hi_rank)
+        if lo < hi:
+            slices.append(ShardSlice(name, lo - a, hi - lo, lo - lo_rank))
+    return with_padding(slices, size), size
+
+
+class FakeAdapter(Adapter):
+    """One fake rank's two flat groups; ``previous`` buffers optional (an optimizer that overwrites the
+    served shard by round-to-nearest, as ZeRO-1/2's does)."""
+
+    setup = Setup.of(zero_stage=2)  # as a DeepSpeed ZeRO-2 adapter says it
+
+    def __init__(self, caster: ShardCaster, rank: int, world: int, groups=GROUPS, use_previous: bool = False):
+        super().__init__(optimizer=None, caster=caster, names={})
+        self.layout = {}
+        self.masters, self.served, self.prev = {}, {}, {}
+        for key, params in groups.items():
+            slices, size = partition(params, rank, world)
+            self.layout[key] = slices
+            self.masters[key] = torch.full((size,), PAD_VALUE)
+            # garbage until cast or restored: a restore that forgot an element would show
+            self.served[key] = torch.full((size,), -777.0).to(torch.bfloat16)
+            if use_previous:
+                self.prev[key] = torch.full((size,), 555.0).to(torch.bfloat16)
+        self.published = 0
+
+    def install(self) -> None:
+        pass
+
+    def flat_groups(self) -> Iterator[tuple[Hashable, torch.Tensor, torch.Tensor, list[ShardSlice]]]:
+        for key in self.layout:
+            yield key, self.masters[key], self.served[key], self.layout[key]
+
+    def publish(self) -> None:
+        self.published += 1
+
+    def previous(self, key: Hashable) -> torch.Tensor | None:
+        return self.prev.get(key)
+
+    def load_masters(self, full: dict[str, torch.Tensor]) -> None:
+        for key, slices in self.layout.items():
+            for s in slices:
+                if not s.is_padding:
+                    self.masters[key][s.offset:s.offset + s.numel] = full[s.name][s.start:s.start + s.numel]
+
+
+def make_world(world: int, mode: str, full, *, seed: int = SEED, groups=GROUPS, use_previous=False):
+    ranks = []
+    for r in range(world):
+        caster = ShardCaster(FairCastConfig(mode=mode, seed=seed))
+        adapter = FakeAdapter(caster, r, world, groups, use_previous)
+        adapter.load_masters(full)
+        ranks.append(adapter)
+    return ranks
+
+
+def train_step(ranks, full, step: int, *others) -> None:
+    """One optimizer step of the model ``full``, cast by ``ranks`` (and by the ranks of ``others``, other
+    worlds holding the same model)."""
+    update(full, step)
+    for a in [a for world in (ranks, *others) for a in world]:
+        a.load_masters(full)
+        assert a.caster.begin_step() == step
+        a.cast_all()
+
+
+def gather(ranks, groups=GROUPS) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's served bits and residual, assembled from the ranks' slices (each element once)."""
+    sizes = {name: n for params in groups.values() for name, n in params}
+    served = {name: torch.full((n,), -1, dtype=torch.int64) for name, n in sizes.items()}
+    residual = {name: torch.full((n,), float("nan")) for name, n in sizes.items()}
+    seen = {name: torch.zeros(n, dtype=torch.int64) for name, n in sizes.items()}
+    for a in ranks:
+        for key, _, srv, slices in a.flat_groups():
+            res = a.caster.residuals.get(key)
+            for s in slices:
+                if s.is_padding:
+                    continue
+                part = slice(s.start, s.start + s.numel)
+                served[s.name][part] = bf16_bits(srv[s.offset:s.offset + s.numel])
+                if res is not None:
+                    residual[s.name][part] = res[s.offset:s.offset + s.numel]
+                seen[s.name][part] += 1
+    assert all(bool((v == 1).all()) for v in seen.values()), "the fake partition must cover each element once"
+    return {"served": served, "residual": residual}
+
+
+def assert_same(a, b, what: str, *, residual: bool) -> None:
+    for name in a["served"]:
+        assert torch.equal(a["served"][name], b["served"][name]), f"{what}: served bits of {name}"
+        if residual:
+            assert torch.equal(fp32_bits(a["residual"][name]), fp32_bits(b["residual"][name])), \
+                f"{what}: residual of {name}"
+
+
+def saved_at_world_2(tmp_path, mode: str, steps: int = 3):
+    full = initial_params()
+    w2 = make_world(2, mode, full)
+    for step in range(1, steps + 1):
+        train_step(w2, full, step)
+    tag = str(tmp_path / "global_step3")
+    files = [save_state(a, a.caster, tag, rank=r, world=2) for r, a in enumerate(w2)]
+    return full, w2, tag, files
+
+
+def test_fake_partitions_cut_across_parameters_differently():
+    """The premise of the world-size tests: the two layouts really differ and cut inside parameters."""
+    for key, params in GROUPS.items():
+        cuts = {w: [[(s.name, s.start, s.numel) for s in partition(params, r, w)[0] if not s.is_padding]
+                    for r in range(w)] for w in (2, 3)}
+        assert cuts[2] != cuts[3]
+        assert any(start > 0 for rank in cuts[3] for _, start, _ in rank)
+        assert any(s.is_padding for r in range(2) for s in partition(params, r, 2)[0])
+
+
+# ---- the round trip, every mode ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_previous", (False, True))
+@pytest.mark.parametrize("mode", MODES)
+def test_save_at_world_2_restore_at_world_3(tmp_path, mode, use_previous):
+    full, w2, tag, files = saved_at_world_2(tmp_path, mode)
+    assert sorted(os.listdir(checkpoint.state_dir(tag))) == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+    assert [os.path.basename(f) for f in files] == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+    saved = gather(w2)
+    ef = mode == "error_feedback"
+    if ef:  # a residual worth restoring
+        assert any(bool(v.ne(0).any()) for v in saved["residual"].values())
+
+    w3 = make_world(3, mode, full, use_previous=use_previous)  # fp32 masters as restored; fresh casters
+    assert [restore_state(a, a.caster, tag) for a in w3] == [3, 3, 3]
+    assert all(a.caster.step == 3 and a.published == 0 for a in w3)  # restore_state itself is local
+    for a in w3:
+        publish_restored(a, a.caster)
+    assert all(a.published == 1 for a in w3)
+    restored = gather(w3)
+    assert_same(restored, saved, f"{mode} restored at world 3", residual=ef)
+    if not ef:
+        assert all(a.caster.residuals == {} for a in w3)
+    if use_previous:  # the last served bits, for the next step's change count
+        for a in w3:
+            for key, _, served, slices in a.flat_groups():
+                for s in slices:
+                    if not s.is_padding:
+                        part = slice(s.offset, s.offset + s.numel)
+                        assert torch.equal(bf16_bits(a.prev[key][part]), bf16_bits(served[part])), (mode, s)
+
+    # the next step from the restored state is the next step of the run that never stopped
+    train_step(w2, full, 4, w3)
+    assert_same(gather(w3), gather(w2), f"{mode} step 4 after the restore", residual=ef)
+    assert sum(a.caster.last.changed for a in w3) == sum(a.caster.last.changed for a in w2)
+    assert sum(a.caster.last.changed for a in w2) > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_file_contents(tmp_path, mode):
+    _, w2, tag, files = saved_at_world_2(tmp_path, mode)
+    pieces = {}
+    for r, f in enumerate(files):
+        record = torch.load(f, weights_only=True)
+        assert {k: record[k] for k in ("format", "mode", "seed", "step", "zero_stage", "rank", "world_size")} == \
+            {"format": checkpoint.FORMAT, "mode": mode, "seed": SEED, "step": 3, "zero_stage": 2, "rank": r,
+             "world_size": 2}
+        mine = [(s.name, s.start, s.numel) for _, _, _, sl in w2[r].flat_groups() for s in sl if not s.is_padding]
+        assert [(e["name"], e["start"], e["numel"]) for e in record["slices"]] == mine  # no padding entries
+        n = sum(e["numel"] for e in record["slices"])
+        if mode == "error_feedback":
+            assert record["residual"].dtype == torch.float32 and record["residual"].numel() == n
+            assert record["served"].dtype == torch.int32 and record["served"].numel() == n
+            offset = 0
+            for e in record["slices"]:
+                assert e["crc_residual"] == crc32(record["residual"][offset:offset + e["numel"]])
+                assert e["crc_served"] == crc32(record["served"][offset:offset + e["numel"]])
+                offset += e["numel"]
+        else:  # the served copy is recomputed from the master: nothing but the step is kept
+            assert record["residual"].numel() == 0 and record["served"].numel() == 0
+            assert all("crc_residual" not in e for e in record["slices"])
+        for e in record["slices"]:
+            pieces.setdefault(e["name"], []).append((e["start"], e["numel"]))
+    sizes = {name: n for params in GROUPS.values() for name, n in params}
+    for name, ps in pieces.items():  # together the files hold each element exactly once
+        ps.sort()
+        assert ps[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ps, ps[1:]))
+        assert ps[-1][0] + ps[-1][1] == sizes[name]
+    assert set(pieces) == set(sizes)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reset_state_starts_over_from_the_masters(tmp_path, mode):
+    full = initial_params()
+    ranks = make_world(3, mode, full)
+    for step in (1, 2):
+        train_step(ranks, full, step)
+    for a in ranks:
+        reset_state(a, a.caster, 9)
+    assert all(a.caster.step == 9 and a.published == 1 for a in ranks)
+    got = gather(ranks)
+    for name, p in full.items():
+        res = torch.zeros_like(p) if mode == "error_feedback" else None
+        want = cast(p, mode, seed=SEED, step=9, name=name, residual=res)
+        assert torch.equal(got["served"][name], bf16_bits(want)), name
+        if res is not None:  # the residual restarted from zero: one cast's worth, not three
+            assert torch.equal(fp32_bits(got["residual"][name]), fp32_bits(res)), name
+
+
+# ---- what a restore refuses -----------------------------------------------------------------------
+
+def crc32(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes (zlib's, over the little-endian raw data)."""
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def tensor_entries(path: str) -> list[tuple[int, int]]:
+    """(file offset, size) of each tensor's raw bytes inside a torch.save zip (stored uncompressed)."""
+    out = []
+    with zipfile.ZipFile(path) as z:
+        raw = open(path, "rb").read()
+        for info in z.infolist():
+            if "/data/" in info.filename and not info.filename.endswith(".pkl"):
+                assert info.compress_type == zipfile.ZIP_STORED
+                n, e = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+                out.append((info.header_offset + 30 + n + e, info.file_size))
+    return out
+
+
+@pytest.mark.parametrize("entry", (0, 1))  # the two arrays a rank file holds: residual and served bits
+def test_a_flipped_byte_is_caught_by_the_crc(tmp_path, entry):
+    _, _, tag, files = saved_at_world_2(tmp_path, "error_feedback")
+    before = torch.load(files[1], weights_only=True)
+    offset, size = tensor_entries(files[1])[entry]
+    raw = bytearray(open(files[1], "rb").read())
+    raw[offset + size // 2 + 1] ^= 0x5A
+    open(files[1], "wb").write(raw)
+    after = torch.load(files[1], weights_only=True)  # still a readable file: only a value changed
+    changed = [k for k in ("residual", "served") if not torch.equal(before[k].view(torch.int32), after[k].view(torch.int32))]
+    assert len(changed) == 1
+    w3 = make_world(3, "error_feedback", initial_params())
+    with pytest.raises(FairCastStateError, match=r"rank00001-of-00002\.pt: CRC mismatch for .* the state file is corrupted"):
+        for a in w3:
+            restore_state(a, a.caster, tag)
+
+
+def test_a_missing_rank_file(tmp_path):
+    _, _, tag, files = saved_at_world_2(tmp_path, "stochastic")
+    os.remove(files[1])
+    a = make_world(3, "stochastic", initial_params())[0]
+    with pytest.raises(FairCastStateError, match="holds 1 rank files .* a rank's file is missing"):
+        restore_state(a, a.caster, tag)
+
+
+def test_a_stale_rank_file_from_another_world_size(tmp_path):
+    full, _, tag, _ = saved_at_world_2(tmp_path, "dither")
+    w3 = make_world(3, "dither", full)
+    save_state(w3[2], w3[2].caster, tag, rank=2, world=3)  # left over from an older save at world 3
+    with pytest.raises(FairCastStateError, match="inconsistent world sizes"):
+        restore_state(w3[0], w3[0].caster, tag)
+
+
+def test_no_state_at_all(tmp_path):
+    a = make_world(2, "stochastic", initial_params())[0]
+    with pytest.raises(FairCastStateError, match="no Fair Cast state in .*saved without fair_cast"):
+        restore_state(a, a.caster, str(tmp_path))
+
+
+def test_not_a_state_file(tmp_path):
+    _, _, tag, files = saved_at_world_2(tmp_path, "stochastic")
+    torch.save({"format": "something-else/9"}, files[0])
+    a = make_world(3, "stochastic", initial_params())[0]
+    with pytest.raises(FairCastStateError, match=r"rank00000-of-00002\.pt is not a faircast-ds/1 state file"):
+        restore_state(a, a.caster, tag)
+    open(files[0], "wb").write(b"not a zip at all")
+    with pytest.raises(FairCastStateError, match=r"cannot read Fair Cast state file .*rank00000-of-00002\.pt"):
+        restore_state(a, a.caster, tag)
+
+
+@pytest.mark.parametrize("saved, now", [("stochastic", "dither"), ("error_feedback", "nearest"),
+                                        ("nearest", "error_feedback")])
+def test_a_mode_mismatch(tmp_path, saved, now):
+    _, _, tag, _ = saved_at_world_2(tmp_path, saved)
+    a = make_world(3, now, initial_params())[0]
+    with pytest.raises(FairCastStateError, match=f"saved with fair_cast.mode='{saved}', this run has '{now}'"):
+        restore_state(a, a.caster, tag)
+    assert a.caster.step == 0 and a.caster.residuals == {}
+
+
+def test_a_seed_mismatch(tmp_path):
+    _, _, tag, _ = saved_at_world_2(tmp_path, "error_feedback")
+    a = make_world(3, "error_feedback", initial_params(), seed=SEED + 1)[0]
+    with pytest.raises(FairCastStateError, match=f"saved with fair_cast.seed={SEED}, this run has {SEED + 1}"):
+        restore_state(a, a.caster, tag)
+    assert a.caster.step == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_incomplete_coverage(tmp_path, mode):
+    """The restoring model has elements the checkpoint does not hold: a longer parameter, a new one."""
+    full, _, tag, _ = saved_at_world_2(tmp_path, mode)
+    longer = {0: GROUPS[0], 1: [("layers.1.w", 37), ("head.b", 13)]}
+    big = dict(full, **{"head.b": torch.cat([full["head.b"], torch.zeros(2)])})
+    ranks = make_world(1, mode, big, groups=longer)
+    with pytest.raises(FairCastStateError, match=r"does not cover head\.b elements \[0, 13\) \(covered 11\)"):
+        restore_state(ranks[0], ranks[0].caster, tag)
+    extra = {0: GROUPS[0] + [("new.w", 6)], 1: GROUPS[1]}
+    ranks = make_world(3, mode, dict(full, **{"new.w": torch.zeros(6)}), groups=extra)
+    with pytest.raises(FairCastStateError, match=r"does not cover new\.w elements"):
+        for a in ranks:
+            restore_state(a, a.caster, tag)

@@ -1,0 +1,119 @@
+"""The package's layout, read from the files (tests/package_scan.py), against the map in docs/layout.md:
+no module at the package root but ``__init__.py``; each folder imports only the folders its row allows
+(lazy public names count as imports); no import cycle; no framework import outside the integrations;
+no library module outside the mode registry, the config and the oracle tells modes apart by name."""
+from __future__ import annotations
+
+import ast
+import re
+
+from package_scan import (PACKAGE, ROOT, cycles_in, folder_of, import_graph, imported, lazy_targets,
+                          modules, within)
+
+INTEGRATIONS = ("faircast_ds.deepspeed", "faircast_ds.megatron")
+FRAMEWORKS = ("deepspeed", "megatron")
+# may import a framework: the integrations themselves, the GRPO job and the benchmark workers launched under
+# DeepSpeed; the shared model builders do not (ZeRO-3's zero.Init build is faircast_ds/deepspeed/zero_init.py)
+MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS + ("faircast_ds.jobs", "faircast_ds.tools.bench.casts",
+                                         "faircast_ds.tools.bench.model_worker", "faircast_ds.tools.bench.push_worker")
+
+
+def layout_map(text: str) -> dict[str, set[str]]:
+    """docs/layout.md's map: ``| `folder/` | may import: `a/`, `b/` | what |`` rows -> {folder: {a, b}}."""
+    rows = {}
+    for folder, allowed in re.findall(r"^\| `(\w+)/` \| ([^|]*) \|", text, re.M):
+        rows[folder] = set(re.findall(r"`(\w+)/`", allowed))
+    return rows
+
+
+def test_the_map_reader_reads_rows():
+    text = "| folder | may import | what |\n|---|---|---|\n| `cast/` | nothing | x |\n| `shard/` | `cast/`, `_util/` | y |\n"
+    assert layout_map(text) == {"cast": set(), "shard": {"cast", "_util"}}
+
+
+def full_graph() -> dict[str, set[str]]:
+    """Every import, function-level ones and lazy public names included."""
+    graph, known = import_graph(function_level=True), modules()
+    for name, path in known.items():
+        if path.name == "__init__.py":
+            graph[name] |= {t for t in lazy_targets(path) if t in known}
+    return graph
+
+
+def test_no_module_at_the_package_root_but_init():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"modules at the package root: {loose}"
+
+
+def test_each_folder_imports_only_what_its_row_in_docs_layout_allows():
+    allowed = layout_map((ROOT / "docs" / "layout.md").read_text())
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert set(allowed) == folders, f"docs/layout.md's map and the package's folders differ: {set(allowed) ^ folders}"
+    offenders = []
+    for module, targets in sorted(full_graph().items()):
+        source = folder_of(module)
+        for target in sorted(targets):
+            dest = folder_of(target)
+            if source not in ("(root)", dest) and dest not in allowed[source]:
+                offenders.append(f"{module} imports {target}: {source}/ may import only {sorted(allowed[source])}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_map_has_no_upward_edge():
+    """The rows, read as a graph of folders, have no cycle: each folder sits above all it may import."""
+    allowed = layout_map((ROOT / "docs" / "layout.md").read_text())
+    assert not cycles_in({f: {t for t in ts if t in allowed} for f, ts in allowed.items()})
+
+
+def test_the_scan_sees_function_level_and_relative_imports():
+    """The oracle itself: a function-level import and a relative one are found."""
+    tree = ast.parse("def f():\n    from deepspeed.utils import logger\nfrom ..deepspeed import compat\n")
+    found = [n for node in ast.walk(tree) for n in imported(node, "faircast_ds.export.served", False)]
+    assert "deepspeed.utils" in found and "faircast_ds.deepspeed.compat" in found
+
+
+def test_the_cycle_scan_finds_a_cycle():
+    """The oracle itself: a two-module circle and a longer one are reported, a chain is not."""
+    assert cycles_in({"a": {"b"}, "b": {"a"}})
+    assert cycles_in({"a": {"b"}, "b": {"c"}, "c": {"a"}})
+    assert not cycles_in({"a": {"b"}, "b": set()})
+
+
+def test_the_package_import_graph_has_no_cycle():
+    """Imports between faircast_ds modules form no cycle: neither the top-level ones (what runs when a
+    module is imported) nor those inside functions (a circle deferred to call time is still a circle)."""
+    for function_level in (False, True):
+        cycles = cycles_in(import_graph(function_level=function_level))
+        assert not cycles, ("with function-level imports:\n" if function_level else "") + "\n".join(cycles)
+
+
+def test_no_module_outside_the_integrations_imports_deepspeed_or_megatron():
+    """Outside faircast_ds/deepspeed/ and faircast_ds/megatron/ (and the job and benchmark workers, which run
+    DeepSpeed), no module imports DeepSpeed or Megatron, at any level of the file (which folder may import
+    an integration is the map's business)."""
+    offenders = []
+    for name, path in modules().items():
+        if within(name, MAY_IMPORT_A_FRAMEWORK) or name == "faircast_ds":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            for target in imported(node, name, path.name == "__init__.py"):
+                if within(target, FRAMEWORKS):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {target}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_nothing_but_megatron_compat_reads_the_megatron_release():
+    """Megatron's release check lives in faircast_ds/megatron/compat.py, as DeepSpeed's does in its compat."""
+    offenders = [str(path.relative_to(ROOT)) for name, path in modules().items()
+                 if name != "faircast_ds.megatron.compat" and ("package_info" in path.read_text()
+                                                              or "VERIFIED_MEGATRON" in path.read_text())]
+    assert offenders == [], offenders
+
+
+def test_deepspeed_and_megatron_name_their_roles_alike():
+    """One name per role in both integrations (docs/layout.md)."""
+    for integration in ("deepspeed", "megatron"):
+        present = {p.stem for p in (PACKAGE / integration).glob("*.py")}
+        missing = {"attachment", "hook", "checkpoint", "guard", "compat", "support"} - present
+        assert not missing, f"faircast_ds/{integration}/ lacks {sorted(missing)}"

