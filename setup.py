@@ -54,7 +54,7 @@ setup(
     version="0.1.0",
     description="Unbiased fp32->bf16 casts (stochastic rounding, dither, error feedback) for DeepSpeed ZeRO",
     packages=find_packages(include=["faircast_ds", "faircast_ds.*"]),
-    package_data={"faircast_ds.cast.kernels": ["*.cpp"]},  # built at first use (faircast_ds/cast/kernels/cpu.py)
+    package_data={"faircast_ds.casting.kernels": ["*.cpp"]},  # built at first use (faircast_ds/casting/kernels/cpu.py)
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<3",

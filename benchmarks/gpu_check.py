@@ -8,9 +8,9 @@ on an H200), with and without reading the old bits for the changed count, next t
 path (timed on a 2^28 slice and scaled) and the 22-38 ms such casts take in published RL training
 stacks.
 
-The bits are checked by tests/cast/test_gpu.py (the Triton kernel against ``cast`` on the GPU and on the
+The bits are checked by tests/casting/test_gpu.py (the Triton kernel against ``cast`` on the GPU and on the
 CPU and against the slow reference, on awkward inputs, residual and counts included); run it first:
-``python -m pytest -q tests/cast/test_gpu.py``.
+``python -m pytest -q tests/casting/test_gpu.py``.
 
 Prints one table and writes it, with the raw numbers as JSON, to benchmarks/results/ (and to $OUT
 when that is set, so a device session gets the files back). Needs only torch with CUDA, Triton, and
@@ -31,8 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from faircast_ds.cast import kernels, modes  # noqa: E402
-from faircast_ds.cast.rules import MODES, cast, cast_into  # noqa: E402
+from faircast_ds.casting import kernels, modes  # noqa: E402
+from faircast_ds.casting.modes import MODES
+from faircast_ds.casting.rules import cast, cast_into  # noqa: E402
 
 PAPER_MS = (22.0, 38.0)
 FLOOR_MS_H200 = 2.4
@@ -73,7 +74,7 @@ def time_all(numel: int, repeats: int, device: str) -> tuple[list[str], list[dic
         fused = time_ms(lambda: cast_into(out, x, mode, residual=res, **kw), repeats)
         no_count = float("nan")
         if device == "cuda":
-            from faircast_ds.cast.kernels import triton_cast
+            from faircast_ds.casting.kernels import triton_cast
 
             key = modes.noise_key(mode, **kw)
             no_count = time_ms(lambda: triton_cast.cast_into(out, x, mode, key=key, start=0, residual=res,

@@ -10,10 +10,10 @@ the defaults give ~50M parameters) under Megatron's DDP with ``use_distributed_o
 times the refresh (``_copy_main_params_to_model_params``: the cast of all shards plus nothing else)
 per mode against Megatron's own round-to-nearest copy, median of ``--repeats`` calls.
 
-The bits are checked by tests/cast/test_gpu.py (which builds its model with this file's ``build``, ``step``
-and ``set_masters``): every served shard equals ``faircast_ds.cast`` of its fp32 main shard computed
+The bits are checked by tests/casting/test_gpu.py (which builds its model with this file's ``build``, ``step``
+and ``set_masters``): every served shard equals ``faircast_ds.casting`` of its fp32 main shard computed
 on the CPU, and ``nearest`` is Megatron's own copy bit for bit. Run it first:
-``python -m pytest -q tests/cast/test_gpu.py``.
+``python -m pytest -q tests/casting/test_gpu.py``.
 
 Prints a table and writes JSON to benchmarks/results/megatron_gpu_check.json (and to $OUT when set).
 ``--allow-cpu`` runs it on the CPU (only to smoke-test the script, with tests/dist/megatron_cpu.py's
@@ -35,7 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from faircast_ds.cast.rules import MODES, bf16_bits  # noqa: E402
+from faircast_ds.casting.bits import bf16_bits
+from faircast_ds.casting.modes import MODES  # noqa: E402
 
 SEED = 1234
 
@@ -103,7 +104,7 @@ def shards(optimizer):
 
 def set_masters(optimizer) -> None:
     """fp32 main values that depend only on (parameter, index): the same for any sharding."""
-    from faircast_ds.cast.noise import name_id
+    from faircast_ds.casting.noise import name_id
 
     for shard, main, _ in shards(optimizer):
         idx = torch.arange(shard.start, shard.start + shard.numel, dtype=torch.float64, device=main.device)

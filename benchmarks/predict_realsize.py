@@ -79,7 +79,7 @@ def predict_cli(path: str, lr: float, steps: int) -> dict[str, Any]:
 
 def moments_prediction(model: torch.nn.Module, opt: torch.optim.Optimizer, lr: float) -> float:
     """RN's changed fraction per step that predict's moments model gives from the optimizer's state now."""
-    from faircast_ds.cast.rules import bf16_spacing
+    from faircast_ds.casting.bits import bf16_spacing
     from faircast_ds.tools.predict import Tally, TensorState, adam_step
 
     total = Tally()

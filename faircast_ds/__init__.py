@@ -11,10 +11,10 @@ from faircast_ds._util import lazy
 __version__ = "0.1.0"
 
 _LAZY = {
-    "cast": "faircast_ds.cast.rules",
-    "cast_into": "faircast_ds.cast.rules",
-    "cast_reference": "faircast_ds.cast.reference",
-    "MODES": "faircast_ds.cast.rules",
+    "cast": "faircast_ds.casting.rules",
+    "cast_into": "faircast_ds.casting.rules",
+    "cast_reference": "faircast_ds.casting.reference",
+    "MODES": "faircast_ds.casting.modes",
     "FairCastConfig": "faircast_ds.config.section",
     "FairCastConfigError": "faircast_ds.config.section",
     "install": "faircast_ds.deepspeed.attachment",

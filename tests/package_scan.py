@@ -66,7 +66,7 @@ def lazy_targets(path: Path) -> set[str]:
 
 
 def folder_of(module: str) -> str:
-    """The top-level folder a module lives in (``faircast_ds.cast.rules`` -> ``cast``); the package's own
+    """The top-level folder a module lives in (``faircast_ds.casting.rules`` -> ``cast``); the package's own
     ``__init__`` is ``(root)``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "(root)"

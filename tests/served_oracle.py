@@ -1,8 +1,8 @@
 """The framework tests' oracle: served bits against ``cast(master, mode, seed, step)`` element by element.
 
-The expected bits come from :func:`faircast_ds.cast.reference.cast_reference`, the slow element-by-element
+The expected bits come from :func:`faircast_ds.casting.reference.cast_reference`, the slow element-by-element
 statement of each cast (value comparisons in float64 and its own statement of the noise), not from the
-code that serves them (``faircast_ds.shard.caster`` -> ``faircast_ds.cast.rules`` -> the fused kernels).
+code that serves them (``faircast_ds.shard.caster`` -> ``faircast_ds.casting.rules`` -> the fused kernels).
 The masters, served bits and forward weights come from the launched scripts
 (tests/dist/served_record.py), which read them through DeepSpeed's and torch's own interfaces with
 the parameter names and step numbers the framework used.
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from faircast_ds.cast.reference import cast_reference
+from faircast_ds.casting.reference import cast_reference
 
 
 def expected_bits(master: torch.Tensor, mode: str, *, seed: int, step: int, name: str) -> torch.Tensor:

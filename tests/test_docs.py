@@ -100,3 +100,106 @@ def test_every_module_and_name_the_docs_spell_with_dots_exists():
                 if k < len(parts) and parts[k] not in top_level_names(known[".".join(parts[:k])]):
                     missing.append(f"{doc.relative_to(ROOT)}: {dotted}")
     assert not missing, "\n".join(missing)
+
+
+# ---- docstrings and setup.py's comments -------------------------------------------------------------------
+
+def docstrings(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of a module's docstring and of each class's and function's."""
+    tree = ast.parse(path.read_text())
+    out = []
+    for node in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]:
+        doc = ast.get_docstring(node, clean=False)
+        if doc:
+            out.append((getattr(node, "lineno", 1), doc))
+    return out
+
+
+def setup_comments() -> list[tuple[int, str]]:
+    return [(i, line.split("#", 1)[1]) for i, line in enumerate((ROOT / "setup.py").read_text().splitlines(), 1)
+            if "#" in line]
+
+
+def texts() -> list[tuple[str, str]]:
+    """(where, text) for every docstring in the package and every comment of setup.py."""
+    out = [(f"setup.py:{i}", text) for i, text in setup_comments()]
+    for name, path in modules().items():
+        out += [(f"{path.relative_to(ROOT)}:{line}", doc) for line, doc in docstrings(path)]
+    return out
+
+
+def resolve_dotted(dotted: str, known: dict[str, Path]) -> bool:
+    """``faircast_ds.a.b.name``: the longest prefix is a module and the next part a name it has."""
+    parts = dotted.split(".")
+    k = next(k for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in known)
+    return k == len(parts) or parts[k] in top_level_names(known[".".join(parts[:k])])
+
+
+REPO_DIRS = ("faircast_ds", "tests", "docs", "launch", "benchmarks", "configs", "patches")
+
+
+def former_module_files() -> set[str]:
+    """The ``name.py`` files docs/layout.md's "Renamed" section says were renamed or moved away: a mention
+    of one that exists nowhere in the project now is stale. (Other ``name.py`` mentions that exist nowhere
+    here are other projects' files: DeepSpeed's, Megatron's, vLLM's.)"""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    section = text[text.index("## Renamed"):]
+    return {Path(old).name for old in re.findall(r"`([\w/]+\.py)` →", section)} | {"_autoload.py", "cli.py"}
+
+
+def project_files(name: str) -> bool:
+    return any(any((ROOT / folder).rglob(name)) for folder in REPO_DIRS)
+
+
+def stale_mentions(where: str, text: str, known: dict[str, Path], package_dir: Path | None,
+                   former: set[str]) -> list[str]:
+    """The module names, dotted names and repository paths ``text`` mentions that do not exist: dotted
+    ``faircast_ds.…`` names, paths under the repository's folders, former module files (``name.py``) that
+    exist nowhere now, and, in a package's own docstring whose bullets list its parts, each part."""
+    text = re.sub(r"\]\([^)\s]*\)", "]", text)  # markdown link targets: relative to the doc (named_paths)
+    bad = [f"{where}: {d}" for d in re.findall(r"\bfaircast_ds(?:\.\w+)+", text) if not resolve_dotted(d, known)]
+    for path in re.findall(r"(?<![\w./-])((?:%s)/[\w./*-]*\w)(?![\w<.-])" % "|".join(REPO_DIRS), text):
+        target = ROOT / path
+        if not (any(target.parent.glob(target.name)) if "*" in path else target.exists()):
+            bad.append(f"{where}: {path}")
+    for file in re.findall(r"(?<![\w/.-])(\w+\.py)\b", text):
+        if file in former and not project_files(file) and not (package_dir and (package_dir / file).exists()):
+            bad.append(f"{where}: {file}")
+    if package_dir is not None:
+        parts = re.findall(r"^\s*-\s+``?(\w+)``?\s*[:(]", text, re.M)
+
+        def exists(part: str) -> bool:
+            return ((package_dir / f"{part}.py").exists() or (package_dir / part / "__init__.py").exists()
+                    or part in top_level_names(package_dir / "__init__.py"))
+
+        if any((package_dir / f"{part}.py").exists() or (package_dir / part).is_dir() for part in parts):
+            bad += [f"{where}: part {part!r} of {package_dir.relative_to(ROOT)}/" for part in parts if not exists(part)]
+    return bad
+
+
+def test_the_stale_scan_finds_what_it_should(tmp_path):
+    known = modules()
+    text = ("- ``engine``: the attach pipeline\n- ``hook``: the cast hook\nsee faircast_ds.deepspeed.nowhere and "
+            "faircast_ds/_autoload.py, ``shard_caster.py``; faircast_ds.deepspeed.attachment.attach is fine, "
+            "Megatron's ``layers.py`` is not ours, [x](modes.md) is a link")
+    found = stale_mentions("x", text, known, ROOT / "faircast_ds" / "deepspeed", former_module_files())
+    assert found == ["x: faircast_ds.deepspeed.nowhere", "x: faircast_ds/_autoload.py", "x: shard_caster.py", "x: part 'engine' of faircast_ds/deepspeed/"]
+
+
+def test_every_name_and_path_the_docstrings_and_setup_comments_mention_exists():
+    known, bad = modules(), []
+    for where, text in texts():
+        module_path = ROOT / where.split(":")[0]
+        package_dir = module_path.parent if module_path.name == "__init__.py" and where.endswith(":1") else None
+        bad += stale_mentions(where, text, known, package_dir, former_module_files())
+    assert not bad, "\n".join(bad)
+
+
+def test_every_path_and_py_file_the_docs_mention_exists_outside_backticks_too():
+    known, bad, former = modules(), [], former_module_files()
+    for doc in DOCS + [ROOT / "patches" / "README.md"]:
+        text = doc.read_text()
+        if doc.name == "layout.md":
+            text = text[:text.index("## Renamed")]  # the list of old names itself
+        bad += stale_mentions(str(doc.relative_to(ROOT)), text, known, None, former)
+    assert not bad, "\n".join(bad)

@@ -117,3 +117,50 @@ def test_deepspeed_and_megatron_name_their_roles_alike():
         present = {p.stem for p in (PACKAGE / integration).glob("*.py")}
         missing = {"attachment", "hook", "checkpoint", "guard", "compat", "support"} - present
         assert not missing, f"faircast_ds/{integration}/ lacks {sorted(missing)}"
+
+
+BUILT_IN_MODES = {"nearest", "stochastic", "dither", "error_feedback"}  # spelled here: the scan's own list
+MAY_NAME_MODES = ("faircast_ds.casting", "faircast_ds.config")  # the registry, the rules, the oracle, the config
+
+
+def mode_name_comparisons(source: str) -> list[int]:
+    """Lines where a comparison (==, !=, in, not in) has a built-in mode's name as a literal on either side."""
+    def literals(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(literals(e) for e in node.elts)) if node.elts else set()
+        return set()
+
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+            and (literals(node.left).union(*(literals(c) for c in node.comparators)) & BUILT_IN_MODES)]
+
+
+def test_the_mode_scan_finds_comparisons():
+    assert mode_name_comparisons('if cfg.mode == "error_feedback":\n    pass\nx = m in ("dither", "x")\n') == [1, 3]
+    assert mode_name_comparisons('GOALS = {"dither": 1}\nif spec(m).residual:\n    pass\n') == []
+
+
+def test_no_library_module_outside_the_registry_and_the_config_tells_modes_apart_by_name():
+    """What a mode means is asked of its spec (faircast_ds.casting.modes), never of its name."""
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for name, path in modules().items()
+                 if not within(name, MAY_NAME_MODES) for line in mode_name_comparisons(path.read_text())]
+    assert not offenders, "compare a mode's spec, not its name:\n" + "\n".join(offenders)
+
+
+def test_no_submodule_shadows_a_public_name_of_its_package():
+    """Importing ``pkg.x`` sets the attribute ``pkg.x`` to the module: a package whose public name (a lazy
+    one, or a function or class its ``__init__`` defines) is also a submodule's name loses that name."""
+    clashes = []
+    for init in PACKAGE.rglob("__init__.py"):
+        tree = ast.parse(init.read_text())
+        public = lazy_names(init) | {n.name for n in tree.body
+                                     if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
+        parts = {p.stem for p in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir() if p.is_dir()}
+        clashes += [f"{init.parent.relative_to(ROOT)}/: {name}" for name in sorted(public & parts)]
+    assert not clashes, clashes
+
+
+def lazy_names(init) -> set[str]:
+    table = re.search(r"_LAZY = \{(.*?)\}", init.read_text(), re.S)
+    return set(re.findall(r'"(\w+)":', table.group(1))) if table else set()

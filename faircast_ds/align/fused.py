@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from faircast_ds.align.regions import rms_rstd, rmsnorm_one_rounding, swiglu_one_rounding, wide
+from faircast_ds.align.regions import (
+    rms_rstd,
+    rmsnorm_one_rounding,
+    swiglu_one_rounding,
+    wide,
+)
 
 
 class _FusedSwiGLU(torch.autograd.Function):

@@ -39,7 +39,13 @@ from faircast_ds.align.families import (
     checked,
     decoder_layers,
 )
-from faircast_ds.align.profiles import HF, REGIONS, EngineProfile, check_regions, get_profile
+from faircast_ds.align.profiles import (
+    HF,
+    REGIONS,
+    EngineProfile,
+    check_regions,
+    get_profile,
+)
 
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, AlignmentHandle] = weakref.WeakKeyDictionary()
 

@@ -13,7 +13,8 @@ from typing import Any, Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from faircast_ds.align.config import AlignRoundingConfig
-from faircast_ds.cast.modes import Mode
+from faircast_ds.casting.modes import CastRule, Mode, ModeSpec
+from faircast_ds.casting.modes import spec as spec_of
 
 SECTION = "fair_cast"
 
@@ -68,6 +69,16 @@ class FairCastConfig(BaseModel):
     align_rounding: Optional[AlignRoundingConfig] = Field(default=None, description=(
         "Align the trainer's rounding to an inference engine's (absent: off); needs `enabled: true` "
         "(use mode `nearest` to align without changing the cast); see docs/alignment.md."))
+
+    @property
+    def spec(self) -> ModeSpec:
+        """The mode's spec: what the rest of the package asks about the mode (never its name)."""
+        return spec_of(self.mode)
+
+    @property
+    def rule(self) -> CastRule:
+        """How this run casts: the mode's spec and the seed."""
+        return CastRule(self.spec, self.seed)
 
     @classmethod
     def from_section(cls, section: Any) -> "FairCastConfig":

@@ -19,7 +19,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from faircast_ds.config.section import SECTION, FairCastConfig, FairCastConfigError, find_section
+from faircast_ds.config.section import (
+    SECTION,
+    FairCastConfig,
+    FairCastConfigError,
+    find_section,
+)
 
 ENV = "FAIRCAST_DS_CONFIG"
 

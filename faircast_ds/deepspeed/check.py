@@ -56,7 +56,9 @@ def _check_deepspeed(out: _Checklist) -> bool:
         out.error(f"DeepSpeed does not import: {type(exc).__name__}: {exc}")
         return False
     version = deepspeed.__version__
-    from faircast_ds.deepspeed import compat  # the release rules: a supported range and the releases CI runs
+    from faircast_ds.deepspeed import (
+        compat,  # the release rules: a supported range and the releases CI runs
+    )
 
     problem, tested = compat.release_problem(version), tuple(compat.TESTED)
     where = f"supported range deepspeed{compat.SUPPORTED_RANGE}"
@@ -70,7 +72,7 @@ def _check_deepspeed(out: _Checklist) -> bool:
 
 
 def _check_kernels(out: _Checklist) -> None:
-    from faircast_ds.cast import kernels
+    from faircast_ds.casting import kernels
 
     devices = ["cpu"]
     try:

@@ -219,7 +219,7 @@ def register(engine: Any, fair_cast: FairCast, hooks: Any) -> None:
             if not missing:
                 raise FairCastStateError(f"{error}. Set fair_cast.on_missing_state to 'reset' to start the residual "
                                          "at zero instead.")
-            if cfg.mode == "error_feedback":
+            if cfg.spec.residual:
                 raise FairCastStateError(f"{error}. mode=error_feedback keeps its residual and served bits there, "
                                          f"which this checkpoint lacks; {CONVERT_HINT}; or set "
                                          "fair_cast.on_missing_state to 'reset' to start the residual at zero.")
@@ -346,7 +346,7 @@ def _config_cast(cfg: Any, tag_dir: str, missing: bool, error: str | None) -> Sa
     """For a ZeRO-3 module-only load of a checkpoint without (usable) Fair Cast state: this run's cast at
     the checkpoint's step (its step is filled in from DeepSpeed's file during the load)."""
     what = "no Fair Cast state" if missing else f"unusable Fair Cast state ({error})"
-    if cfg.mode == "error_feedback":
+    if cfg.spec.residual:
         dist.log_rank0(f"[fair_cast] WARNING {tag_dir}: {what}; on_missing_state=reset: the model gets "
                        "round-to-nearest of the masters (a zero residual)")
     else:
@@ -373,7 +373,7 @@ def _restore(engine: Any, fair_cast: FairCast, tag_dir: str, state_error: str | 
     step = int(engine.global_steps) - int(engine.skipped_steps)
     reset_state(adapter, caster, step)
     cfg = fair_cast.config
-    if missing and cfg.mode != "error_feedback":
+    if missing and not cfg.spec.residual:
         dist.log_rank0(f"[fair_cast] {tag_dir}: {state_error}; mode={cfg.mode} keeps nothing beyond (mode, seed, "
                        f"step): mode and seed={cfg.seed} taken from this run's config, noise step {step} from the "
                        f"engine (global_steps {engine.global_steps} - skipped_steps {engine.skipped_steps})")

@@ -24,7 +24,13 @@ from typing import Any
 from faircast_ds.deepspeed import compat
 from faircast_ds.shard import guard as _core
 from faircast_ds.shard.adapter import UnsupportedSetupError
-from faircast_ds.shard.guard import SAMPLE_ELEMENTS, SAMPLE_SLICES, _any_rank, _bits, _raise  # noqa: F401 (re-exported)
+from faircast_ds.shard.guard import (  # noqa: F401 (re-exported)
+    SAMPLE_ELEMENTS,
+    SAMPLE_SLICES,
+    _any_rank,
+    _bits,
+    _raise,
+)
 
 
 class Guard(_core.Guard):

@@ -15,7 +15,9 @@ def reader(tag_dir: str) -> Callable[[str], torch.Tensor | None]:
     checkpoint files (a :data:`faircast_ds.tools.inspect.MastersReader`)."""
     tag_dir = os.path.abspath(tag_dir)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs and zero_to_fp32 reports progress on stdout
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils.zero_to_fp32 import (
+            get_fp32_state_dict_from_zero_checkpoint,
+        )
 
         lazy = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir),
                                                         lazy_mode=True)

@@ -23,9 +23,26 @@ from faircast_ds.export.channel import (
                                         WeightSyncError,
 )
 from faircast_ds.export.hf import ExportError, ExportResult, save_hf
-from faircast_ds.export.served import ParamSpec, local_served_slices, served_specs, served_weights
-from faircast_ds.export.source import ModelReader, ServedItem, ServedReader, ServedReport, ServedSource, Walk
-from faircast_ds.export.sync import SyncAborted, SyncReport, WeightReceiver, WeightSender
+from faircast_ds.export.served import (
+                                        ParamSpec,
+                                        local_served_slices,
+                                        served_specs,
+                                        served_weights,
+)
+from faircast_ds.export.source import (
+                                        ModelReader,
+                                        ServedItem,
+                                        ServedReader,
+                                        ServedReport,
+                                        ServedSource,
+                                        Walk,
+)
+from faircast_ds.export.sync import (
+                                        SyncAborted,
+                                        SyncReport,
+                                        WeightReceiver,
+                                        WeightSender,
+)
 
 __all__ = ["AcceptTimeout", "AtomicDirectory", "AuthenticationError", "ChannelError", "ProtocolError", "Refused", "DEFAULT_HOST", "ExportError", "ExportResult", "ModelReader", "ParamSpec", "ServedItem",
            "ServedReader", "ServedReport", "ServedSource", "Walk",

@@ -19,7 +19,12 @@ import torch
 
 from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export.atomic import AtomicDirectory
-from faircast_ds.export.safetensors_stream import SafetensorsFile, TensorEntry, plan_shards, shard_file_names
+from faircast_ds.export.safetensors_stream import (
+    SafetensorsFile,
+    TensorEntry,
+    plan_shards,
+    shard_file_names,
+)
 from faircast_ds.export.served import fair_cast_of, module_of
 from faircast_ds.export.source import ServedSource
 

@@ -39,7 +39,14 @@ import torch.distributed as dist
 
 from faircast_ds._util.dist import _collective_device, rank_world
 from faircast_ds.export import delta as delta_encoding
-from faircast_ds.export.served import LocalSlice, ParamSpec, _checked, local_served_slices, module_of, served_specs
+from faircast_ds.export.served import (
+    LocalSlice,
+    ParamSpec,
+    _checked,
+    local_served_slices,
+    module_of,
+    served_specs,
+)
 from faircast_ds.shard import partitioned
 
 DENSE, DELTA = "dense", "delta"

@@ -30,7 +30,14 @@ from typing import Any
 
 import torch
 
-from faircast_ds.jobs.config import FULL_SEEDS, JOB_MODES, REFERENCE, REGIMES, JobConfig, parse
+from faircast_ds.jobs.config import (
+    FULL_SEEDS,
+    JOB_MODES,
+    REFERENCE,
+    REGIMES,
+    JobConfig,
+    parse,
+)
 from faircast_ds.jobs.tasks import LowTokenTask, group_advantages, sample_token
 
 __all__ = ["FULL_SEEDS", "JOB_MODES", "REFERENCE", "REGIMES", "JobConfig", "parse", "run_one", "main"]
@@ -448,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
 
     quiet()
 
-    from faircast_ds.jobs import plots, report
+    from faircast_ds.jobs import plots, provenance, report
 
     started = time.time()
     deepspeed.init_distributed(dist_backend="gloo" if os.environ.get("DS_ACCELERATOR") == "cpu" else None)
@@ -493,7 +500,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(os.path.join(run_dir, "results.md"), "w") as f:
             f.write(table)
         with open(os.path.join(run_dir, "run.json"), "w") as f:
-            json.dump({"config": cfg.to_json(), "world_size": world, "wall_s": wall, "finals": finals}, f, indent=1)
+            json.dump({"config": cfg.to_json(), "world_size": world, "wall_s": wall, "finals": finals,
+                       "provenance": provenance.record()}, f, indent=1)
         text = report.summary_text(summaries, cfg, world, wall, run_dir, rows)
         with open(os.path.join(run_dir, "summary.txt"), "w") as f:
             f.write(text + "\n")

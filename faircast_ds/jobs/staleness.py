@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from faircast_ds.cast.modes import MODES
+from faircast_ds.casting.modes import MODES
 
 
 def build_model(hidden: int, layers: int, vocab: int, seed: int) -> torch.nn.Module:

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from faircast_ds.megatron.layout import global_names
+from faircast_ds.megatron.layout import global_names, split_of
 from faircast_ds.megatron.shards import ParamShard, fp32_shards, low_precision_shards
 from faircast_ds.shard.adapter import Adapter, Setup
 from faircast_ds.shard.caster import ShardCaster, ShardSlice

@@ -7,7 +7,11 @@ from typing import Any, Mapping
 
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.megatron import guard
-from faircast_ds.megatron.adapters import MegatronAdapter, distributed_optimizers, parameter_names
+from faircast_ds.megatron.adapters import (
+    MegatronAdapter,
+    distributed_optimizers,
+    parameter_names,
+)
 from faircast_ds.megatron.hook import megatron_has_cast_hook
 from faircast_ds.megatron.support import check_supported
 from faircast_ds.shard import routes

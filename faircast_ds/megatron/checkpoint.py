@@ -35,7 +35,12 @@ import torch
 
 from faircast_ds._util import dist
 from faircast_ds.shard.handle import FairCast
-from faircast_ds.shard.state import FORMAT, FairCastStateError, MissingStateError, cast_mismatch
+from faircast_ds.shard.state import (
+    FORMAT,
+    FairCastStateError,
+    MissingStateError,
+    cast_mismatch,
+)
 
 PREFIX = "fair_cast"
 
@@ -58,7 +63,9 @@ def _tp(param: Any) -> tuple[int, int, bool]:
 def _model_space(model_sharded_state_dict: Any) -> dict:
     """parameter -> its ShardedTensor (or factory) in the model's sharded state dict."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+    from megatron.core.dist_checkpointing.utils import (
+        extract_sharded_tensors_and_factories,
+    )
 
     tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     return {sh.data: sh for sh in nested_values(tensors)}
@@ -115,7 +122,7 @@ def sharded_state_dict(fair_cast: FairCast, model_sharded_state_dict: Any = None
     cfg = fair_cast.config
     state: dict[str, Any] = {"format": FORMAT, "mode": cfg.mode, "seed": cfg.seed,
                              "step": max((a.caster.step for a in fair_cast.adapters), default=0)}
-    if cfg.mode != "error_feedback":
+    if not cfg.spec.residual:
         return state
     residual = {}
     if model_sharded_state_dict is not None:
@@ -152,7 +159,7 @@ def load_state_dict(fair_cast: FairCast, state: Mapping[str, Any] | None, *, ste
     cfg = fair_cast.config
     if state is None:
         problem = "no Fair Cast state in this checkpoint (saved without faircast_ds.megatron.checkpoint's entry)"
-        if cfg.mode != "error_feedback" and step is not None:
+        if not cfg.spec.residual and step is not None:
             _set(fair_cast, step, clear=True)
             dist.log_rank0(f"[fair_cast] {problem}; mode={cfg.mode} keeps nothing beyond (mode, seed, step): mode and "
                            f"seed={cfg.seed} from this run's config, noise step {step} as given")
@@ -165,7 +172,7 @@ def load_state_dict(fair_cast: FairCast, state: Mapping[str, Any] | None, *, ste
             dist.log_rank0(f"[fair_cast] WARNING {problem}; on_missing_state=reset: residual starts at zero, noise step "
                            f"{step or 0}")
             return step or 0
-        hint = "" if cfg.mode == "error_feedback" else "pass step= (the optimizer steps taken) to recover it, or "
+        hint = "" if cfg.spec.residual else "pass step= (the optimizer steps taken) to recover it, or "
         raise MissingStateError(f"{problem}; {hint}set fair_cast.on_missing_state to 'reset' to start the residual "
                                 "at zero instead")
     if state.get("format") != FORMAT:
@@ -173,7 +180,7 @@ def load_state_dict(fair_cast: FairCast, state: Mapping[str, Any] | None, *, ste
     mismatch = cast_mismatch(state, cfg, "the checkpoint")
     if mismatch is not None:
         raise FairCastStateError(mismatch)
-    if cfg.mode == "error_feedback":
+    if cfg.spec.residual:
         residual = state.get("residual") or {}
         for adapter in fair_cast.adapters:
             for key, main, _, _ in adapter.flat_groups():

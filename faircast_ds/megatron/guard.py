@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from faircast_ds.cast.rules import cast
+from faircast_ds.casting.rules import cast
 from faircast_ds.megatron import compat
 from faircast_ds.shard.adapter import UnsupportedSetupError
 from faircast_ds.shard.guard import Guard
@@ -95,7 +95,7 @@ def check_after_load(fair_cast: FairCast, site: str) -> None:
     collective); nothing for ``error_feedback`` (see the module docstring)."""
     cfg = fair_cast.config
     for g in guards(fair_cast):
-        if cfg.mode == "error_feedback":
+        if cfg.spec.residual:
             g.full_pending = True  # the next step's check reads everything again
             continue
         g.prepare(full=True)

@@ -15,8 +15,9 @@ from typing import Hashable, Protocol, Sequence
 
 import torch
 
-from faircast_ds.cast.modes import uses_noise
-from faircast_ds.cast.rules import bf16_bits, cast, cast_into
+from faircast_ds.casting.bits import bf16_bits
+from faircast_ds.casting.modes import CastRule
+from faircast_ds.casting.rules import cast_into_with, cast_with
 from faircast_ds.config.section import FairCastConfig
 
 
@@ -148,6 +149,10 @@ class ShardCaster:
     checking: bool = True  # False inside unchecked(): non-finite served weights are noted, not raised
     suppressed: NonFiniteWeightError | None = None  # the first one noted while unchecked
     _pending: NonFiniteWeightError | None = field(default=None, repr=False)
+    rule: CastRule = field(init=False, repr=False)  # what every slice is cast with: the mode's spec and the seed
+
+    def __post_init__(self) -> None:
+        self.rule = self.config.rule
 
     @contextmanager
     def unchecked(self):
@@ -169,7 +174,7 @@ class ShardCaster:
 
     def residual_for(self, key: Hashable, master: torch.Tensor) -> torch.Tensor | None:
         """The error-feedback residual of one flat shard (created as zeros on first use)."""
-        if self.config.mode != "error_feedback":
+        if not self.config.spec.residual:
             return None
         res = self.residuals.get(key)
         if res is None:
@@ -238,11 +243,10 @@ class ShardCaster:
         """One parameter slice into ``out``: the fused kernel for a contiguous run of the parameter; for
         a slice with index runs (and a mode that draws noise) the eager cast, its noise keyed by each
         element's own index in the parameter."""
-        cfg = self.config
-        if s.runs is None or not uses_noise(cfg.mode):  # nearest / error_feedback: no index in the result
-            return cast_into(out, src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name, start=s.start,
-                             residual=residual)
-        served = cast(src, cfg.mode, seed=cfg.seed, step=self.step, name=s.name, index=s.indices(src.device))
+        rule = self.rule
+        if s.runs is None or not rule.spec.uses_noise:  # a mode without noise: no index in the result
+            return cast_into_with(rule, out, src, step=self.step, name=s.name, start=s.start, residual=residual)
+        served = cast_with(rule, src, step=self.step, name=s.name, index=s.indices(src.device))
         served = served.to(out.device)
         changed = int((bf16_bits(out) != bf16_bits(served)).sum())
         nonfinite = int((~torch.isfinite(served)).sum())

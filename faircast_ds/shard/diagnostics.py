@@ -26,8 +26,8 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from faircast_ds._util import dist
-from faircast_ds.cast.noise import MASK32, mix32_, name_id
-from faircast_ds.cast.rules import bf16_spacing
+from faircast_ds.casting.bits import bf16_spacing
+from faircast_ds.casting.noise import MASK32, mix32_, name_id
 from faircast_ds.config.section import DiagnosticsConfig
 from faircast_ds.shard.caster import CastStats, ShardSlice
 

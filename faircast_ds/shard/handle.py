@@ -105,7 +105,7 @@ def build(config: FairCastConfig, adapters: list[Adapter], *, route: RouteKind, 
     rounding-location alignment. ``model_numel``: elements of the whole model, for the diagnostics'
     sample (diagnostics need exactly one adapter). ``source``: where the section came from (the banner says it).
     """
-    from faircast_ds.cast import kernels
+    from faircast_ds.casting import kernels
 
     for i, adapter in enumerate(adapters):
         try:

@@ -26,7 +26,9 @@ from typing import Any, Mapping
 
 import torch
 
-from faircast_ds.cast.rules import bf16_from_bits, cast
+from faircast_ds.casting.bits import bf16_from_bits
+from faircast_ds.casting.modes import spec
+from faircast_ds.casting.rules import cast
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.shard.adapter import Adapter
 from faircast_ds.shard.caster import ShardCaster
@@ -85,7 +87,7 @@ def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int
     the framework's step counter, checked against its own files at load time."""
     complete_step(adapter, caster)  # never a served copy half of one step and half of the next
     cfg = caster.config
-    keep_values = cfg.mode == "error_feedback"
+    keep_values = cfg.spec.residual
     groups = [(key, served, [s for s in group_slices if not s.is_padding])
               for key, _, served, group_slices in adapter.flat_groups()]
     total = sum(s.numel for _, _, parts in groups for s in parts) if keep_values else 0
@@ -214,7 +216,7 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
     check_engine_step(records, tag_dir, engine_step)
     step = int(first["step"])
     index = _index(records)
-    values = cfg.mode == "error_feedback"
+    values = cfg.spec.residual
     verified: set[tuple[str, int]] = set()
     for key, master, served, group_slices in adapter.flat_groups():
         residual = caster.residual_for(key, master)
@@ -249,7 +251,7 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
 @torch.no_grad()
 def publish_restored(adapter: Adapter, caster: ShardCaster) -> None:
     """Collective second half of a restore: make the model serve exactly what it served at save time."""
-    if caster.config.mode == "error_feedback":
+    if caster.config.spec.residual:
         for key, _, served, slices in adapter.flat_groups():  # written by the restore, not a cast: still ours
             caster.restored(key, served, slices)
         adapter.publish()  # the saved served bits are already in the shards
@@ -291,7 +293,7 @@ class SavedCast:
     @torch.no_grad()
     def served(self, name: str, master: torch.Tensor) -> torch.Tensor:
         flat = master.detach().reshape(-1).to(torch.float32)
-        if self.mode == "error_feedback" and self.records is not None:
+        if spec(self.mode).residual and self.records is not None:
             bits = torch.full((flat.numel(),), -1, dtype=torch.int64)
             covered = 0
             for p in self._index.get(name, []):
@@ -302,8 +304,8 @@ class SavedCast:
                 raise FairCastStateError(f"the checkpoint's Fair Cast state covers {covered} of {flat.numel()} "
                                          f"elements of {name}")
             out = bf16_from_bits(bits)
-        elif self.mode == "error_feedback":  # no saved residual: what a zero residual serves
-            out = flat.to(torch.bfloat16)
+        elif spec(self.mode).residual:  # no saved residual: what a zero residual serves
+            out = spec(self.mode).rule(flat, None, torch.zeros_like(flat))
         else:
             out = cast(flat, self.mode, seed=self.seed, step=self.step, name=name, start=0)
         return out.reshape(master.shape)

@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     pred.add_argument("--weight-decay", type=float, help="decoupled weight decay (default: the checkpoint's, else 0)")
     pred.add_argument("--steps", type=int, help="also predict the mean lag and changed fraction over a run this long")
     pred.add_argument("--json", action="store_true", help="print one JSON object")
-    from faircast_ds.tools.bench import casts as bench  # no torch import until the benchmark runs
+    from faircast_ds.tools.bench import (
+        casts as bench,  # no torch import until the benchmark runs
+    )
 
     bench.add_arguments(sub.add_parser("bench", help="time each cast against a plain bf16.copy_ of the same "
                                                      "tensor, eager and fused paths side by side (one table)"))

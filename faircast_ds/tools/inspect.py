@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 import torch
 
-from faircast_ds.cast.rules import bf16_from_bits, bf16_spacing
+from faircast_ds.casting.bits import bf16_from_bits, bf16_spacing
+from faircast_ds.casting.modes import spec
 from faircast_ds.export.hf import EXPORT_FORMAT, MANIFEST
 from faircast_ds.export.safetensors_stream import read_header, read_tensor
 from faircast_ds.shard.state import FairCastStateError, read_records, state_dir
@@ -93,7 +94,7 @@ def inspect_checkpoint(tag_dir: str, by: str = "type") -> dict[str, Any]:
         files += 1
         info = {k: record.get(k) for k in ("mode", "seed", "step", "zero_stage", "world_size")}
         residual, served = record["residual"], record["served"]
-        has_values = record["mode"] == "error_feedback" and residual.numel() > 0
+        has_values = spec(record["mode"]).residual and residual.numel() > 0
         offset = 0
         for entry in record["slices"]:
             acc = groups[group_of(entry["name"], by)]

@@ -24,7 +24,6 @@ builds tensors and containers and stands in for DeepSpeed's own classes (an enum
 """
 from __future__ import annotations
 
-import collections
 import glob
 import json
 import math
@@ -37,7 +36,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from faircast_ds.cast.rules import bf16_spacing
+from faircast_ds.casting.bits import bf16_spacing
 
 # Steps at which the first-change histogram is cut: weights not changed by then count as "not yet".
 HORIZON_CAP = 1 << 17

@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 
 from faircast_ds._util import dist
-from faircast_ds.cast.rules import cast
+from faircast_ds.casting.modes import spec
+from faircast_ds.casting.rules import cast
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.shard.adapter import UnsupportedSetupError
 from faircast_ds.shard.handle import FairCast, get_fair_cast
@@ -41,9 +42,9 @@ def lora_layers(model: Any) -> list[tuple[str, Any]]:
 
 
 def _refuse(mode: str) -> None:
-    if mode == "error_feedback":
+    if spec(mode).residual:
         raise UnsupportedSetupError(
-            "fair_cast LoRA merge: mode error_feedback carries a residual per served shard, and a merged weight "
+            f"fair_cast LoRA merge: mode {mode} carries a residual per served shard, and a merged weight "
             "has none; pass mode='stochastic' (or 'dither', 'nearest') to install_lora_merge")
 
 

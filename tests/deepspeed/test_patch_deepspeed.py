@@ -21,7 +21,8 @@ import pytest
 import torch
 from conftest import DIST, ROOT, cpu_env, deepspeed_launch
 
-from faircast_ds.cast.rules import bf16_bits, cast
+from faircast_ds.casting.bits import bf16_bits
+from faircast_ds.casting.rules import cast
 from faircast_ds.shard.routes import ROUTES, Route
 
 PATCH = ROOT / "patches" / "deepspeed-0.19.8-fair-cast.patch"

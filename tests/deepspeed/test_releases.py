@@ -23,8 +23,10 @@ import pytest
 import torch
 from conftest import DIST, ROOT, deepspeed_launch
 
-from faircast_ds.cast.noise import name_id
-from faircast_ds.cast.rules import MODES, bf16_bits, cast
+from faircast_ds.casting.noise import name_id
+from faircast_ds.casting.bits import bf16_bits
+from faircast_ds.casting.modes import MODES
+from faircast_ds.casting.rules import cast
 from faircast_ds.deepspeed import compat
 
 sys.path.insert(0, str(DIST))

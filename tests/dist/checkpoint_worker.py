@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ds_config, finish, full_served_bits, tiny_qwen3, train_step, write_json  # noqa: E402
 
-from faircast_ds.cast.rules import bf16_bits, cast, fp32_bits  # noqa: E402
+from faircast_ds.casting.bits import bf16_bits, fp32_bits
+from faircast_ds.casting.rules import cast  # noqa: E402
 
 COMBOS = [("zero3", "stochastic"), ("zero3", "error_feedback"), ("zero3", "dither"), ("zero3", "nearest"),
           ("zero2", "error_feedback"), ("zero1", "error_feedback"), ("bf16_optimizer", "error_feedback"),

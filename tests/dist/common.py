@@ -70,7 +70,7 @@ def full_served_bits(engine: Any) -> dict[str, torch.Tensor]:
     """Every parameter's served bf16 bits (gathered under ZeRO-3), keyed by name."""
     import deepspeed
 
-    from faircast_ds.cast.rules import bf16_bits
+    from faircast_ds.casting.bits import bf16_bits
 
     params = dict(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), enabled=engine.zero_optimization_stage() == 3):
@@ -82,7 +82,7 @@ def gather_shards(fc: Any, numels: dict[str, int]) -> tuple[dict[str, torch.Tens
     slices in one collective (test-only: Fair Cast itself never gathers fp32)."""
     import deepspeed.comm as dist
 
-    from faircast_ds.cast.rules import bf16_bits
+    from faircast_ds.casting.bits import bf16_bits
 
     pieces = [(s.name, s.start, master[s.offset:s.offset + s.numel].detach().clone(),
                bf16_bits(served[s.offset:s.offset + s.numel].detach()))

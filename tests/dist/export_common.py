@@ -38,7 +38,7 @@ def digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def bits_digest(bits: dict[str, torch.Tensor]) -> str:
     """The same digest from `common.full_served_bits` (int64 bf16 bit patterns)."""
-    from faircast_ds.cast.rules import bf16_from_bits
+    from faircast_ds.casting.bits import bf16_from_bits
 
     return digest((n, bf16_from_bits(b)) for n, b in bits.items())
 

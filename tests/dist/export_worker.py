@@ -28,7 +28,8 @@ from export_common import bits_digest, greedy  # noqa: E402
 from faircast_ds.models.builders import tiny_qwen3  # noqa: E402  (as from_pretrained(dtype=bfloat16) builds it)
 
 import faircast_ds  # noqa: E402
-from faircast_ds.cast.rules import MODES, bf16_bits, fp32_bits  # noqa: E402
+from faircast_ds.casting.bits import bf16_bits, fp32_bits
+from faircast_ds.casting.modes import MODES  # noqa: E402
 from faircast_ds.export import WeightSender, save_hf, served_specs, served_weights  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]

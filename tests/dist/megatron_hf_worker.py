@@ -143,7 +143,7 @@ def oracle_hf(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def run_layout(tp: int, pp: int) -> dict:
     from megatron.core import parallel_state as ps
 
-    from faircast_ds.cast.rules import bf16_bits
+    from faircast_ds.casting.bits import bf16_bits
     from faircast_ds.export.source import ServedSource
     from faircast_ds.megatron.reader import MegatronHFReader
 

@@ -9,7 +9,7 @@ per stage``), split per layout by the worker's own ``torch.chunk`` (SwiGLU's fc1
 then Megatron's main->model copy (Fair Cast's route: ``ROUTE`` runtime, or hook on a patched copy) and its
 param all-gather serve them. Rank 0
 reassembles every full parameter from all ranks' local served tensors with ``torch.cat`` and compares it
-with ``faircast_ds.cast.reference.cast_reference`` of the full master keyed by the full name (error feedback:
+with ``faircast_ds.casting.reference.cast_reference`` of the full master keyed by the full name (error feedback:
 the reference's residual carried per full parameter), and writes the full served bits for the
 cross-layout comparison (``bits_<tp>x<pp>x<dp>.pt``) and a report (``layouts.json``). Nothing of Fair
 Cast's own mapping (``faircast_ds.megatron.layout``) is used here.
@@ -29,9 +29,9 @@ megatron_cpu.enable()
 
 from common import deterministic_master  # noqa: E402
 
-from faircast_ds.cast.rules import bf16_bits  # noqa: E402
-from faircast_ds.cast.noise import name_id  # noqa: E402
-from faircast_ds.cast.reference import cast_reference  # noqa: E402
+from faircast_ds.casting.bits import bf16_bits  # noqa: E402
+from faircast_ds.casting.noise import name_id  # noqa: E402
+from faircast_ds.casting.reference import cast_reference  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
 # "tp,pp" or "tp,pp,vp" (vp: virtual pipeline stages, model chunks per rank)

@@ -3,7 +3,7 @@ gloo, launched by torchrun for tests/megatron/test_megatron.py. ROUTE=runtime re
 runtime; ROUTE=hook runs on a patched Megatron-Core copy (put first on PYTHONPATH by the test).
 
 Every case starts from the same model and deterministic fp32 main values and takes a few steps. Each
-rank checks its own shards against ``faircast_ds.cast`` of its main shards; rank 0 checks the
+rank checks its own shards against ``faircast_ds.casting`` of its main shards; rank 0 checks the
 all-gathered parameters against the cast of the full fp32 parameter (the bits do not depend on where
 the shards were cut) and saves every parameter's served bits for the cross-route comparison.
 
@@ -27,8 +27,9 @@ megatron_cpu.enable()
 
 from common import deterministic_master  # noqa: E402
 
-from faircast_ds.cast.rules import bf16_bits, cast  # noqa: E402
-from faircast_ds.cast.noise import name_id  # noqa: E402
+from faircast_ds.casting.bits import bf16_bits
+from faircast_ds.casting.rules import cast  # noqa: E402
+from faircast_ds.casting.noise import name_id  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
 ROUTE = os.environ["ROUTE"]  # "runtime" or "hook"

@@ -37,7 +37,7 @@ from common import deterministic_master, finish, full_served_bits, tiny_qwen3, t
 from preflight import exit_without_finalizing, report_nodes  # noqa: E402
 
 from faircast_ds import get_fair_cast  # noqa: E402
-from faircast_ds.cast.noise import name_id  # noqa: E402
+from faircast_ds.casting.noise import name_id  # noqa: E402
 
 
 def build(config_path: str, lr: float, **extra):

@@ -25,8 +25,8 @@ from common import (deterministic_master, ds_config, finish, full_served_bits, g
                     tiny_qwen3, train_step, write_json)
 
 from faircast_ds.shard.handle import get_fair_cast  # noqa: E402
-from faircast_ds.cast.rules import bf16_bits  # noqa: E402
-from faircast_ds.cast.noise import name_id  # noqa: E402
+from faircast_ds.casting.bits import bf16_bits  # noqa: E402
+from faircast_ds.casting.noise import name_id  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
 ROUTE = os.environ["ROUTE"]  # "runtime" or "patched"

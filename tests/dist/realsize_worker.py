@@ -7,7 +7,7 @@ writes what it checked to OUT_DIR/rank<r>.json; the test asserts on it.
   published init (normal, std 0.02, a function of (seed, name)) at its place in the parameter;
 - after every step: this rank's served bits are cast(master) for every element of its shard, by an
   oracle written here from the rounding rule (float64 value comparisons, its own hash from the noise
-  specification), itself checked on a sample against faircast_ds.cast.reference.cast_reference;
+  specification), itself checked on a sample against faircast_ds.casting.reference.cast_reference;
 - the engine push: a receiver (its own tensors, a thread of rank 0, over the weight-sync channel) takes
   a dense push after step 1 and a delta push after step 2; its bits = the served bits, every element;
   the export (save_hf) of the last step holds the served bits too;
@@ -34,17 +34,17 @@ from faircast_ds import get_fair_cast  # noqa: E402
 from faircast_ds.export import WeightReceiver, WeightSender, save_hf, served_weights  # noqa: E402
 from faircast_ds.deepspeed.zero_init import real_causal_lm  # noqa: E402
 from faircast_ds.models.builders import _initial_values  # noqa: E402
-from faircast_ds.cast.reference import cast_reference  # noqa: E402
+from faircast_ds.casting.reference import cast_reference  # noqa: E402
 
 MODE, SEED, LAYERS = "dither", 4321, 2
-STREAM = 2  # the dither stream of the noise specification (faircast_ds/cast/modes.py), keyed by step 0
+STREAM = 2  # the dither stream of the noise specification (faircast_ds/casting/modes.py), keyed by step 0
 CHUNK = 1 << 22  # elements the oracle works on at once (float64 temporaries of ~40 bytes per element)
 
 
 # ---------------------------------------------------------------- the oracle (no product code)
 
 def _mix32(x: np.ndarray) -> np.ndarray:
-    """mix32 of the specification (faircast_ds/cast/noise.py's docstring), on uint64 arrays in [0, 2^32)."""
+    """mix32 of the specification (faircast_ds/casting/noise.py's docstring), on uint64 arrays in [0, 2^32)."""
     m = np.uint64(0xFFFFFFFF)
     x = x ^ (x >> np.uint64(16))
     x = (x * np.uint64(0x21F0AAAD)) & m
@@ -115,7 +115,7 @@ def check_shard(fc, step: int) -> dict:
 
 
 def oracle_against_reference(fc, step: int, count: int = 3000) -> int:
-    """The vectorized oracle agrees with faircast_ds.cast.reference on a random sample of this shard
+    """The vectorized oracle agrees with faircast_ds.casting.reference on a random sample of this shard
     (the reference is a Python loop: a sample only). Returns the number of disagreements."""
     gen = np.random.default_rng(step)
     disagree = 0

@@ -27,7 +27,8 @@ from common import finish, train_step, write_json  # noqa: E402
 from stages_worker import build, set_deterministic_masters  # noqa: E402
 
 from faircast_ds.shard.adapter import UnsupportedSetupError  # noqa: E402
-from faircast_ds.cast.rules import MODES, bf16_bits  # noqa: E402
+from faircast_ds.casting.bits import bf16_bits
+from faircast_ds.casting.modes import MODES  # noqa: E402
 from faircast_ds.deepspeed import compat  # noqa: E402
 from faircast_ds.shard.caster import STAGING_ENV  # noqa: E402
 

@@ -19,8 +19,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (batch, deterministic_master, ds_config, finish, full_served_bits, optimizer_class,  # noqa: E402
                     tensors_in, tiny_qwen3, train_step, write_json)
 
-from faircast_ds.cast.rules import MODES, bf16_bits, cast, fp32_bits  # noqa: E402
-from faircast_ds.cast.noise import name_id  # noqa: E402
+from faircast_ds.casting.bits import bf16_bits, fp32_bits
+from faircast_ds.casting.modes import MODES
+from faircast_ds.casting.rules import cast  # noqa: E402
+from faircast_ds.casting.noise import name_id  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
 STEPS = 4

@@ -23,7 +23,8 @@ import pytest
 import torch
 from conftest import DIST, ROOT, cpu_env, free_port, run_logged
 
-from faircast_ds.cast.rules import bf16_bits, cast
+from faircast_ds.casting.bits import bf16_bits
+from faircast_ds.casting.rules import cast
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.megatron.adapters import MegatronAdapter
 from faircast_ds.megatron.shards import low_precision_shards, param_shard

@@ -100,7 +100,7 @@ def test_hf_tensors_are_the_served_parameters_reassembled(launch, tag):
 @pytest.mark.slow
 @pytest.mark.parametrize("tag", LAYOUT_TAGS)
 def test_served_parameters_are_the_reference_cast_of_the_masters(launch, tag):
-    from faircast_ds.cast.reference import cast_reference
+    from faircast_ds.casting.reference import cast_reference
 
     saved = torch.load(launch / f"masters_{tag}.pt")
     assert len(saved["masters"]) == 19  # Megatron parameters: 8 per layer, embedding, final norm, output layer

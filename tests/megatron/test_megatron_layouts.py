@@ -19,7 +19,7 @@ import torch
 from conftest import DIST, ROOT, cpu_env, free_port, run_logged
 from test_megatron import needs_megatron, patched_megatron  # noqa: F401  (the patched copy: a fixture)
 
-from faircast_ds.cast.reference import cast_reference
+from faircast_ds.casting.reference import cast_reference
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.megatron.layout import TensorSplit, global_names
 from faircast_ds.shard.caster import ShardCaster

@@ -16,7 +16,9 @@ from typing import Hashable, Iterator
 import pytest
 import torch
 
-from faircast_ds.cast.rules import MODES, bf16_bits, cast, fp32_bits
+from faircast_ds.casting.bits import bf16_bits, fp32_bits
+from faircast_ds.casting.modes import MODES
+from faircast_ds.casting.rules import cast
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.shard import state as checkpoint
 from faircast_ds.shard.adapter import Adapter, Setup

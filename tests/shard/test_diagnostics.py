@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import DIST, deepspeed_launch
 
-from faircast_ds.cast.rules import bf16_spacing
+from faircast_ds.casting.bits import bf16_spacing
 
 pytestmark = pytest.mark.slow
 HORIZON = 64
@@ -149,7 +149,7 @@ def report_lines(log: str, mode: str) -> dict[int, tuple[str, ...]]:
 
 def spacing_of(s: torch.Tensor) -> torch.Tensor:
     """The bf16 spacing at each fp32-held bf16 value: 2^(e - 8) for |s| = m 2^e with 0.5 <= m < 1; 2^-133
-    (the subnormal spacing) below 2^-126 and at 0. Written here, not faircast_ds.cast.rules.bf16_spacing."""
+    (the subnormal spacing) below 2^-126 and at 0. Written here, not faircast_ds.casting.bits.bf16_spacing."""
     _, exponent = torch.frexp(s)
     return torch.where(s.abs() < 2.0**-126, torch.tensor(2.0**-133), torch.ldexp(torch.ones_like(s), exponent - 8))
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faircast_ds.cast.reference import cast_reference
-from faircast_ds.cast.rules import MODES, bf16_bits, cast, fp32_bits
+from faircast_ds.casting.reference import cast_reference
+from faircast_ds.casting.bits import bf16_bits, fp32_bits
+from faircast_ds.casting.modes import MODES
+from faircast_ds.casting.rules import cast
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.shard import caster as shard_caster
 from faircast_ds.shard.caster import CastStats, NonFiniteWeightError, ShardCaster, ShardSlice, with_padding
@@ -40,7 +42,7 @@ def param_mask(slices) -> torch.Tensor:
 
 
 def expected(master: torch.Tensor, slices, mode: str, step: int, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """What the served flat shard must hold: the reference cast (faircast_ds.cast.reference: its own statement
+    """What the served flat shard must hold: the reference cast (faircast_ds.casting.reference: its own statement
     of the noise and of each mode's rounding, no product code) of every parameter slice at its own
     (name, start), DeepSpeed's round-to-nearest copy on padding. ``residual`` (flat, error feedback) is
     updated."""
@@ -184,20 +186,20 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 def fused_only(monkeypatch):
     """Fail if a cast falls back to the eager torch path (the staged route must use the fused kernel), and
     record every ``cast_into`` the caster makes: (output tensor, name)."""
-    from faircast_ds.cast import kernels
-    from faircast_ds.cast import rules as casts
+    from faircast_ds.casting import kernels
+    from faircast_ds.casting import rules as casts
 
     if kernels.backend_for(torch.device("cpu")) != "cpp":
         pytest.skip("the fused CPU kernel cannot be built here")
-    monkeypatch.setattr(casts, "cast", lambda *a, **k: pytest.fail("eager path taken"))
+    monkeypatch.setattr(casts, "cast_with", lambda *a, **k: pytest.fail("eager path taken"))
     calls = []
-    real = shard_caster.cast_into
+    real = shard_caster.cast_into_with
 
-    def recording(out, x, *a, **k):
+    def recording(rule, out, x, *a, **k):
         calls.append((out, k["name"]))
-        return real(out, x, *a, **k)
+        return real(rule, out, x, *a, **k)
 
-    monkeypatch.setattr(shard_caster, "cast_into", recording)
+    monkeypatch.setattr(shard_caster, "cast_into_with", recording)
     return calls
 
 

@@ -39,7 +39,7 @@ def _peak_growth(setup: str, call: str) -> dict:
 # ---------------------------------------------------------------- the diagnostics' sample selection
 
 def _independent_hash(i: int, salt: int) -> int:
-    """mix32((i mod 2^32) ^ salt), written from the specification in faircast_ds/cast/noise.py's docstring."""
+    """mix32((i mod 2^32) ^ salt), written from the specification in faircast_ds/casting/noise.py's docstring."""
     x = (i & 0xFFFFFFFF) ^ salt
     x ^= x >> 16
     x = (x * 0x21F0AAAD) & 0xFFFFFFFF
@@ -102,7 +102,7 @@ def test_diagnostics_report_memory_is_bounded_by_the_chunk_not_the_shard():
 def test_in_place_mix32_matches_the_allocating_one():
     import torch
 
-    from faircast_ds.cast.noise import MASK32, mix32, mix32_
+    from faircast_ds.casting.noise import MASK32, mix32, mix32_
 
     x = torch.randint(0, 1 << 32, (10_000,), dtype=torch.int64, generator=torch.Generator().manual_seed(5))
     x[:3] = torch.tensor([0, MASK32, 1 << 31])
@@ -153,7 +153,7 @@ def test_error_feedback_save_holds_the_payload_and_little_more():
 def test_error_feedback_state_round_trips_after_the_in_place_save(tmp_path):
     import torch
 
-    from faircast_ds.cast.rules import bf16_bits
+    from faircast_ds.casting.bits import bf16_bits
     from faircast_ds.config.section import FairCastConfig
     from faircast_ds.shard.adapter import Adapter
     from faircast_ds.shard.caster import ShardCaster, ShardSlice

@@ -3,7 +3,7 @@
 a Ray actor with the ``faircast`` weight-transfer backend, and updates through vLLM's
 ``RayVLLMWeightSyncClient``: after a dense and two delta updates the engine computes with the served
 bits, each element equal to the oracle's cast of DeepSpeed's fp32 master at that step
-(``faircast_ds.cast.reference`` through tests/served_oracle.py), read back from the kernels by the actors'
+(``faircast_ds.casting.reference`` through tests/served_oracle.py), read back from the kernels by the actors'
 own code (tests/dist/ray_actors.py).
 
 One local Ray instance for the module (3 CPUs, an 80 MiB object store, no dashboard, loopback),

@@ -32,7 +32,7 @@ def test_built_partitioned_under_zero_init_at_the_published_init(ranks):
 def test_served_bits_are_the_oracle_cast_of_every_master_element(ranks):
     shard = 0
     for r in ranks[1]:
-        assert r["reference_disagreements"] == 0  # the vectorized oracle against faircast_ds.cast.reference
+        assert r["reference_disagreements"] == 0  # the vectorized oracle against faircast_ds.casting.reference
         for check in r["checks"] + [r["after_resume"]]:
             assert check["wrong"] == 0, check["first"]
         shard += r["checks"][0]["checked"]

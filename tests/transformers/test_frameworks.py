@@ -131,7 +131,7 @@ def test_find_handle_reaches_the_handle_through_the_trainers_optimizer_wrappers(
 
 
 def test_lora_merge_round_to_nearest_loses_small_updates_fair_cast_keeps_them():
-    from faircast_ds.cast.rules import bf16_spacing
+    from faircast_ds.casting.bits import bf16_spacing
     from faircast_ds.transformers import install_lora_merge, lora_layers
 
     model = _lora_model(4e-6)

@@ -25,12 +25,16 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import torch
 
-from faircast_ds.cast.modes import MODES  # torch-free: the command line stays fast
+from faircast_ds.casting.modes import (
+    MODES,  # torch-free: the command line stays fast
+    spec,
+)
 from faircast_ds.tools.bench.table import columns
 
 DEFAULT_SIZES = (1 << 20, 16 << 20, 64 << 20)
 GOALS = {"stochastic": 1.3, "dither": 1.3, "error_feedback": 2.5}  # fused / RN copy_
 TORCHAO_GOAL = 10.0  # torchao SR / fused stochastic
+TORCHAO_COUNTERPART = ("stochastic",)  # the modes torchao's SR cast is timed beside
 
 
 @dataclass
@@ -76,7 +80,7 @@ def _time_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
 
 @contextlib.contextmanager
 def _backend(name: str):  # type: ignore[no-untyped-def]
-    from faircast_ds.cast.kernels import ENV_VAR
+    from faircast_ds.casting.kernels import ENV_VAR
 
     before = os.environ.get(ENV_VAR)
     os.environ[ENV_VAR] = name
@@ -131,8 +135,8 @@ def run(sizes: tuple[int, ...] = DEFAULT_SIZES, *, modes: tuple[str, ...] = MODE
     """Measure every (size, mode); see the module docstring."""
     import torch
 
-    from faircast_ds.cast import kernels
-    from faircast_ds.cast.rules import cast_into
+    from faircast_ds.casting import kernels
+    from faircast_ds.casting.rules import cast_into
 
     report = Report(threads=torch.get_num_threads(), machine=_machine(), load_before=_loadavg())
     t0 = time.perf_counter()
@@ -146,7 +150,7 @@ def run(sizes: tuple[int, ...] = DEFAULT_SIZES, *, modes: tuple[str, ...] = MODE
         residual = torch.zeros(n)
         rn_best = float("inf")
         for mode in modes:
-            res = residual if mode == "error_feedback" else None
+            res = residual if spec(mode).residual else None
             kw = dict(seed=1, step=2, name="bench.w", residual=res)
             # Alternate copy and fused runs so both see the same machine state.
             fused_best = float("inf")
@@ -161,7 +165,7 @@ def run(sizes: tuple[int, ...] = DEFAULT_SIZES, *, modes: tuple[str, ...] = MODE
                 with _backend("eager"):
                     row.eager_ms = _time_ms(lambda: cast_into(out, x, mode, **kw), 1 if big else eager_repeats,
                                             warmup=0 if big else 1)
-            if sr is not None and mode == "stochastic":
+            if sr is not None and mode in TORCHAO_COUNTERPART:
                 row.torchao_ms = _time_ms(lambda: out.copy_(sr(x)), min(repeats, 3))
             report.rows.append(row)
             log(f"  measured {n:>10,} {mode}")
@@ -196,7 +200,8 @@ def run_offload(sizes: tuple[int, ...] = DEFAULT_SIZES[:2], *, modes: tuple[str,
     forced on the CPU (``force_staging``), which times the same code with a host-to-host copy."""
     import torch
 
-    from faircast_ds.cast.rules import bf16_bits, cast
+    from faircast_ds.casting.bits import bf16_bits
+    from faircast_ds.casting.rules import cast
     from faircast_ds.config.section import FairCastConfig
     from faircast_ds.shard.caster import ShardCaster, ShardSlice
 
@@ -228,7 +233,7 @@ def run_offload(sizes: tuple[int, ...] = DEFAULT_SIZES[:2], *, modes: tuple[str,
             row = OffloadRow(size=n, mode=mode, device=device + (" (staging forced)" if on_host else ""),
                              rn_ms=rn, staged_ms=staged)
             if eager:
-                residual = torch.zeros(n) if mode == "error_feedback" else None
+                residual = torch.zeros(n) if spec(mode).residual else None
 
                 def eager_route() -> None:  # what ShardCaster did across devices before the staged route
                     out = cast(master, mode, seed=1, step=1, name="bench.w", start=0, residual=residual)

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from faircast_ds.cast.modes import MODES
+from faircast_ds.casting.modes import MODES, spec
 from faircast_ds.tools.bench.table import columns
 
 CONFIGS = ("plain",) + MODES
@@ -42,7 +42,7 @@ MIB = 1 << 20
 STEP_GOAL = {"nearest": 1.01, "stochastic": 1.01, "dither": 1.01, "error_feedback": 1.03}
 RSS_SLACK_MIB = 64
 SAVE_GOAL = 1.1
-DELTA_GOAL = 0.25  # dither's delta push / a dense push
+DELTA_GOAL = {"dither": 0.25}  # mode -> its delta push / a dense push
 RELOAD_GOAL = 1.5  # a dense push / vLLM's own reload of the same tensors
 VERIFY_GOAL = 0.5  # verification / the push it checks
 PUSH_MODES = ("dither", "stochastic")
@@ -182,8 +182,9 @@ def format_table(rows: list[Figures], *, model: str, layers: int, rounds: int, s
         if r.config == "plain":
             goals = ("-", "-", "-")
         else:
-            allowance = RSS_SLACK_MIB + (4 * (r.shard_elements or 0) / MIB if r.config == "error_feedback" else 0)
-            residual = 4 * (r.shard_elements or 0) * 2 if r.config == "error_feedback" else 0  # both ranks' files
+            residual_bytes = 4 * (r.shard_elements or 0) if spec(r.config).residual else 0  # per rank
+            allowance = RSS_SLACK_MIB + residual_bytes / MIB
+            residual = residual_bytes * 2  # both ranks' files
             save_goal = SAVE_GOAL * (1 + residual / max(plain.checkpoint_bytes, 1))
             goals = (f"<={STEP_GOAL[r.config]} {_verdict(step_x <= STEP_GOAL[r.config])}",
                      f"<=+{allowance:.0f} {_verdict(extra <= allowance)}",
@@ -318,7 +319,7 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
                       f"{bare:.2f}", f"{bare / f['dense_sampled_s']:.3f}", "-", f"{f['bare_reload_s']:.2f}",
                       f"{bare / f['bare_reload_s']:.2f}", "-", "-", "-", "-", f"{bare / f['memcpy_s']:.0f}"))
         delta_x = f["delta_s"] / f["dense_sampled_s"]
-        goal = f"<={DELTA_GOAL} {_verdict(delta_x <= DELTA_GOAL)}" if f["mode"] == "dither" else "-"
+        goal = f"<={DELTA_GOAL[f['mode']]} {_verdict(delta_x <= DELTA_GOAL[f['mode']])}" if f["mode"] in DELTA_GOAL else "-"
         unchecked = f["delta_s"] - f["delta_verify_s"]
         lines.append((f["mode"], "delta after a step", "sampled", "/".join(f"{c:.2%}" for c in f["delta_changed"]),
                       "/".join(f"{b / MIB:.0f}" for b in f["delta_bytes"]),

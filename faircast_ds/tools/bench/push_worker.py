@@ -55,7 +55,12 @@ def main(argv: list[str]) -> None:
     from faircast_ds.deepspeed.zero_init import real_causal_lm
     from faircast_ds.export import save_hf
     from faircast_ds.models.builders import real_config
-    from faircast_ds.tools.bench.model_worker import SEQUENCE, bench_config, finish, write_json
+    from faircast_ds.tools.bench.model_worker import (
+        SEQUENCE,
+        bench_config,
+        finish,
+        write_json,
+    )
     from faircast_ds.vllm.transfer.server import ServedPush, VllmServer
 
     deepspeed.init_distributed(dist_backend="gloo")

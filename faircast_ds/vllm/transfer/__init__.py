@@ -33,7 +33,10 @@ def register() -> None:
     """vLLM general plugin (called in every vLLM process, maybe more than once): register the
     ``faircast`` backend with both of vLLM's weight-transfer factories and install the kernel-bit
     checksums of ``/weight_checker``."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "faircast_ds.vllm.transfer.engine",

@@ -166,7 +166,10 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype,
     with ``sample`` (``(k, version_of)``: columns per matrix and each vLLM name's loaded version, or
     None where unknown), a matrix's item is its sampled digest instead (:func:`sample_columns`)."""
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
 
     modules = dict(model.named_modules())
     with torch.inference_mode():

@@ -29,7 +29,12 @@ import torch
 from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export.channel import DEFAULT_HOST
 from faircast_ds.vllm.push import EngineWeightsMismatch, PushReport, packed_groups
-from faircast_ds.vllm.transfer.checksums import FUSED, SAMPLE_COLUMNS, ChecksumCollector, served_checksums
+from faircast_ds.vllm.transfer.checksums import (
+    FUSED,
+    SAMPLE_COLUMNS,
+    ChecksumCollector,
+    served_checksums,
+)
 from faircast_ds.vllm.transfer.trainer import free_port
 
 # what a launcher sets and vLLM would read as its own world (see faircast_ds.vllm.inference)
@@ -219,7 +224,9 @@ class ServedPush:
                  timeout: float = 120.0, delta: bool = True, verify: bool = True,
                  check_columns: int = SAMPLE_COLUMNS) -> None:
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.factory import (
+            WeightTransferTrainerFactory,
+        )
 
         from faircast_ds.vllm.transfer import register
         from faircast_ds.vllm.transfer.trainer import FairCastTrainerInitInfo

@@ -1,4 +1,4 @@
-"""Properties of the pure casts (faircast_ds.cast.rules) and agreement with the slow reference."""
+"""Properties of the pure casts (faircast_ds.casting.rules) and agreement with the slow reference."""
 from __future__ import annotations
 
 import math
@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
-from faircast_ds.cast.reference import cast_reference
-from faircast_ds.cast.rules import MODES, bf16_bits, cast, fp32_bits
+from faircast_ds.casting.reference import cast_reference
+from faircast_ds.casting.bits import bf16_bits, fp32_bits
+from faircast_ds.casting.modes import MODES
+from faircast_ds.casting.rules import cast
 
 UNBIASED = ("stochastic", "dither", "error_feedback")
 

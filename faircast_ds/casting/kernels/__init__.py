@@ -1,4 +1,4 @@
-"""Fast paths for :func:`faircast_ds.cast.rules.cast_into`: one pass over a shard, noise in registers.
+"""Fast paths for :func:`faircast_ds.casting.rules.cast_into`: one pass over a shard, noise in registers.
 
 - ``cpp``: a fused C++ kernel for CPU tensors (``fused_cast.cpp``, built at first use; see ``cpu``);
 - ``triton``: a Triton kernel for CUDA tensors (``triton_cast``; imported only when used);
@@ -6,7 +6,7 @@
 
 The environment variable ``FAIRCAST_DS_KERNELS`` picks one: ``auto`` (default: the fast path for
 the tensor's device when it can run, else eager, with one warning), ``eager``, ``cpp`` or
-``triton`` (forced: an error if it cannot run). Every path gives the bits of ``casts.cast``.
+``triton`` (forced: an error if it cannot run). Every path gives the bits of ``rules.cast``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from faircast_ds.cast.modes import noise_key, uses_noise
+from faircast_ds.casting.modes import CastRule
 
 ENV_VAR = "FAIRCAST_DS_KERNELS"
 BACKENDS = ("auto", "eager", "cpp", "triton")
@@ -33,13 +33,13 @@ def requested_backend() -> str:
 
 def _usable(backend: str) -> tuple[bool, str]:
     if backend == "cpp":
-        from faircast_ds.cast.kernels import cpu
+        from faircast_ds.casting.kernels import cpu
 
         return cpu.available(), cpu.unavailable_reason() or ""
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     try:
-        from faircast_ds.cast.kernels import triton_cast  # noqa: F401  (imports Triton)
+        from faircast_ds.casting.kernels import triton_cast  # noqa: F401  (imports Triton)
     except Exception as exc:  # not installed, or too old for what the kernel uses
         return False, f"triton unavailable: {type(exc).__name__}: {exc}"
     return True, ""
@@ -70,28 +70,29 @@ def backend_for(device: torch.device) -> str:
     return native
 
 
-def fused_cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, seed: int, step: int, name: str,
+def fused_cast_into(out: torch.Tensor, x: torch.Tensor, rule: CastRule, *, step: int, name: str,
                     start: int, residual: torch.Tensor | None) -> tuple[int, int] | None:
-    """Cast with the fast path for the tensors' device; None when the eager path must do it.
+    """Cast with the fast path for the tensors' device; None when the eager path must do it (also for a
+    mode the kernels have no code for, unless a kernel is forced: then that kernel refuses it by name).
 
-    Inputs are those already checked by ``casts.cast_into``.
+    Inputs are those already checked by ``rules.cast_into``.
     """
     devices = {out.device, x.device} | ({residual.device} if residual is not None else set())
     if len(devices) != 1:
         return None  # e.g. an fp32 master on CPU cast into a GPU buffer: eager cast, then copy
     backend = backend_for(x.device)
-    if backend == "eager":
+    if backend == "eager" or (rule.spec.code is None and requested_backend() == "auto"):
         return None
-    if uses_noise(mode) and start < 0:
+    if rule.spec.uses_noise and start < 0:
         raise ValueError(f"start must be non-negative, got {start}")
-    key = noise_key(mode, seed=seed, step=step, name=name)
+    key = rule.key(name, step)
     if backend == "cpp":
-        from faircast_ds.cast.kernels import cpu
+        from faircast_ds.casting.kernels import cpu
 
-        return cpu.cast_into(out, x, mode, key=key, start=start, residual=residual)
-    from faircast_ds.cast.kernels import triton_cast
+        return cpu.cast_into(out, x, rule.mode, key=key, start=start, residual=residual)
+    from faircast_ds.casting.kernels import triton_cast
 
-    return triton_cast.cast_into(out, x, mode, key=key, start=start, residual=residual)
+    return triton_cast.cast_into(out, x, rule.mode, key=key, start=start, residual=residual)
 
 
 def prepare(device: torch.device | str = "cpu") -> str:

@@ -1,4 +1,4 @@
-"""The fused kernels (faircast_ds.cast.kernels) against the definition, faircast_ds.cast.rules.cast, bit for bit.
+"""The fused kernels (faircast_ds.casting.kernels) against the definition, faircast_ds.casting.rules.cast, bit for bit.
 
 The CPU kernel is built once per session (module fixture, ~6 s with g++ on two cores). Where it
 cannot be built, or under FAIRCAST_DS_KERNELS=eager (how CI simulates a machine without a
@@ -19,10 +19,12 @@ import pytest
 import torch
 from test_casts import awkward_values, from_bits, specials
 
-from faircast_ds.cast import kernels, modes
-from faircast_ds.cast.kernels import cpu
-from faircast_ds.cast.reference import cast_reference
-from faircast_ds.cast.rules import MODES, bf16_bits, cast, cast_into, fp32_bits
+from faircast_ds.casting import kernels, modes
+from faircast_ds.casting.kernels import cpu
+from faircast_ds.casting.reference import cast_reference
+from faircast_ds.casting.bits import bf16_bits, fp32_bits
+from faircast_ds.casting.modes import MODES
+from faircast_ds.casting.rules import cast, cast_into
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS_SEEDS_STARTS = [  # (seed, step, start): small, and past 2^32 in every word
@@ -371,7 +373,7 @@ def test_kernel_mode_codes_are_the_ones_modes_defines():
     enum = re.search(r"enum Mode : int64_t \{([^}]*)\}", source).group(1)
     codes = {name: int(code) for name, code in re.findall(r"k(\w+) = (\d+)", enum)}
     camel = {m: "".join(part.title() for part in m.split("_")) for m in MODES}
-    assert {camel[m]: c for m, c in modes.MODE_CODES.items()} == codes
+    assert {camel[m]: modes.spec(m).code for m in modes.MODES} == codes
 
 
 def test_bench_runs_a_tiny_case_and_formats():
@@ -413,11 +415,13 @@ def test_triton_kernel_in_the_cpu_interpreter(tmp_path):
     script = tmp_path / "check.py"
     script.write_text(textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {str(ROOT / 'tests')!r})
-        from faircast_ds.cast import modes
-        from faircast_ds.cast.rules import MODES, bf16_bits, cast, fp32_bits
-        from faircast_ds.cast.kernels import triton_cast
-        from faircast_ds.cast.reference import cast_reference
+        sys.path.insert(0, {str(ROOT / 'tests' / 'cast')!r})
+        from faircast_ds.casting import modes
+        from faircast_ds.casting.bits import bf16_bits, fp32_bits
+        from faircast_ds.casting.modes import MODES
+        from faircast_ds.casting.rules import cast
+        from faircast_ds.casting.kernels import triton_cast
+        from faircast_ds.casting.reference import cast_reference
         from test_casts import awkward_values, specials
         block = triton_cast.BLOCK
         pool = torch.cat([specials(), awkward_values(1200)])

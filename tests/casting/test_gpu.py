@@ -10,7 +10,7 @@ DistributedOptimizer with the param buffer on the GPU. Skips without CUDA.
    a slice is also checked against the slow, value-based reference.
 2. Megatron-Core 0.16.1 (what benchmarks/megatron_gpu_check.py used to check before timing; skips without
    it): after every step the served bf16 shard in the param buffer, written on the GPU, equals
-   ``faircast_ds.cast`` of its fp32 main shard computed on the CPU, and ``nearest`` serves exactly what
+   ``faircast_ds.casting`` of its fp32 main shard computed on the CPU, and ``nearest`` serves exactly what
    Megatron's own copy serves. One rank (this process); the gathered-parameter check across ranks is
    device independent and runs on CPU ranks in tests/megatron/test_megatron.py.
 
@@ -26,9 +26,11 @@ import torch
 from conftest import ROOT, free_port
 from test_casts import from_bits
 
-from faircast_ds.cast import kernels, modes
-from faircast_ds.cast.reference import cast_reference
-from faircast_ds.cast.rules import MODES, bf16_bits, cast, cast_into, fp32_bits
+from faircast_ds.casting import kernels, modes
+from faircast_ds.casting.reference import cast_reference
+from faircast_ds.casting.bits import bf16_bits, fp32_bits
+from faircast_ds.casting.modes import MODES
+from faircast_ds.casting.rules import cast, cast_into
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -126,7 +128,7 @@ def test_triton_bits_equal_the_slow_reference(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_triton_without_the_change_count_writes_the_same_bits(mode):
     """``count_changed=False`` (the benchmark's no-count variant) skips reading the old bits only."""
-    from faircast_ds.cast.kernels import triton_cast
+    from faircast_ds.casting.kernels import triton_cast
 
     x = awkward().cuda()
     kw = dict(seed=1, step=2, name="bench.w")

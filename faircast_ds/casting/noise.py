@@ -14,7 +14,7 @@ The specification, which every fast path must reproduce bit for bit:
                  each word XORed into the running value before mixing; the running value
                  starts at 0, so key = mix32(...mix32(mix32(name_id) ^ stream) ^ seed_lo ... ^ step_hi)
                  (x_lo = x mod 2^32, x_hi = (x >> 32) mod 2^32; seed and step are >= 0, and
-                 ``faircast_ds.cast.modes`` says which stream and step each mode hashes)
+                 ``faircast_ds.casting.modes`` says which stream and step each mode hashes)
     h(i)       = mix32(mix32((i mod 2^32) ^ key) ^ (i >> 32))   for element index i (0 <= i < 2^64)
     noise16(i) = h(i) >> 16                                      (uniform on [0, 65536))
 

@@ -1,7 +1,7 @@
 """The cast: pure, framework-free fp32 -> bf16 rounding.
 
-- ``modes``: the mode registry, one :class:`~faircast_ds.cast.modes.ModeSpec` per mode, and the
-  :class:`~faircast_ds.cast.modes.CastRule` a run casts with (a spec and a seed).
+- ``modes``: the mode registry, one :class:`~faircast_ds.casting.modes.ModeSpec` per mode, and the
+  :class:`~faircast_ds.casting.modes.CastRule` a run casts with (a spec and a seed).
 - ``rules``: the casts themselves, the one place that decides a served bit (``cast``, ``cast_into``).
 - ``noise``: the counter-based noise every noisy mode hashes.
 - ``bits``: bit-pattern helpers (fp32/bf16 patterns, the bf16 spacing).

@@ -2,7 +2,7 @@
 inputs, and the config model over arbitrary JSON.
 
 - every cast mode x every fast path (fused C++, eager torch; the Triton kernel in its CPU interpreter
-  where Triton is installed) against ``faircast_ds.cast.reference.cast_reference``, bit for bit, over
+  where Triton is installed) against ``faircast_ds.casting.reference.cast_reference``, bit for bit, over
   arbitrary fp32 bit patterns (rounding ties and specials weighted in), error-feedback residuals,
   seeds, steps, names, slice offsets (``start``), lengths, cut points and strided views, with the
   returned counts and the untouched memory around each view checked too;
@@ -36,9 +36,11 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from faircast_ds.cast import kernels
-from faircast_ds.cast.reference import cast_reference
-from faircast_ds.cast.rules import MODES, bf16_bits, cast_into, fp32_bits
+from faircast_ds.casting import kernels
+from faircast_ds.casting.reference import cast_reference
+from faircast_ds.casting.bits import bf16_bits, fp32_bits
+from faircast_ds.casting.modes import MODES
+from faircast_ds.casting.rules import cast_into
 from faircast_ds.config.section import FairCastConfig, FairCastConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +132,7 @@ def kernels_path(path: str):
 def cpp_unavailable() -> str | None:
     if kernels.requested_backend() == "eager":
         return "FAIRCAST_DS_KERNELS=eager: this session runs without the fused CPU kernel"
-    from faircast_ds.cast.kernels import cpu
+    from faircast_ds.casting.kernels import cpu
 
     return None if cpu.available() else f"fused CPU kernel unavailable: {cpu.unavailable_reason()}"
 
@@ -232,9 +234,9 @@ import sys
 sys.path.insert(0, {tests!r})
 import torch
 from hypothesis import given, settings, strategies as st
-from faircast_ds.cast import modes
-from faircast_ds.cast.rules import MODES
-from faircast_ds.cast.kernels import triton_cast  # imports Triton, in its interpreter (TRITON_INTERPRET=1)
+from faircast_ds.casting import modes
+from faircast_ds.casting.modes import MODES
+from faircast_ds.casting.kernels import triton_cast  # imports Triton, in its interpreter (TRITON_INTERPRET=1)
 from test_properties import ELEMENT, EXAMPLES, NAME, PROPERTY, SEED, START, STEP, check_cast
 
 
@@ -259,7 +261,7 @@ def test_the_triton_kernel_equals_the_reference_in_its_interpreter(tmp_path):
     """The Triton kernel's arithmetic on CPU tensors (TRITON_INTERPRET=1, chosen when Triton is imported:
     hence a subprocess), every mode, the same properties."""
     script = tmp_path / "triton_properties.py"
-    script.write_text(textwrap.dedent(TRITON_SCRIPT.format(tests=str(ROOT / "tests"))))
+    script.write_text(textwrap.dedent(TRITON_SCRIPT.format(tests=str(ROOT / "tests" / "cast"))))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)

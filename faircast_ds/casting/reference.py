@@ -1,9 +1,9 @@
 """Slow, element-by-element reference of every cast, written from the rounding definitions.
 
 It decides by comparing values (in float64, where the needed differences are exact), not by
-carrying bits, so it is an independent statement of the rules in ``faircast_ds.cast.rules``. The noise
-is restated here too, from the specification in ``faircast_ds.cast.noise``'s docstring (and the streams
-of ``faircast_ds.cast.modes``'s), rather than imported: this module imports nothing from faircast_ds,
+carrying bits, so it is an independent statement of the rules in ``faircast_ds.casting.rules``. The noise
+is restated here too, from the specification in ``faircast_ds.casting.noise``'s docstring (and the streams
+of ``faircast_ds.casting.modes``'s), rather than imported: this module imports nothing from faircast_ds,
 so a test comparing a fast path with it compares two codes written apart. Use it on small tensors
 only: it runs a Python loop.
 """
@@ -146,7 +146,7 @@ def cast_reference(x: torch.Tensor,
                    name: str,
                    start: int = 0,
                    residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference of :func:`faircast_ds.cast.rules.cast` with the same signature and semantics."""
+    """Reference of :func:`faircast_ds.casting.rules.cast` with the same signature and semantics."""
     values = x.detach().cpu().tolist()
     out: list[int] = []
     if mode == "nearest":

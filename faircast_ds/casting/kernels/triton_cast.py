@@ -1,8 +1,8 @@
 """The fused cast for CUDA tensors, in Triton: one pass, the noise hashed in registers.
 
-Same bits as ``faircast_ds.cast.rules.cast`` (checked by tests/cast/test_kernels.py where CUDA is present, in
+Same bits as ``faircast_ds.casting.rules.cast`` (checked by tests/casting/test_kernels.py where CUDA is present, in
 Triton's CPU interpreter where Triton is installed, and by benchmarks/gpu_check.py on awkward
-inputs). This module imports Triton: ``faircast_ds.cast.kernels`` imports it only for CUDA tensors.
+inputs). This module imports Triton: ``faircast_ds.casting.kernels`` imports it only for CUDA tensors.
 
 Choices that keep the bits exact on the GPU:
 - the hash is uint32 arithmetic (Triton's unsigned multiply wraps mod 2^32, ``>>`` is logical);
@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from faircast_ds.cast.kernels.nan import torch_nan16
-from faircast_ds.cast.kernels.operands import contiguous, write_back
-from faircast_ds.cast.modes import MODE_CODES
+from faircast_ds.casting.kernels.nan import torch_nan16
+from faircast_ds.casting.kernels.operands import contiguous, write_back
+from faircast_ds.casting.modes import kernel_code
 
 BLOCK = 4096
 NUM_WARPS = 8
@@ -134,7 +134,7 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start:
     cast_kernel[(grid,)](
         src.view(torch.int32), (res if res is not None else src).view(torch.int32), dst.view(torch.int16), partial,
         n, start, key_i32,
-        MODE=MODE_CODES[mode], NAN16=torch_nan16(x.device), COUNT_CHANGED=count_changed, USE_PTX=_use_ptx(),
+        MODE=kernel_code(mode, "triton"), NAN16=torch_nan16(x.device), COUNT_CHANGED=count_changed, USE_PTX=_use_ptx(),
         BLOCK=BLOCK, num_warps=NUM_WARPS)
     write_back(out, dst, residual, res)
     changed, nonfinite = partial.sum(0, dtype=torch.int64).tolist()

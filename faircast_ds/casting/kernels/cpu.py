@@ -24,9 +24,9 @@ from types import ModuleType
 
 import torch
 
-from faircast_ds.cast.kernels.nan import torch_nan16
-from faircast_ds.cast.kernels.operands import contiguous, write_back
-from faircast_ds.cast.modes import MODE_CODES
+from faircast_ds.casting.kernels.nan import torch_nan16
+from faircast_ds.casting.kernels.operands import contiguous, write_back
+from faircast_ds.casting.modes import kernel_code
 
 SOURCE = Path(__file__).with_name("fused_cast.cpp")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
@@ -142,7 +142,7 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start:
         return 0, 0
     dst, src, res = contiguous(out, x, residual)
     changed, nonfinite = module.cast_into(
-        MODE_CODES[mode], dst.data_ptr(), src.data_ptr(), res.data_ptr() if res is not None else 0,
+        kernel_code(mode, "cpp"), dst.data_ptr(), src.data_ptr(), res.data_ptr() if res is not None else 0,
         src.numel(), start, key, torch_nan16(out.device))
     write_back(out, dst, residual, res)
     return changed, nonfinite
