@@ -1,0 +1,244 @@
+"""Every command README.md and docs/ show, run as a user would: each documented command matches one rule of
+COVERAGE, which says how CI runs it — here, in a quick variant (fewer steps, a committed run in place of a
+placeholder), by a named test elsewhere in the suite, or, for the few long runs (the full jobs, the
+benchmarks, the suite itself), by the named command that is that run. A new command in the docs with no
+rule fails the first test; a documented command that fails fails its quick run.
+
+The quick runs of ``bash launch/main.sh`` start from a copy of the repository's files, with the relative
+paths the docs show, and the default one is also the reproduction check of the committed paper run: its
+first steps of seed 0 must equal docs/grpo/paper/steps.csv's rows bit for bit (docs/grpo.md says what that
+depends on)."""
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, cpu_env, free_port
+
+DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+PREFIXES = ("bash launch/", "faircast-ds ", "faircast-vllm", "python3 -m faircast_ds", "python -m faircast_ds",
+            "python3 benchmarks/", "python benchmarks/", "nice -n", "NUM_RANKS=", "JOB=", "vllm serve",
+            "VLLM_SERVER_DEV_MODE=", "FAIRCAST_SOAK_", "python3 -m pytest", "pip install", "export ")
+
+# (pattern on the command, how CI runs it, detail): "quick" = a test of this file (its name); "test" = a test
+# elsewhere ("path::name", checked to exist); "long" = a long run, with the command that runs it; "setting" =
+# an environment setting or install step, made by every test that needs it and by launch/setup.sh.
+COVERAGE: list[tuple[str, str, str]] = [
+    (r"^bash launch/setup\.sh && bash launch/main\.sh$", "quick", "test_main_job_commands_run_quick"),
+    (r"^(JOB=staleness )?bash launch/main\.sh( |$)", "quick", "test_main_job_commands_run_quick"),
+    (r"^bash launch/(setup\.sh && bash launch/)?test\.sh", "long",
+     "the suite itself: .ci/run runs `bash launch/setup.sh && bash launch/test.sh`"),
+    (r"^python3 -m faircast_ds\.jobs\.(report|endpoints|findings)\b", "quick", "test_job_report_commands_run"),
+    (r"^python3 -m faircast_ds\.jobs\.grpo --help$", "quick", "test_job_report_commands_run"),
+    (r"^python3 -m faircast_ds\.config\.keys", "quick", "test_config_and_check_commands_run"),
+    (r"^faircast-ds check", "quick", "test_config_and_check_commands_run"),
+    (r"^faircast-ds predict", "test", "tests/tools/test_predict.py::test_text_report"),
+    (r"^faircast-ds inspect", "test", "tests/export/test_export_zero.py::test_inspect_checkpoint_reports_residuals_per_module_type"),
+    (r"^faircast-ds to-universal", "test", "tests/deepspeed/test_checkpoint.py::test_elastic_resume_2_to_3_to_1_ranks"),
+    (r"^faircast-ds bench --model", "long",
+     "`faircast-ds bench --model qwen3-0.6b` (benchmarks; tests/system/test_realsize.py runs the same workers at 2 layers)"),
+    (r"^faircast-ds bench( --threads 1| --offload)?$", "quick", "test_bench_command_runs_quick"),
+    (r"^(VLLM_SERVER_DEV_MODE=1 )?vllm serve|^faircast-vllm serve", "test",
+     "tests/vllm/test_vllm_faults.py::test_dense_then_delta_serve_the_trainers_bits"),
+    (r"^(nice -n 10 )?python3? benchmarks/", "long", "the benchmark script itself (benchmarks/, docs/performance.md)"),
+    (r"^FAIRCAST_SOAK_RESTARTS=", "long", "the long soak: tests/system/test_soak.py with its documented settings"),
+    (r"^python3 -m pytest -q -p no:cacheprovider tests/config/test_config\.py", "quick",
+     "test_config_and_check_commands_run"),
+    (r"^python3 -m pytest -q -p no:cacheprovider (tests/\S+\.py)$", "suite", "a file of the suite: .ci/run runs it"),
+    (r"^NUM_RANKS=8 bash launch/single_node\.sh", "test",
+     "tests/system/test_multinode.py::test_two_nodes_no_ssh_on_loopback_serve_the_single_node_bits"),
+    (r"^(export |pip install )|^VLLM_SERVER_DEV_MODE=1$|^nice -n \d+$", "setting",
+     "launch/setup.sh installs; the tests that need a variable set it; `nice` alone is a prefix, not a command"),
+]
+LONG_RUNS_AT_MOST = 5
+
+
+def strip_comment(line: str) -> str:
+    return re.sub(r"\s+#.*$", "", line).strip()
+
+
+def documented_commands() -> dict[str, str]:
+    """command -> the doc that shows it: the lines of ``bash``/``sh`` blocks and the backticked spans that
+    start like a command."""
+    found: dict[str, str] = {}
+    for doc in DOCS:
+        text = doc.read_text()
+        for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, re.S):
+            pending = ""
+            for line in block.splitlines():
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                if line.endswith("\\"):
+                    pending += line[:-1] + " "
+                    continue
+                found.setdefault(" ".join(strip_comment(pending + line).split()), doc.name)
+                pending = ""
+        for span in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+            if span.strip().startswith(PREFIXES):
+                found.setdefault(" ".join(span.split()), doc.name)
+    return found
+
+
+def rule_for(command: str) -> tuple[str, str, str] | None:
+    return next((rule for rule in COVERAGE if re.search(rule[0], command)), None)
+
+
+def test_the_scan_finds_block_and_inline_commands(tmp_path, monkeypatch):
+    doc = tmp_path / "x.md"
+    doc.write_text("run `bash launch/main.sh --engine vllm` or\n```bash\n# a comment\nfaircast-ds bench \\\n"
+                   "  --threads 1   # why\n```\nnot `faircast_ds.casting.modes`\n")
+    monkeypatch.setattr(sys.modules[__name__], "DOCS", [doc])
+    assert documented_commands() == {"faircast-ds bench --threads 1": "x.md",
+                                     "bash launch/main.sh --engine vllm": "x.md"}
+
+
+def test_every_documented_command_is_run_by_ci_or_named_as_a_long_run():
+    commands = documented_commands()
+    assert len(commands) > 30  # the scan sees the docs
+    uncovered = [f"{doc}: {cmd}" for cmd, doc in commands.items() if rule_for(cmd) is None]
+    assert not uncovered, "documented commands no rule of tests/test_commands.py covers:\n" + "\n".join(uncovered)
+    here = Path(__file__).read_text()
+    for pattern, kind, detail in COVERAGE:
+        if kind == "quick":
+            assert f"def {detail}(" in here, detail
+        elif kind == "test":
+            path, name = detail.split("::")
+            assert f"def {name}(" in (ROOT / path).read_text(), detail
+    for cmd in commands:
+        files = re.search(r"^python3 -m pytest -q -p no:cacheprovider (tests/\S+\.py)$", cmd)
+        assert not files or (ROOT / files.group(1)).is_file(), cmd
+    long_rules = {p for p, kind, _ in COVERAGE if kind == "long"}
+    assert len(long_rules) <= LONG_RUNS_AT_MOST, "the long runs are a short list"
+
+
+# ---- the quick runs -------------------------------------------------------------------------------------
+
+def quick_main_variant(command: str) -> str:
+    """``bash launch/main.sh ...`` with fewer steps and seeds: --full and --name dropped, one seed, one step
+    (three for the default run, which is compared with the committed rows)."""
+    words = shlex.split(command.split("&&")[-1].strip())
+    env = [w for w in words if re.match(r"^[A-Z_]+=", w)]
+    args = words[len(env) + 2:]
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--full":
+            i += 1
+            continue
+        if a in ("--name", "--seeds", "--steps"):
+            i += 2
+            continue
+        if a == "--seed-list":
+            out += [a, args[i + 1].split("-")[0].split(",")[0]]
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    steps = "3" if not out and not env else "1"
+    if "JOB=staleness" not in env:
+        out += ["--seeds", "1"] if "--seed-list" not in out else []
+    out += ["--steps", steps]
+    return " ".join(env + ["bash", "launch/main.sh"] + out)
+
+
+def test_quick_variants_keep_the_command_and_cut_its_length():
+    assert quick_main_variant("bash launch/setup.sh && bash launch/main.sh") == \
+        "bash launch/main.sh --seeds 1 --steps 3"
+    assert quick_main_variant("bash launch/main.sh --seed-list 8-19 --modes fp32,nearest,dither --lr 3e-6 --steps 250") \
+        == "bash launch/main.sh --seed-list 8 --modes fp32,nearest,dither --lr 3e-6 --steps 1"
+    assert quick_main_variant("bash launch/main.sh --full --name paper-full") == "bash launch/main.sh --seeds 1 --steps 3"
+    assert quick_main_variant("JOB=staleness bash launch/main.sh --steps 20") == \
+        "JOB=staleness bash launch/main.sh --steps 1"
+
+
+def main_job_variants() -> list[str]:
+    return sorted({quick_main_variant(c) for c in documented_commands()
+                   if re.search(r"^(JOB=staleness )?(bash launch/setup\.sh && )?bash launch/main\.sh( |$)", c)})
+
+
+@pytest.fixture(scope="module")
+def fresh_copy(tmp_path_factory) -> Path:
+    """The repository's tracked files, as a fresh clone has them (uncommitted edits included), elsewhere."""
+    dest = tmp_path_factory.mktemp("clone") / "faircast-ds"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    for name in filter(None, (f.decode() for f in files)):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def run_in(copy: Path, command: str, timeout: int) -> subprocess.CompletedProcess:
+    env = cpu_env()
+    env["PYTHONPATH"] = str(copy)  # the copy's package, as a clone's editable install would import
+    env["MASTER_PORT"] = str(free_port())
+    return subprocess.run(["bash", "-c", command], cwd=copy, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+PAPER = ROOT / "docs" / "grpo" / "paper" / "steps.csv"
+TIMINGS = {"cast_ms", "rollout_ms", "train_ms", "fwd_bwd_ms", "opt_ms", "extra_ms"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", main_job_variants())
+def test_main_job_commands_run_quick(fresh_copy, command):
+    proc = run_in(fresh_copy, command, timeout=900)
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    if command != "bash launch/main.sh --seeds 1 --steps 3":
+        return
+    # the default run reproduces the committed paper run's seed 0, bit for bit, in every column but time
+    run_dir = max((fresh_copy / "runs").iterdir(), key=os.path.getmtime)
+    with open(run_dir / "steps.csv", newline="") as f:
+        mine = list(csv.DictReader(f))
+    with open(PAPER, newline="") as f:
+        committed = {(r["mode"], r["step"]): r for r in csv.DictReader(f) if r["seed"] == "0" and int(r["step"]) <= 3}
+    assert len(mine) == len(committed) == 15
+    for row in mine:
+        want = committed[(row["mode"], row["step"])]
+        differ = {k: (row[k], want[k]) for k in row if k not in TIMINGS and row[k] != want[k]}
+        assert not differ, (f"{row['mode']} step {row['step']} differs from docs/grpo/paper/steps.csv: {differ}; "
+                            f"provenance: {(run_dir / 'run.json').read_text()[-600:]}")
+
+
+@pytest.mark.slow
+def test_job_report_commands_run(fresh_copy, tmp_path):
+    """The report, endpoints and findings commands on the committed runs (in the copy, so a rebuild writes
+    there), placeholders replaced by a committed run directory."""
+    ran = 0
+    for command in documented_commands():
+        if not re.search(r"^python3 -m faircast_ds\.jobs\.(report|endpoints|findings|grpo --help)", command):
+            continue
+        concrete = command.replace("runs/<name>", "docs/grpo/paper").replace("RUN_DIR", "docs/grpo/paper")
+        if concrete.endswith("faircast_ds.jobs.endpoints"):
+            concrete += " docs/grpo/paper"
+        proc = run_in(fresh_copy, concrete.replace("python3", shlex.quote(sys.executable), 1), timeout=300)
+        assert proc.returncode == 0 and proc.stdout.strip(), f"{concrete}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        ran += 1
+    assert ran >= 6
+
+
+def test_config_and_check_commands_run(fresh_copy):
+    py = shlex.quote(sys.executable)
+    for command in (f"{py} -m faircast_ds.config.keys", f"{py} -m faircast_ds.config.keys --update docs/config.md",
+                    f"{py} -m faircast_ds.tools.cli check configs/zero3_stochastic.json",
+                    f"{py} -m pytest -q -p no:cacheprovider tests/config/test_config.py"):
+        proc = run_in(fresh_copy, command, timeout=300)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    assert (fresh_copy / "docs" / "config.md").read_text() == (ROOT / "docs" / "config.md").read_text()
+
+
+def test_bench_command_runs_quick(fresh_copy):
+    py = shlex.quote(sys.executable)
+    proc = run_in(fresh_copy, f"{py} -m faircast_ds.tools.cli bench --sizes 4096 --repeats 1 --no-eager --no-torchao "
+                              "--threads 1", timeout=300)
+    assert proc.returncode == 0 and "dither" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
