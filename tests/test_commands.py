@@ -205,7 +205,9 @@ def test_main_job_commands_run_quick(fresh_copy, command):
     assert len(mine) == len(committed) == 15
     for row in mine:
         want = committed[(row["mode"], row["step"])]
-        differ = {k: (row[k], want[k]) for k in row if k not in TIMINGS and row[k] != want[k]}
+        # the job evaluates on its fixed batch every --eval-every steps and at its last step: 3 here, 500 there
+        skip = TIMINGS | ({"served_eval", "master_eval"} if row["step"] == "3" else set())
+        differ = {k: (row[k], want[k]) for k in row if k not in skip and row[k] != want[k]}
         assert not differ, (f"{row['mode']} step {row['step']} differs from docs/grpo/paper/steps.csv: {differ}; "
                             f"provenance: {(run_dir / 'run.json').read_text()[-600:]}")
 
