@@ -344,6 +344,48 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
     return "\n".join(head + [""] + columns(lines))
 
 
+def push_stages(data: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Seconds per stage (faircast_ds.export.stages) of the unverified dense push, the dense push with the
+    sampled check and the deltas (median), rank 0's account; ``engine.load`` is vLLM's reload inside the
+    engine. Empty for results written before pushes reported their stages."""
+    p = data["pushes"]
+    if not all("stages" in q for q in p):
+        return {}
+
+    def of(q: dict[str, Any]) -> dict[str, float]:
+        out = dict(q["stages"])
+        load = q.get("engine", {}).get("load_seconds")
+        if load is not None:
+            out["engine.load"] = load
+        out["push"] = q["seconds"]
+        return out
+
+    deltas = [of(q) for q in p[4:]]
+    names = {n for d in deltas for n in d}
+    return {"dense, no check": of(p[1]), "dense, sampled check": of(p[3]),
+            "delta (median)": {n: statistics.median(d.get(n, 0.0) for d in deltas) for n in names}}
+
+
+def format_stage_table(pushes: list[dict[str, Any]]) -> str:
+    """One row per stage, one column per mode and update: where a push's seconds go. Stages overlap (the
+    HTTP update call waits while the trainer walks and sends), so they do not sum to the push."""
+    cols = [(data["mode"], label, stages) for data in pushes for label, stages in push_stages(data).items()]
+    if not cols:
+        return ""
+    names = sorted({n for _, _, st in cols for n in st} - {"push"},
+                   key=lambda n: -max(st.get(n, 0.0) for _, _, st in cols))
+    lines = [("stage", *(f"{m} {label}" for m, label, _ in cols))]
+    lines.append(("push (whole)", *(f"{st['push']:.3f}" for _, _, st in cols)))
+    for n in names:
+        lines.append((n, *(f"{st[n]:.3f}" if n in st else "-" for _, _, st in cols)))
+    first = pushes[0]["pushes"][3]
+    head = ["seconds per stage of the push, rank 0 (faircast_ds.export.stages; trainer.*: the trainer's walk, "
+            "encode, MAC and socket; engine.*: the engine's receiver; http.*: each HTTP round trip, whole; stages "
+            f"overlap); per push {first.get('http_calls', '?')} HTTP calls and {first.get('collectives', '?')} "
+            "collectives besides the walk's gathers (dense, sampled check)"]
+    return "\n".join(head + [""] + columns(lines))
+
+
 def _read_ranks(stem: str, layers: int, warmup: int, steps: int) -> list[dict[str, Any]] | None:
     """Both ranks' results of one launch, or None when they are not (all) there or were made with
     another depth or step count."""
@@ -387,6 +429,9 @@ def main_from_args(args) -> int:  # type: ignore[no-untyped-def]
     table = format_table(rows, model=args.model, layers=layers, rounds=args.rounds, steps=args.steps, command=command)
     if pushes:
         table += "\n\n" + format_push_table(pushes, model=args.model, layers=layers, lr=lr)
+        stage_table = format_stage_table(pushes)
+        if stage_table:
+            table += "\n\n" + stage_table
     if failures:
         table += "\n\nFAILED (not in the tables above; logs in " + out_dir + "):\n" + "\n".join(f"- {f}" for f in failures)
     print(table)

@@ -92,7 +92,7 @@ def main(argv: list[str]) -> None:
             if rank == 0:
                 row = {k: getattr(r, k) for k in ("version", "kind", "params", "params_total", "changed", "numel",
                                                   "elements", "bytes", "seconds", "gathers", "verify_seconds",
-                                                  "verified")}
+                                                  "verified", "stages", "http_calls", "collectives")}
                 row["engine"] = server.engine_report()
                 row["check"] = push.last_check
                 out["pushes"].append(row)
