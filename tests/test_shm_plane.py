@@ -246,3 +246,43 @@ def test_no_segment_outlives_the_engine_that_made_it_after_a_sigkill():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+def test_a_peer_that_never_proves_the_secret_never_gets_the_descriptor(monkeypatch):
+    """A bare engine end, no trainer: a raw local peer and an intruder with another secret each get
+    refused, and no descriptor arrives on either connection."""
+    name = socket_name()
+    host = SegmentHost(SPECS, name, timeout=5)
+    try:
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.settimeout(5)
+        raw.connect("\0" + name)
+        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"\0" * 64)
+        fds = []
+        try:
+            while True:
+                data, got, _, _ = socket.recv_fds(raw, 4096, 4)
+                fds += got
+                if not data:
+                    break
+        except OSError:
+            pass
+        raw.close()
+        monkeypatch.setenv("FAIRCAST_DS_SYNC_SECRET", secrets.token_hex(16))
+        intruder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        intruder.settimeout(5)
+        intruder.connect("\0" + name)
+        from faircast_ds.export.channel import client_handshake, resolve_secret
+
+        with pytest.raises(WeightSyncError):
+            client_handshake(intruder, resolve_secret(), timeout=5, peer="the plane")
+        try:
+            _, got, _, _ = socket.recv_fds(intruder, 4096, 4)
+            fds += got
+        except OSError:
+            pass
+        intruder.close()
+        assert fds == [], "the segment's descriptor went to a peer that never proved the secret"
+        assert host.ledger.writes == 0
+    finally:
+        host.close()
