@@ -196,6 +196,14 @@ def test_a_second_trainer_is_refused_while_the_first_is_connected(plane):
         other.connect()
 
 
+def test_digest_samples_stay_inside_slices_of_any_length():
+    from faircast_ds.export.plane import _sample_positions
+
+    for n in (1, 15, 16, 17, 2**24 + 1, 77_791_232, 3 * 2**31 + 7):  # float positions overrun past 2^24
+        p = _sample_positions(n)
+        assert int(p.min()) == 0 and int(p.max()) == n - 1 and bool((p[1:] > p[:-1]).all())
+
+
 def test_layout_and_coverage():
     layout = Layout.of(SPECS)
     assert all(o % 64 == 0 for o in layout.offsets)

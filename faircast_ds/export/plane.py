@@ -127,7 +127,8 @@ class HostSegment:
 def _sample_positions(numel: int, samples: int = SAMPLES) -> torch.Tensor:
     if numel <= samples:
         return torch.arange(numel, dtype=torch.long)
-    return torch.linspace(0, numel - 1, samples).round().to(torch.long)
+    # integer arithmetic: float positions round past the end of slices longer than 2^24 elements
+    return torch.arange(samples, dtype=torch.long) * (numel - 1) // (samples - 1)
 
 
 def _as_bytes(values: torch.Tensor) -> torch.Tensor:

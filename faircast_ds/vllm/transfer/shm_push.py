@@ -138,6 +138,8 @@ class SharedMemoryPush:
                                             self.acknowledged if use_delta else None, params, stages, self.pause)
             except (WeightSyncError, PlaneError) as exc:
                 error = f"rank {self.rank}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the outcome's collective
+                error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             if self.rank == 0:
                 error = error or self._commit_and_load(int(version), params if use_delta else None, verify, stages)
                 http += stages.http_calls()
