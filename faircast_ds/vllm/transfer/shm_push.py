@@ -89,6 +89,7 @@ class SharedMemoryPush:
         self._baseline: list[torch.Tensor] | None = None  # per slice: its bits at that version
         self.pause: Callable[[int], None] | None = None  # tests: called after each slice written
         self.pushes = 0
+        self.committed_bytes = 0
 
     # -- one push -------------------------------------------------------------------------------------
     def push(self, version: int | None = None, *, kind: str = "auto", verify: bool | str | None = None) -> ServedReport:
@@ -163,6 +164,8 @@ class SharedMemoryPush:
                 self._remember(params, dense=not use_delta)
         self.acknowledged = int(version)
         self.pushes += 1
+        if self.rank == 0 and params:
+            written = self.committed_bytes  # every rank's bytes, as the engine counted them
         carried = sum(self.specs[i].numel for i in params) if params else 0
         seconds = time.perf_counter() - began
         # the stages here run one after the other: what they leave of the push is bookkeeping
@@ -180,7 +183,7 @@ class SharedMemoryPush:
         prefix-cache reset. The error as text, or None."""
         server = self.server
         try:
-            self.writer.commit(version, params, stages)
+            self.committed_bytes = int(self.writer.commit(version, params, stages).get("bytes", 0))
         except (WeightSyncError, PlaneError) as exc:
             return str(exc)
         check = None if not verify else ("full" if verify == "full" else "sampled")
