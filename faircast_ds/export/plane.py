@@ -146,7 +146,8 @@ def write_digest(pieces: Iterable[tuple[int, int, torch.Tensor]], samples: int =
     for index, start, values in pieces:
         rows = values if values.dtype == torch.uint8 and values.dim() == 2 else _as_bytes(values)
         h.update(_COORD.pack(int(index), int(start), rows.shape[0]))
-        h.update(rows.index_select(0, _sample_positions(rows.shape[0], samples)).contiguous().numpy().tobytes())
+        picked = rows.index_select(0, _sample_positions(rows.shape[0], samples).to(rows.device))
+        h.update(picked.cpu().contiguous().numpy().tobytes())  # a device segment's samples come to the host
     return h.hexdigest()
 
 
