@@ -3,10 +3,12 @@ into `vllm serve` (faircast_ds.vllm.transfer: vLLM's HTTP routes + the authentic
 /weight_checker) against the route it replaces, faircast_ds.vllm.remote (its own engine server and control
 protocol; only in commits before its removal), when that module is importable.
 
-    python benchmarks/vllm_push.py [--hidden 256 --layers 4 --vocab 2048 --repeats 3]
+    python benchmarks/vllm_push.py [--hidden 256 --layers 4 --vocab 2048 --repeats 3 --planes tcp shm]
 
-Prints one line per route and update kind: median seconds of the whole push (verification included) and
-bytes on the channel. One process, no DeepSpeed (an nn.Module); each route starts its own engine.
+Prints one line per route and update kind (dense; a delta of 4 changed elements; a push with nothing
+changed): median seconds of the whole push (verification included), bytes on the channel, HTTP calls and
+collectives, then the median seconds of each stage (faircast_ds.export.stages; stages overlap, e.g. the
+HTTP update call waits while the trainer streams, so they do not sum to the push). One process, no DeepSpeed (an nn.Module); each route starts its own engine.
 """
 from __future__ import annotations
 
@@ -40,20 +42,30 @@ def nudge(model, k: int) -> None:
 
 
 def timed(push, model, repeats: int) -> dict[str, list]:
-    out = {"dense": [], "delta": []}
+    """Per repeat: a dense push, 4 changed elements (delta), nothing changed; each verified by default."""
+    out = {"dense": [], "delta": [], "nothing": []}
     for k in range(repeats):
-        r = push(version=100 + 2 * k, kind="dense")
-        out["dense"].append((r.seconds, r.bytes))
+        r = push(version=100 + 3 * k, kind="dense")
+        out["dense"].append(r)
         nudge(model, k)
-        r = push(version=101 + 2 * k, kind="delta")
-        out["delta"].append((r.seconds, r.bytes))
+        out["delta"].append(push(version=101 + 3 * k, kind="delta"))
+        out["nothing"].append(push(version=102 + 3 * k, kind="auto"))
     return out
 
 
 def report(route: str, results: dict[str, list], numel: int) -> None:
     for kind, rows in results.items():
-        print(f"{route:<34} {kind:<5}  median {statistics.median(s for s, _ in rows) * 1e3:8.1f} ms  "
-              f"{rows[0][1]:>10,} bytes  ({len(rows)} pushes, {numel:,} parameters)", flush=True)
+        med = statistics.median(r.seconds for r in rows)
+        print(f"{route:<34} {kind:<7}  median {med * 1e3:8.1f} ms  {rows[0].bytes:>10,} bytes  "
+              f"{getattr(rows[0], 'http_calls', '?')} HTTP calls, {getattr(rows[0], 'collectives', '?')} collectives  "
+              f"({len(rows)} pushes, {numel:,} parameters)", flush=True)
+        stages = getattr(rows[0], "stages", None)
+        if stages:
+            names = sorted({n for r in rows for n in r.stages}, key=lambda n: -statistics.median(
+                r.stages.get(n, 0.0) for r in rows))
+            for n in names:
+                s = statistics.median(r.stages.get(n, 0.0) for r in rows)
+                print(f"    {n:<28} {s * 1e3:8.1f} ms  {s / med:6.1%}", flush=True)
 
 
 def main() -> None:
@@ -62,6 +74,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--planes", nargs="+", choices=("tcp", "shm"), default=["tcp", "shm"],
+                    help="the faircast backend's data planes to time, one after the other on one server")
+    ap.add_argument("--skip-remote", action="store_true", help="do not try the removed faircast_ds.vllm.remote")
     args = ap.parse_args()
     os.environ.setdefault("FAIRCAST_DS_SYNC_SECRET", "faircast-ds vllm push benchmark secret 0123")
     from faircast_ds.export import save_hf
@@ -73,10 +88,19 @@ def main() -> None:
 
     from faircast_ds.vllm.transfer.server import ServedPush, VllmServer
 
+    from faircast_ds.vllm.transfer.shm_push import SharedMemoryPush
+
     with VllmServer(work / "export", max_model_len=64, log_path=work / "server.log") as server:
-        push = ServedPush(model, server)
-        report("faircast backend (vllm serve)", timed(push.push, model, args.repeats), numel)
-        push.close()
+        if "tcp" in args.planes:
+            push = ServedPush(model, server)
+            report("faircast backend, TCP channel", timed(push.push, model, args.repeats), numel)
+            push.close()
+        if "shm" in args.planes:
+            push = SharedMemoryPush(model, server)
+            report("faircast backend, shared memory", timed(push.push, model, args.repeats), numel)
+            push.close()
+    if args.skip_remote:
+        return
 
     try:
         from faircast_ds.vllm.remote import RemoteEngine
@@ -97,7 +121,7 @@ def main() -> None:
             def push_remote(version, kind):
                 began = time.perf_counter()
                 r = remote.push(version=version) if kind == "delta" else _dense(remote, version)
-                return type("R", (), {"seconds": time.perf_counter() - began, "bytes": r.bytes})
+                return type("R", (), {"seconds": time.perf_counter() - began, "bytes": r.bytes, "stages": {}})
 
             report("faircast_ds.vllm.remote (old)", timed(push_remote, model, args.repeats), numel)
             remote.close(shutdown=True)

@@ -203,6 +203,8 @@ class Channel:
         self.limits = limits if limits is not None else Limits()
         self.sent_bytes = 0
         self.received_bytes = 0
+        self.mac_seconds = 0.0  # computing and checking HMAC tags (issue 32 item 1's stage timing)
+        self.io_seconds = 0.0  # in socket calls
         self._send_seq = 0
         self._recv_seq = 0
         self._send_key = _PUBLIC_KEY
@@ -223,7 +225,10 @@ class Channel:
             raise ChannelError("the session is closed")
         body = memoryview(body).cast("B")
         header = _HEADER.pack(MAGIC, WIRE_VERSION, ftype, 0, self._send_seq, body.nbytes)
+        t0 = time.perf_counter()
         tag = _mac(self._send_key if key is None else key, header, body)
+        t1 = time.perf_counter()
+        self.mac_seconds += t1 - t0
         self._send_seq += 1
         try:
             self.sock.settimeout(self.timeout)
@@ -236,6 +241,7 @@ class Channel:
         except OSError as exc:  # includes socket.timeout
             self.close()
             raise ChannelError(f"sending to {self.peer} failed: {_why(exc)}") from None
+        self.io_seconds += time.perf_counter() - t1
         self.sent_bytes += body.nbytes + FRAME_OVERHEAD
 
     def send_tensor(self, t: torch.Tensor) -> None:
@@ -330,9 +336,14 @@ class Channel:
         body_view = alloc(length) if alloc is not None else memoryview(bytearray(length))
         self.limits.largest = max(self.limits.largest, length)
         tag = bytearray(TAG_BYTES)
+        t0 = time.perf_counter()
         self._read_into(body_view, self.timeout, deadline, f"{name} frame body")
         self._read_into(memoryview(tag), self.timeout, deadline, f"{name} frame's tag")
-        if not hmac.compare_digest(bytes(tag), _mac(self._recv_key, header, body_view)):
+        t1 = time.perf_counter()
+        self.io_seconds += t1 - t0
+        ok = hmac.compare_digest(bytes(tag), _mac(self._recv_key, header, body_view))
+        self.mac_seconds += time.perf_counter() - t1
+        if not ok:
             raise ProtocolError(f"{self.peer} sent frame number {seq} ({name}) that fails its authentication tag: "
                                 "forged, corrupted, or from another session")
         self._recv_seq += 1
@@ -630,4 +641,26 @@ def connect(host: str, port: int, timeout: float = 60.0, bind: str | None = None
         _sender_handshake(ch, key)
     except Refused as exc:
         raise WeightSyncError(f"the weight receiver at {host}:{port} refused the connection: {exc.reason}") from None
+    return ch
+
+
+# ---------------------------------------------------------------- a connected socket of any family
+
+def serve_handshake(sock: socket.socket, secret: bytes | None, *, timeout: float, peer: str,
+                    limits: Limits | None = None, handshake_timeout: float = 10.0) -> Channel:
+    """The receiver's end of the handshake on an already accepted socket (a local AF_UNIX one, say);
+    returns the session's channel. Raises as :meth:`Listener.accept` does."""
+    ch = Channel(sock, timeout=timeout, peer=peer, limits=limits)
+    _receiver_handshake(ch, secret, time.monotonic() + handshake_timeout)
+    return ch
+
+
+def client_handshake(sock: socket.socket, secret: bytes | None, *, timeout: float, peer: str,
+                     limits: Limits | None = None) -> Channel:
+    """The sender's end of the handshake on an already connected socket; returns the session's channel."""
+    ch = Channel(sock, timeout=timeout, peer=peer, limits=limits)
+    try:
+        _sender_handshake(ch, secret)
+    except Refused as exc:
+        raise WeightSyncError(f"{peer} refused the connection: {exc.reason}") from None
     return ch

@@ -77,6 +77,9 @@ class ServedReport:
     verify_seconds: float = 0.0
     verified: bool | None = None  # None: not checked
     mismatched: list[str] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (faircast_ds.export.stages)
+    http_calls: int = 0  # HTTP round trips to the engine during the update
+    collectives: int = 0  # collectives of the training job during the update (walk gathers not counted)
 
     def __post_init__(self) -> None:
         if self.elements is None:
@@ -287,6 +290,7 @@ class Walk:
         self.serial = source.walks
         self.began = time.perf_counter()
         self.gathers = 0
+        self.walk_seconds = 0.0  # inside the reader (gathers, masks, the changed-count all-reduce)
         self.changed = source.numel if kind == DENSE else 0
         self.params = 0  # yielded so far
         self.elements = 0
@@ -298,8 +302,10 @@ class Walk:
             self.counts = None
             self.order = list(range(len(source.specs)))
         else:
+            t0 = time.perf_counter()
             self._slices = source._slices()
             self.counts = source._changed_counts(self._slices)
+            self.walk_seconds += time.perf_counter() - t0
             self.changed = int(self.counts.sum())
             chosen = {i for i in range(len(source.specs)) if int(self.counts[i])}
             if groups:
@@ -327,12 +333,14 @@ class Walk:
             spec = source.specs[index]
             changed = spec.numel if self.counts is None else int(self.counts[index])
             mask = None
+            t0 = time.perf_counter()
             if self.masks and 0 < changed and delta_encoding.best(spec.numel, changed, _size(spec.dtype)) != \
                     delta_encoding.DENSE:
                 mask = source._mask(index, self._slices, spec.numel)
             if source.reader.is_gathered(index):
                 self.gathers += 1
             with source.reader.full(index) as tensor:
+                self.walk_seconds += time.perf_counter() - t0
                 self.params += 1
                 self.elements += spec.numel
                 yield ServedItem(index, spec, tensor, changed, mask)

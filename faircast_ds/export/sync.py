@@ -71,6 +71,7 @@ from faircast_ds.export.channel import (
 )
 from faircast_ds.export.served import ParamSpec, module_of
 from faircast_ds.export.source import ServedItem, ServedReport, ServedSource, Walk
+from faircast_ds.export.stages import Stages
 
 PROTOCOL = 2  # 2: the framed, authenticated channel (1 was the gloo channel)
 _END = -1
@@ -141,6 +142,8 @@ class WeightSender:
         self.channel: Channel | None = None
         self.can_delta = delta and self.source.can_delta
         self.last_walk: Walk | None = None
+        self.stages = Stages()  # the current sync's (issue 32 item 1)
+        self.collectives = 0
 
     @property
     def _baseline_version(self) -> int | None:
@@ -179,7 +182,15 @@ class WeightSender:
 
     def _session_alive(self) -> bool:
         """Whether rank 0 still has a session (collective)."""
-        return bool(from_rank0(self.channel is not None and not self.channel.closed if self.rank == 0 else None))
+        return bool(self._from_rank0(self.channel is not None and not self.channel.closed if self.rank == 0 else None))
+
+    def _from_rank0(self, obj: Any) -> Any:
+        """:func:`from_rank0`, timed and counted in this sync's stages."""
+        if self.world == 1:
+            return obj
+        self.collectives += 1
+        with self.stages("trainer.collectives"):
+            return from_rank0(obj)
 
     def sync(self, version: int | None = None, kind: str = "auto", *,
              on_param: Callable[[ServedItem], None] | None = None,
@@ -193,6 +204,7 @@ class WeightSender:
         ``groups`` (name -> names, the same on every rank): a delta walk also yields the unchanged
         members of a group with a changed member, to ``on_param`` only (they are not sent)."""
         began = time.perf_counter()
+        self.stages, self.collectives, self._engine_stages = Stages(), 0, {}
         if version is None:
             version = getattr(self.model, "global_steps", None)
             if version is None:
@@ -205,13 +217,14 @@ class WeightSender:
         if kind == "delta" and not use_delta:
             raise WeightSyncError("a delta sync needs a previous sync acknowledged in this session" + (
                 "" if self.can_delta else " and each rank's served shard (under ZeRO-3: Fair Cast attached)"))
-        error, sent_before = None, 0
+        error, sent_before, mac_before, io_before = None, 0, 0.0, 0.0
         if self.rank == 0:
             sent_before = self.channel.sent_bytes
+            mac_before, io_before = self.channel.mac_seconds, self.channel.io_seconds
             header = {"type": "update", "kind": "delta" if use_delta else "dense", "version": int(version),
                       "base": self._baseline_version if use_delta else None}
             error = self._on_rank0(lambda: self._open_update(header))
-        error = from_rank0(error)
+        error = self._from_rank0(error)
         if error is not None:
             self.source.require_dense()
             raise WeightSyncError(error)
@@ -222,13 +235,23 @@ class WeightSender:
         if self.rank == 0 and failure is None:
             failure = self._on_rank0(lambda: self._finish(params))
         sent = self.channel.sent_bytes - sent_before if self.rank == 0 else 0
-        failure, sent, carried = from_rank0((failure, sent, carried))
+        if self.rank == 0 and self.channel is not None:
+            self.stages.add("trainer.mac", self.channel.mac_seconds - mac_before)
+            self.stages.add("trainer.send", self.channel.io_seconds - io_before)
+        self.stages.add("trainer.walk", walk.walk_seconds)
+        if walk.kind == "delta" and self.world > 1:
+            self.collectives += 1  # the changed-count all-reduce (mask gathers: one per sparse parameter)
+        failure, sent, carried = self._from_rank0((failure, sent, carried))
         if failure is not None:
             walk.abort()
             self.source.require_dense()  # the session is closed: the next one starts dense
             raise WeightSyncError(f"weight sync of version {version} not delivered: {failure}")
-        walk.acknowledge()  # the receiver applied it whole and said so
-        report = walk.report(bytes=sent, params=params, elements=carried)
+        with self.stages("trainer.acknowledge"):  # each rank copies its baseline for the next delta
+            walk.acknowledge()  # the receiver applied it whole and said so
+        stages = self.stages.as_dict()
+        stages.update(self._from_rank0(self._engine_stages))
+        report = walk.report(bytes=sent, params=params, elements=carried, stages=stages,
+                             collectives=self.collectives)
         return dataclasses.replace(report, seconds=time.perf_counter() - began)
 
     def _open_update(self, header: dict[str, Any]) -> None:
@@ -239,9 +262,14 @@ class WeightSender:
 
     def _finish(self, params: int) -> None:
         self.channel.send_tensor(torch.tensor([_END, 0, params], dtype=torch.int64))
-        ack = self.channel.recv_json()
+        with self.stages("trainer.wait_ack"):
+            ack = self.channel.recv_json()
         if ack.get("ok") is not True:
             raise WeightSyncError(f"the weight receiver rejected the update: {ack.get('error')}")
+        engine = ack.get("stages")
+        if isinstance(engine, dict):
+            self._engine_stages = {f"engine.{k}": float(v) for k, v in engine.items()
+                                   if isinstance(v, (int, float)) and isinstance(k, str)}
 
     def _send(self, failure: str | None, index: int, encoding: int, count: int,
               payload: list[torch.Tensor]) -> str | None:
@@ -263,12 +291,14 @@ class WeightSender:
         failure, params, carried = None, 0, 0
         for item in walk:  # a collective under ZeRO-3: every rank consumes it to the end
             if on_param is not None:
-                on_param(item)
+                with self.stages("trainer.checksums"):
+                    on_param(item)
             if walk.kind == "delta" and item.changed == 0:
                 continue  # an unchanged member of a changed group: seen, not sent
             params += 1
             if self.rank != 0:
                 continue
+            t0 = time.perf_counter()
             bits = delta_encoding.bits_view(item.tensor)
             if item.mask is None:  # dense walk, or a parameter most of whose elements changed
                 carried += item.spec.numel
@@ -280,7 +310,9 @@ class WeightSender:
                 first = item.mask.nonzero().view(-1).to(delta_encoding.index_dtype(item.spec.numel))
             else:
                 first = _bitmap(item.mask)
-            failure = self._send(failure, item.index, encoding, item.changed, [first, bits[item.mask]])
+            values = bits[item.mask]
+            self.stages.add("trainer.encode", time.perf_counter() - t0)
+            failure = self._send(failure, item.index, encoding, item.changed, [first, values])
         return failure, params, carried
 
     def close(self) -> None:
@@ -484,6 +516,7 @@ class WeightReceiver:
     def _receive(self, timeout: float) -> SyncReport | None:
         began = time.perf_counter()
         received_before = self.channel.received_bytes
+        mac_before, io_before = self.channel.mac_seconds, self.channel.io_seconds
         try:
             header = self.channel.recv_json(timeout)
         except ChannelError as exc:
@@ -543,6 +576,7 @@ class WeightReceiver:
             self._reply(f"update version {version} carries bits other than those served under version {version}")
             raise WeightSyncError(f"refused update {version}: it changes the weights this receiver already serves "
                                   f"as version {version}; versions must increase when the weights change")
+        t_stage = time.perf_counter()
         with self.lock:  # validated in full: nothing below can fail halfway
             for index, (encoding, first, values) in staged.items():
                 target = self.targets[self.names[index]]
@@ -555,10 +589,14 @@ class WeightReceiver:
             self.version = int(version)
             self.updates += 1
             self._synced_in_session = True
-        self._reply(None)
+        stages = {"receive": self.channel.io_seconds - io_before, "mac": self.channel.mac_seconds - mac_before,
+                  "stage": time.perf_counter() - t_stage}
+        stages["other"] = max(0.0, t_stage - began - stages["receive"] - stages["mac"])  # waits, parsing, checks
+        received = self.channel.received_bytes - received_before
+        self._reply(None, stages=stages)
         self.last_error = None
-        return SyncReport(self.version, header["kind"], len(staged), changed, self.numel,
-                          self.channel.received_bytes - received_before, time.perf_counter() - began)
+        return SyncReport(self.version, header["kind"], len(staged), changed, self.numel, received,
+                          time.perf_counter() - began, stages=stages)
 
     def _check_header(self, header: dict[str, Any]) -> str | None:
         if header.get("type") != "update" or header.get("kind") not in ("dense", "delta"):

@@ -291,3 +291,139 @@ def test_engine_killed_mid_update_then_restarted_gets_a_dense_update(engine, tra
     assert again.push(3).kind == "dense"
     assert_serves(server, 3, model)
     again.close()
+
+
+# ---------------------------------------------------------------- the shared-memory plane (issue 32)
+# Same engine process as above (each push session re-initializes its transfer backend). The last test
+# kills the engine for good.
+
+def shm_push(server, model, **kwargs):
+    from faircast_ds.vllm.transfer.shm_push import SharedMemoryPush
+
+    return SharedMemoryPush(model, server, timeout=TIMEOUT, **kwargs)
+
+
+def start_ranks(server, marks: Path, versions: list[int], world: int = 2, **options) -> list[subprocess.Popen]:
+    port = free_port()
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    procs = []
+    for rank in range(world):
+        env = cpu_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_RANK=str(rank))
+        log = open(marks.parent / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, str(DIST / "shm_trainer.py"), server.url, str(marks),
+                                       *map(str, versions), "--timeout", str(TIMEOUT), *extra], stdout=log,
+                                      stderr=subprocess.STDOUT, env=env, start_new_session=True))
+    return procs
+
+
+def test_shm_dense_delta_and_a_push_that_changes_nothing(engine):
+    server = engine["server"]
+    model = ft.build_model()
+    push = shm_push(server, model)  # verify=True: the engine checks the loaded layers' kernels against the segment
+    try:
+        ft.set_version(model, 50)
+        assert push.push(50).kind == "dense"
+        assert_serves(server, 50, model)
+        ft.set_version(model, 51)
+        report = push.push(51)
+        assert report.kind == "delta" and 0 < report.params < report.params_total and report.gathers == 0
+        assert report.http_calls == 4 and report.collectives == 0  # start, update, finish, reset; one rank
+        assert_serves(server, 51, model)
+        nothing = push.push(52)  # the same bits under a new version
+        assert nothing.params == 0 and nothing.http_calls == 1
+        assert_serves(server, 52, model)
+        ft.set_version(model, 53)
+        full = push.push(53, verify="full")  # every element of the loaded layers read back through the kernels
+        assert full.kind == "delta" and full.verified
+        assert_serves(server, 53, model)
+    finally:
+        push.close()
+
+
+def test_shm_rank_killed_mid_write_leaves_the_previous_version_and_the_next_push_is_dense(engine, tmp_path):
+    server = engine["server"]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    procs = start_ranks(server, marks, [30, 31], pause_rank=1, pause_at=2)
+    try:
+        wait_for(marks / "paused", procs[1])
+        assert (marks / "pushed-30").read_text() == "dense"
+        kill_tree(procs[1])  # SIGKILL inside its write of 31: 2 slices written, no report
+        wait_for(marks / "error-rank0")  # rank 0's commit fails: bounded by the engine's wait for reports
+        error = (marks / "error-rank0").read_text()
+        assert "rank 1" in error and ("vanished" in error or "gone" in error), error
+    finally:
+        for p in procs:
+            kill_tree(p)
+    model = ft.build_model()
+    ft.set_version(model, 30)
+    before = assert_serves(server, 30, model)
+    assert_serves(server, 30, model, before)  # bit for bit (checksums) and the same tokens and log-probs
+    push = shm_push(server, model, verify=False)
+    try:
+        ft.set_version(model, 32)
+        assert push.push(32).kind == "dense"
+        assert_serves(server, 32, model)
+    finally:
+        push.close()
+
+
+def test_shm_local_process_without_the_secret_is_refused_and_writes_nothing(engine, secret_env):
+    server = engine["server"]
+    model = ft.build_model()
+    push = shm_push(server, model, verify=False)
+    try:
+        ft.set_version(model, 60)
+        push.push(60)
+        before = assert_serves(server, 60, model)
+        from faircast_ds.vllm.transfer.shm import SegmentWriter
+
+        intruder_model = ft.build_model()
+        ft.set_version(intruder_model, 61)
+        writer = push.writer
+        secret_env.setenv("FAIRCAST_DS_SYNC_SECRET", secrets.token_hex(16))
+        try:
+            intruder = SegmentWriter(writer.name, writer.specs, writer.slices, rank=0, world=1, session="intruder",
+                                     timeout=TIMEOUT)
+            with pytest.raises(WeightSyncError, match="(?i)secret"):
+                intruder.connect()
+        finally:
+            secret_env.setenv("FAIRCAST_DS_SYNC_SECRET", SECRET)
+        assert_serves(server, 60, model, before)
+        ft.set_version(model, 62)  # the rightful trainer goes on, with a delta
+        assert push.push(62).kind == "delta"
+        assert_serves(server, 62, model)
+    finally:
+        push.close()
+
+
+def test_shm_engine_killed_while_ranks_write_is_a_clear_error_and_leaves_no_segment(engine):
+    """Last in the module: kills the engine for good."""
+    from faircast_ds.vllm.transfer.shm import find_segments
+
+    server = engine["server"]
+    model = ft.build_model()
+    push = shm_push(server, model, verify=False)
+    ft.set_version(model, 70)
+    push.push(70)
+    assert find_segments(), "the engine's staging segment is not a memfd of the expected name"
+    paused, release = threading.Event(), threading.Event()
+
+    def hold(k):
+        if k == 2:
+            paused.set()
+            release.wait(WAIT)
+
+    push.pause = hold
+    ft.set_version(model, 71)
+    thread, box = run_in_thread(push.push, 71)
+    assert paused.wait(WAIT), "the write did not start"
+    os.killpg(server.proc.pid, signal.SIGKILL)  # the engine dies while the rank holds the mapping mid-write
+    server.proc.wait(WAIT)
+    release.set()
+    thread.join(WAIT)
+    assert not thread.is_alive(), "the trainer hangs on a dead engine"
+    assert isinstance(box.get("error"), WeightSyncError), box
+    push.writer.close()
+    assert find_segments() == [], "a staging segment outlived the engine that made it"

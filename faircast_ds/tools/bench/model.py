@@ -78,10 +78,11 @@ def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup:
                log, f"{config} ZeRO-{stage}")
 
 
-def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: str) -> None:
+def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: str, plane: str = "tcp") -> None:
     from faircast_ds.tools.bench import push_worker as bench_push_worker
 
-    _deepspeed(bench_push_worker.__name__, [stem, model, str(layers), mode, repr(lr)], log, f"push {mode}")
+    _deepspeed(bench_push_worker.__name__, [stem, model, str(layers), mode, repr(lr), plane], log,
+               f"push {mode} ({plane})")
 
 
 def _deepspeed(module: str, worker_args: list[str], log: str, what: str) -> None:
@@ -242,17 +243,19 @@ def run(model: str, *, layers: int | None, stages: tuple[int, ...], configs: tup
 
 
 def run_push(model: str, *, layers: int, modes: tuple[str, ...], lr: float, out_dir: str, log=print,
-             failures: list[str] | None = None) -> list[dict[str, Any]]:
-    """One push launch per mode (results already in ``out_dir`` are reused); their rank-0 JSON."""
+             failures: list[str] | None = None, planes: tuple[str, ...] = ("tcp",)) -> list[dict[str, Any]]:
+    """One push launch per mode and data plane (``tcp``: the authenticated channel; ``shm``: the one-host
+    shared-memory plane); results already in ``out_dir`` are reused; their rank-0 JSON."""
     failures = failures if failures is not None else []
     started, out = time.perf_counter(), []
-    for done, mode in enumerate(modes):
-        stem = os.path.join(out_dir, f"push-{mode}")
+    runs = [(m, p) for m in modes for p in planes]
+    for done, (mode, plane) in enumerate(runs):
+        stem = os.path.join(out_dir, f"push-{mode}" + ("" if plane == "tcp" else f"-{plane}"))
         data = _read_push(stem, layers, lr)
         if data is None:
-            log(_bar(done, len(modes), f"push into vllm serve: {mode}", started))
+            log(_bar(done, len(runs), f"push into vllm serve: {mode} ({plane})", started))
             try:
-                _launch_push(stem, model, layers, mode, lr, stem + ".log")
+                _launch_push(stem, model, layers, mode, lr, stem + ".log", plane)
             except LaunchFailed as exc:
                 log(f"FAILED: {exc}")
                 failures.append(f"push {mode}: {str(exc).splitlines()[0]}")
@@ -264,7 +267,7 @@ def run_push(model: str, *, layers: int, modes: tuple[str, ...], lr: float, out_
         else:
             log(f"push {mode}: results already in {stem}.json, not repeated")
         out.append(data)
-    log(_bar(len(modes), len(modes), "pushes done", started))
+    log(_bar(len(runs), len(runs), "pushes done", started))
     return out
 
 
@@ -284,7 +287,8 @@ def push_figures(data: dict[str, Any]) -> dict[str, Any]:
     first, bare, dense, dense_sampled, deltas = p[0], p[1], p[2], p[3], p[4:]
     delta_s = statistics.median(d["seconds"] for d in deltas)
     reload_s = dense["engine"].get("load_seconds") or float("nan")
-    return {"mode": data["mode"], "numel": dense["numel"], "params_total": dense["params_total"],
+    plane = data.get("plane", "tcp")
+    return {"mode": data["mode"] + ("" if plane == "tcp" else f"/{plane}"), "numel": dense["numel"], "params_total": dense["params_total"],
             "first_s": first["seconds"], "dense_s": dense["seconds"], "bare_dense_s": bare["seconds"],
             "dense_sampled_s": dense_sampled["seconds"],
             "dense_sampled_reload_s": dense_sampled["engine"].get("load_seconds") or float("nan"), "dense_sampled_verify_s": dense_sampled["verify_seconds"],
@@ -319,7 +323,8 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
                       f"{bare:.2f}", f"{bare / f['dense_sampled_s']:.3f}", "-", f"{f['bare_reload_s']:.2f}",
                       f"{bare / f['bare_reload_s']:.2f}", "-", "-", "-", "-", f"{bare / f['memcpy_s']:.0f}"))
         delta_x = f["delta_s"] / f["dense_sampled_s"]
-        goal = f"<={DELTA_GOAL[f['mode']]} {_verdict(delta_x <= DELTA_GOAL[f['mode']])}" if f["mode"] in DELTA_GOAL else "-"
+        mode = f["mode"].split("/")[0]  # a plane's rows are labelled "MODE/PLANE"
+        goal = f"<={DELTA_GOAL[mode]} {_verdict(delta_x <= DELTA_GOAL[mode])}" if mode in DELTA_GOAL else "-"
         unchecked = f["delta_s"] - f["delta_verify_s"]
         lines.append((f["mode"], "delta after a step", "sampled", "/".join(f"{c:.2%}" for c in f["delta_changed"]),
                       "/".join(f"{b / MIB:.0f}" for b in f["delta_bytes"]),
@@ -342,6 +347,49 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
         head.append(f"first push (dense, the engine's first update, whole check) {f['first_s']:.2f} s; export "
                     f"{f['export_s']:.1f} s; vllm serve start {f['server_start_s']:.0f} s; memcpy floor of "
                     f"{2 * f['numel'] / MIB:.0f} MiB {1e3 * f['memcpy_s']:.0f} ms; {f['params_total']} tensors")
+    return "\n".join(head + [""] + columns(lines))
+
+
+def push_stages(data: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Seconds per stage (faircast_ds.export.stages) of the unverified dense push, the dense push with the
+    sampled check and the deltas (median), rank 0's account; ``engine.load`` is vLLM's reload inside the
+    engine. Empty for results written before pushes reported their stages."""
+    p = data["pushes"]
+    if not all("stages" in q for q in p):
+        return {}
+
+    def of(q: dict[str, Any]) -> dict[str, float]:
+        out = dict(q["stages"])
+        for key, stage in (("load_seconds", "engine.load"), ("check_seconds", "engine.check")):
+            if q.get("engine", {}).get(key) is not None:
+                out[stage] = q["engine"][key]
+        out["push"] = q["seconds"]
+        return out
+
+    deltas = [of(q) for q in p[4:]]
+    names = {n for d in deltas for n in d}
+    return {"dense, no check": of(p[1]), "dense, sampled check": of(p[3]),
+            "delta (median)": {n: statistics.median(d.get(n, 0.0) for d in deltas) for n in names}}
+
+
+def format_stage_table(pushes: list[dict[str, Any]]) -> str:
+    """One row per stage, one column per mode and update: where a push's seconds go. Stages overlap (the
+    HTTP update call waits while the trainer walks and sends), so they do not sum to the push."""
+    cols = [(data["mode"] + ("" if data.get("plane", "tcp") == "tcp" else "/" + data["plane"]), label, stages)
+            for data in pushes for label, stages in push_stages(data).items()]
+    if not cols:
+        return ""
+    names = sorted({n for _, _, st in cols for n in st} - {"push"},
+                   key=lambda n: -max(st.get(n, 0.0) for _, _, st in cols))
+    lines = [("stage", *(f"{m} {label}" for m, label, _ in cols))]
+    lines.append(("push (whole)", *(f"{st['push']:.3f}" for _, _, st in cols)))
+    for n in names:
+        lines.append((n, *(f"{st[n]:.3f}" if n in st else "-" for _, _, st in cols)))
+    first = pushes[0]["pushes"][3]
+    head = ["seconds per stage of the push, rank 0 (faircast_ds.export.stages; trainer.*: the trainer's walk, "
+            "encode, MAC and socket; engine.*: the engine's receiver; http.*: each HTTP round trip, whole; stages "
+            f"overlap); per push {first.get('http_calls', '?')} HTTP calls and {first.get('collectives', '?')} "
+            "collectives besides the walk's gathers (dense, sampled check)"]
     return "\n".join(head + [""] + columns(lines))
 
 
@@ -383,11 +431,15 @@ def main_from_args(args) -> int:  # type: ignore[no-untyped-def]
     failures: list[str] = []
     rows = run(args.model, layers=args.layers, stages=stages, configs=configs, warmup=args.warmup,
                steps=args.steps, rounds=args.rounds, out_dir=out_dir, log=log, failures=failures)
+    planes = tuple(getattr(args, "push_planes", None) or ("tcp",))
     pushes = run_push(args.model, layers=layers, modes=push_modes, lr=lr, out_dir=out_dir, log=log,
-                      failures=failures) if push_modes else []
+                      failures=failures, planes=planes) if push_modes else []
     table = format_table(rows, model=args.model, layers=layers, rounds=args.rounds, steps=args.steps, command=command)
     if pushes:
         table += "\n\n" + format_push_table(pushes, model=args.model, layers=layers, lr=lr)
+        stage_table = format_stage_table(pushes)
+        if stage_table:
+            table += "\n\n" + stage_table
     if failures:
         table += "\n\nFAILED (not in the tables above; logs in " + out_dir + "):\n" + "\n".join(f"- {f}" for f in failures)
     print(table)

@@ -46,7 +46,9 @@ def memcpy_floor(elements: int, repeats: int = 3) -> float:
 
 
 def main(argv: list[str]) -> None:
-    stem, model_name, layers, mode, lr = [a for a in argv if not a.startswith("--local_rank")]
+    args = [a for a in argv if not a.startswith("--local_rank")]
+    stem, model_name, layers, mode, lr = args[:5]
+    plane = args[5] if len(args) > 5 else "tcp"
     layers, lr = int(layers), float(lr)
     import deepspeed
     import deepspeed.comm as dist
@@ -65,7 +67,10 @@ def main(argv: list[str]) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    os.environ.setdefault("FAIRCAST_DS_SYNC_SECRET", "faircast-ds bench push secret " + os.urandom(16).hex())
+    if "FAIRCAST_DS_SYNC_SECRET" not in os.environ:  # one secret for every rank (the shm plane's ranks all prove it)
+        from faircast_ds._util.dist import from_rank0
+
+        os.environ["FAIRCAST_DS_SYNC_SECRET"] = from_rank0("faircast-ds bench push secret " + os.urandom(16).hex())
     cfg = bench_config(3, mode)
     model = real_causal_lm(model_name, layers=layers, seed=0, ds_config=cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -75,7 +80,8 @@ def main(argv: list[str]) -> None:
     t = time.perf_counter()
     exported = save_hf(engine, export, version=0)
     export_s = time.perf_counter() - t
-    out: dict[str, Any] = {"model": model_name, "layers": layers, "mode": mode, "lr": lr, "export_s": export_s,
+    out: dict[str, Any] = {"model": model_name, "layers": layers, "mode": mode, "lr": lr, "plane": plane,
+                           "export_s": export_s,
                            "export_bytes": getattr(exported, "bytes", None), "pushes": []}
     server = None
     if rank == 0:
@@ -84,7 +90,12 @@ def main(argv: list[str]) -> None:
                             worker_extension=True)
         out["server_start_s"] = time.perf_counter() - t
     try:
-        push = ServedPush(engine, server)
+        if plane == "shm":
+            from faircast_ds.vllm.transfer.shm_push import SharedMemoryPush
+
+            push = SharedMemoryPush(engine, server)
+        else:
+            push = ServedPush(engine, server)
         plan = [("dense", True, 0), ("dense", False, 0), ("dense", True, 0), ("dense", True, 0), ("delta", True, 1),
                 ("delta", True, 1)]
         for version, (kind, verify, steps) in enumerate(plan):
@@ -93,11 +104,16 @@ def main(argv: list[str]) -> None:
                                   generator=torch.Generator().manual_seed(1000 * version + rank))
                 engine.backward(engine(input_ids=x, labels=x).loss)
                 engine.step()
-            r = push.push(version=version, verify=verify, kind=kind)
+            if plane == "shm":  # whole checks where the TCP plan's first and third pushes check whole
+                check = ("full" if version in (0, 2) else True) if verify else False
+                r = push.push(version=version, verify=check, kind=kind)
+                push.last_check = ("whole" if check == "full" else "sampled") if verify else None
+            else:
+                r = push.push(version=version, verify=verify, kind=kind)
             if rank == 0:
                 row = {k: getattr(r, k) for k in ("version", "kind", "params", "params_total", "changed", "numel",
                                                   "elements", "bytes", "seconds", "gathers", "verify_seconds",
-                                                  "verified")}
+                                                  "verified", "stages", "http_calls", "collectives")}
                 row["engine"] = server.engine_report()
                 row["check"] = push.last_check
                 out["pushes"].append(row)

@@ -161,10 +161,11 @@ def compare(engine: Mapping[str, str], served: Mapping[str, str]) -> list[str]:
 # ------------------------------------------------------------------------------ engine side
 
 def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype,
-                   sample: Any = None) -> Iterable[tuple[str, torch.Tensor | str]]:
+                   sample: Any = None, names: Any = None) -> Iterable[tuple[str, torch.Tensor | str]]:
     """(vLLM parameter name, the tensor its kernel computes with) for every parameter of ``model``;
     with ``sample`` (``(k, version_of)``: columns per matrix and each vLLM name's loaded version, or
-    None where unknown), a matrix's item is its sampled digest instead (:func:`sample_columns`)."""
+    None where unknown), a matrix's item is its sampled digest instead (:func:`sample_columns`). ``names``:
+    only these vLLM parameter names (default: every one)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
@@ -174,6 +175,8 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype,
     modules = dict(model.named_modules())
     with torch.inference_mode():
         for name, param in model.named_parameters():
+            if names is not None and name not in names:
+                continue
             path, _, attr = name.rpartition(".")
             module = modules.get(path)
             # an (unsharded) vocabulary the engine padded is cut back to the checkpoint's rows
@@ -246,3 +249,17 @@ def install_checksums() -> None:
     compute_weight_checksums._faircast = True  # type: ignore[attr-defined]
     compute_weight_checksums.__doc__ = kernel_checksums.__doc__
     Worker.compute_weight_checksums = compute_weight_checksums
+
+
+def plane_check(model: torch.nn.Module, dtype: torch.dtype, staged: list[tuple[str, torch.Tensor]], columns: int,
+                version: int) -> list[str]:
+    """After a load from the shared-memory plane's segment: the vLLM names among the loaded layers whose
+    kernels compute with other bits than ``staged`` (HF-named tensors of the segment, whole fused
+    groups). ``columns`` > 0 reads that many input columns of each matrix (at ``version``'s sample),
+    0 reads every element; vectors and the embedding are read whole."""
+    sample = (columns, int(version)) if columns else None
+    expected = served_checksums(staged, prefix="", sample=sample)
+    got = {name: t if isinstance(t, str) else checksum(t.cpu())
+           for name, t in kernel_tensors(model, dtype, (columns, lambda _n: int(version)) if columns else None,
+                                         names=set(expected))}
+    return compare(got, expected)

@@ -28,6 +28,7 @@ import torch
 
 from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export.channel import DEFAULT_HOST
+from faircast_ds.export.stages import Stages
 from faircast_ds.vllm.push import EngineWeightsMismatch, PushReport, packed_groups
 from faircast_ds.vllm.transfer.checksums import (
     FUSED,
@@ -206,6 +207,13 @@ class VllmServer:
         return self._model_name
 
 
+def _merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0.0) + v
+    return out
+
+
 class ServedPush:
     """Push Fair Cast's served weights into a ``vllm serve`` process through the ``faircast`` backend.
     Construct and :meth:`push` on every rank (collectives under ZeRO-3); ``server`` (a
@@ -235,7 +243,7 @@ class ServedPush:
             raise ValueError(f"check_columns must be a non-negative integer, got {check_columns!r}")
         register()  # this process may not have run vLLM's plugin loader
         self.model, self.verify, self.check_columns = model, verify, check_columns
-        self.rank, _ = rank_world()
+        self.rank, self.world = rank_world()
         if self.rank == 0 and server is None:
             raise ValueError("ServedPush needs the server (or its URL) on rank 0")
         self.server = (server if isinstance(server, VllmServer) else VllmServer(url=server)) if self.rank == 0 else None
@@ -273,6 +281,8 @@ class ServedPush:
             collector = ChecksumCollector(whole=not sampled,
                                           sample=(self.check_columns, int(version)) if self.check_columns else None)
 
+        stages = Stages()
+
         def see(item: Any) -> None:  # the tensor is valid only until the walk advances
             if collector is not None:
                 collector.add(item.name, item.tensor)
@@ -288,7 +298,8 @@ class ServedPush:
         error, mismatched, verify_seconds = None, [], 0.0
         if self.server is not None:
             try:
-                self.server.reset_prefix_cache()  # its KV blocks were computed with the old weights
+                with stages("http.reset_prefix_cache"):
+                    self.server.reset_prefix_cache()  # its KV blocks were computed with the old weights
             except Exception as exc:  # noqa: BLE001 - reported on every rank
                 error = f"reset_prefix_cache failed: {exc}"
         whole = sampled_now = None
@@ -297,12 +308,14 @@ class ServedPush:
             if collector is not None:
                 collector.done()
             dense = sync.kind == "dense"
+            t_sums = time.perf_counter()
             if not sampled and not dense and self._whole is None:
                 # a whole check of a delta, but the layers it did not show were last sent unverified or
                 # sampled: one more walk (a collective under ZeRO-3, every rank alike)
                 from faircast_ds.export.served import served_weights
 
                 everything = served_checksums(served_weights(self.model))
+                stages.add("trainer.checksums", time.perf_counter() - t_sums)
                 if collector is not None:
                     collector.full = everything
                     dense = True  # the expected checksums now cover every layer
@@ -318,9 +331,11 @@ class ServedPush:
                                                                                       **collector.sampled}
             if self.server is not None and error is None:
                 try:
-                    result = self.server.compare(expected)
+                    with stages("http.weight_checker"):  # the engine reads its kernels back here
+                        result = self.server.compare(expected)
                     mismatched = list(result["mismatches"])
-                    served_version = self.server.weight_version()
+                    with stages("http.weight_info"):
+                        served_version = self.server.weight_version()
                     if mismatched:
                         error = (f"after update {version} vLLM's /weight_checker disagrees with the served bits in "
                                  f"{len(mismatched)} tensor(s) ({'sampled' if sampled else 'whole'} check): "
@@ -330,10 +345,12 @@ class ServedPush:
                 except Exception as exc:  # noqa: BLE001
                     error = f"/weight_checker failed: {exc}"
             verify_seconds = time.perf_counter() - t0
-        error, mismatched = from_rank0((error, mismatched))
-        ok = bool(verify) and error is None
-        # every rank alike: whether rank 0's checksums describe the engine's weights now
-        known_sampled = from_rank0(sampled_now is not None) if ok else False
+        with stages("trainer.collectives"):
+            error, mismatched = from_rank0((error, mismatched))
+            ok = bool(verify) and error is None
+            # every rank alike: whether rank 0's checksums describe the engine's weights now
+            known_sampled = from_rank0(sampled_now is not None) if ok else False
+        collectives = sync.collectives + ((2 if ok else 1) if self.world > 1 else 0)
         self._whole = (whole if self.rank == 0 else {}) if ok and not sampled else None
         self._sampled = (sampled_now if self.rank == 0 else {}) if known_sampled else None
         self.last_check = ("sampled" if sampled else "whole") if verify else None
@@ -341,7 +358,9 @@ class ServedPush:
             self.transfer._drop()  # the next push is dense
             raise EngineWeightsMismatch(error, mismatched)
         return dataclasses.replace(sync, params_total=self.params_total, seconds=time.perf_counter() - began,
-                                   verify_seconds=verify_seconds, verified=True if verify else None)
+                                   verify_seconds=verify_seconds, verified=True if verify else None,
+                                   stages=_merged(sync.stages, stages.as_dict()),
+                                   http_calls=sync.http_calls + stages.http_calls(), collectives=collectives)
 
     def close(self) -> None:
         self.transfer.shutdown()

@@ -21,6 +21,7 @@ session, so the next round reconnects and is dense.
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export.channel import DEFAULT_HOST, WeightSyncError
+from faircast_ds.export.stages import Stages
 from faircast_ds.export.sync import SyncReport, WeightSender, spec_list
 
 
@@ -112,22 +114,28 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
             if version is None:
                 raise ValueError("send_weights(version=...) is required for a model that is not a DeepSpeed engine")
         error = None
+        stages = Stages()
+        collectives = 0
         if self.is_sender:
-            error = _call(self.client.start_weight_update)
+            error = _timed(stages, "http.start", self.client.start_weight_update)
             if error is not None:  # a session a dead trainer left open: end it, then start ours
-                error = (_call(self.client.update_weights, {"abandon": True})
-                         or _call(self.client.finish_weight_update, None) or _call(self.client.start_weight_update))
-        error = from_rank0(error)
+                error = (_timed(stages, "http.update", self.client.update_weights, {"abandon": True})
+                         or _timed(stages, "http.finish", self.client.finish_weight_update, None)
+                         or _timed(stages, "http.start", self.client.start_weight_update))
+        if rank_world()[1] > 1:
+            collectives += 1
+        with stages("trainer.collectives"):
+            error = from_rank0(error)
         if error is not None:
             self._drop()
             raise WeightSyncError(f"the vLLM engine did not start weight update {version}: {error}")
         box: dict[str, Any] = {}
         thread = None
         if self.is_sender:
-            thread = threading.Thread(target=lambda: box.update(error=_call(self.client.update_weights,
-                                                                             {"version": int(version),
-                                                                              "check_columns": int(check_columns)})),
-                                      daemon=True, name="faircast update_weights")
+            thread = threading.Thread(target=lambda: box.update(error=_timed(
+                stages, "http.update", self.client.update_weights,
+                {"version": int(version), "check_columns": int(check_columns)})),
+                daemon=True, name="faircast update_weights")
             thread.start()
         report, failure = None, None
         try:
@@ -141,13 +149,19 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
             elif box.get("error") is not None:
                 failure = failure or f"the engine's update_weights failed: {box['error']}"
             if failure is None:
-                failure = _call(self.client.finish_weight_update, str(version))
+                failure = _timed(stages, "http.finish", self.client.finish_weight_update, str(version))
                 if failure is not None:
                     failure = f"the engine's finish_weight_update failed: {failure}"
-        failure = from_rank0(failure)
+        if rank_world()[1] > 1:
+            collectives += 1
+        with stages("trainer.collectives"):
+            failure = from_rank0(failure)
         if failure is not None:
             self._drop()
             raise WeightSyncError(f"weight update {version} not applied by the vLLM engine: {failure}")
+        stages.merge(report.stages)
+        report = dataclasses.replace(report, stages=stages.as_dict(), http_calls=stages.http_calls(),
+                                     collectives=report.collectives + collectives)
         self.last = report
         return report
 
@@ -185,6 +199,12 @@ class LLMWeightSyncClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
+
+
+def _timed(stages: Stages, name: str, fn: Any, *args: Any) -> str | None:
+    """:func:`_call`, its round trip added to ``stages`` under ``name``."""
+    with stages(name):
+        return _call(fn, *args)
 
 
 def _call(fn: Any, *args: Any) -> str | None:

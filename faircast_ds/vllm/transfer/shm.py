@@ -1,0 +1,394 @@
+"""The one-host shared-memory data plane of the ``faircast`` backend (issue 32 item 2): both ends.
+
+**Engine** (:class:`SegmentHost`, in the vLLM worker): the staging copy of the served weights is one
+``memfd`` segment (no path, nothing on disk, gone with the last process that holds it), laid out by
+:class:`~faircast_ds.export.plane.Layout`; the engine's staging tensors are views of it and vLLM's
+``reload_weights`` reads them in place. The host listens on an abstract AF_UNIX socket (no file
+either) and serves each trainer rank on its own connection: first the channel's mutual
+challenge-response handshake (:mod:`faircast_ds.export.channel`; a shared secret is required), then
+the rank's hello (its parameter list, rank, world and declared slices). The segment's descriptor is
+handed over (``SCM_RIGHTS``) only on an authenticated connection, in answer to a ``begin`` of a write,
+and only after the :class:`~faircast_ds.export.plane.Ledger` accepted that write.
+
+**Trainer rank** (:class:`SegmentWriter`): per update, ``begin`` → the descriptor → map it, copy its own
+served slices of the carried parameters to their offsets, unmap and close → ``written`` with the byte
+count and the digest of what it meant to write. Rank 0 then ``commit``\\ s; the engine answers once
+every rank reported and the ledger checked the whole write. A rank holds the mapping only while it
+writes, so no trainer process keeps a segment alive after the engine that made it is gone.
+
+Messages are the channel's JSON frames (authenticated, sequenced); the bulk bytes never cross a
+socket and carry no MAC: on one host the descriptor is the capability.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from faircast_ds.export.channel import (SECRET_ENV, SECRET_FILE_ENV, Channel, Limits, WeightSyncError,
+                                        client_handshake, resolve_secret, serve_handshake)
+from faircast_ds.export.plane import HostSegment, Layout, Ledger, PlaneError, write_digest
+from faircast_ds.export.served import ParamSpec
+from faircast_ds.export.stages import Stages
+
+logger = logging.getLogger("faircast_ds.vllm")
+PROTOCOL = 1
+MEMFD_NAME = "faircast-ds-staging"
+IDLE = 365 * 86400.0  # how long a connection waits for the trainer's next update (between pushes)
+
+
+def socket_name() -> str:
+    """A fresh abstract AF_UNIX socket name (no file; ``\\0`` is prepended when binding)."""
+    return f"faircast-ds-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def _address(name: str) -> str:
+    return "\0" + name
+
+
+def _require_secret(secret: str | bytes | None) -> bytes:
+    key = resolve_secret(secret)
+    if key is None:
+        raise WeightSyncError(f"the shared-memory weight plane needs a shared secret on both ends: set {SECRET_ENV} "
+                              f"(or {SECRET_FILE_ENV}) for the engine and the trainer")
+    return key
+
+
+def _spec_list(specs: Sequence[ParamSpec]) -> list[list[Any]]:
+    return [[s.name, list(s.shape), str(s.dtype)] for s in specs]
+
+
+def _limits(specs: Sequence[ParamSpec]) -> Limits:
+    import json
+
+    bound = 2 * len(json.dumps(_spec_list(specs))) + 64 * len(specs) * 8 + (1 << 20)
+    return Limits(max_json=bound, max_frame=bound)
+
+
+class SegmentHost:
+    """The engine's end: a memfd staging segment for ``specs`` and the local socket ``name`` the
+    trainer ranks write through. ``timeout`` bounds the commit's wait for the ranks' reports."""
+
+    def __init__(self, specs: Sequence[ParamSpec], name: str, *, timeout: float = 120.0,
+                 secret: str | bytes | None = None, handshake_timeout: float = 10.0) -> None:
+        self._key = _require_secret(secret)
+        self.specs = list(specs)
+        self.layout = Layout.of(self.specs)
+        self.timeout, self.handshake_timeout = float(timeout), float(handshake_timeout)
+        self.limits = _limits(self.specs)
+        self.name = name
+        self.fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.layout.nbytes)
+            self._map = mmap.mmap(self.fd, self.layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.segment = HostSegment(self._map, self.layout.nbytes)
+        self.ledger = Ledger(self.layout, self.segment)
+        self.refused = 0  # connections refused at the handshake or the hello
+        self._closed = False
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(_address(name))
+        self._sock.listen(64)
+        self._sock.settimeout(0.2)
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="faircast-ds shm host")
+        self._thread.start()
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Every parameter as a tensor over the segment (the engine's staging copy; no copy)."""
+        return {s.name: self.segment.tensor(self.layout, i) for i, s in enumerate(self.specs)}
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.05)
+                continue
+            self._conns.add(conn)
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="faircast-ds shm rank")
+            t.start()
+            self._threads.append(t)
+
+    def _serve(self, conn: socket.socket) -> None:
+        rank = session = None
+        ch: Channel | None = None
+        try:
+            ch = serve_handshake(conn, self._key, timeout=self.timeout, peer="a local trainer process",
+                                 limits=self.limits, handshake_timeout=self.handshake_timeout)
+            hello = ch.recv_json(timeout=self.handshake_timeout)
+            problem = self._check_hello(hello)
+            if problem is None:
+                try:
+                    self.ledger.join(hello["session"], hello["rank"], hello["world"], hello["slices"])
+                except PlaneError as exc:
+                    problem = str(exc)
+            if problem is not None:
+                self.refused += 1
+                ch.send_json({"ok": False, "error": problem})
+                logger.warning("faircast shm plane: refused a trainer rank: %s", problem)
+                return
+            rank, session = hello["rank"], hello["session"]
+            ch.send_json({"ok": True, "nbytes": self.layout.nbytes, "offsets": list(self.layout.offsets)})
+            while not self._closed:
+                msg = ch.recv_json(timeout=IDLE)
+                if not self._handle(ch, conn, rank, msg):
+                    return
+        except WeightSyncError as exc:
+            if rank is None:
+                self.refused += 1
+            logger.warning("faircast shm plane: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - a connection's thread never takes the engine down
+            logger.exception("faircast shm plane: rank %s's connection failed: %s", rank, exc)
+        finally:
+            if rank is not None:
+                self.ledger.leave(rank, session)
+            if ch is not None:
+                ch.close()
+            else:
+                conn.close()
+            self._conns.discard(conn)
+
+    def _check_hello(self, hello: dict[str, Any]) -> str | None:
+        if hello.get("type") != "hello" or hello.get("protocol") != PROTOCOL:
+            return f"protocol mismatch: this engine speaks faircast shm protocol {PROTOCOL}"
+        if hello.get("params") != _spec_list(self.specs):
+            return "model mismatch: the trainer's parameter list differs from the engine's"
+        if not isinstance(hello.get("session"), str) or not isinstance(hello.get("slices"), list):
+            return "malformed hello"
+        return None
+
+    def _handle(self, ch: Channel, conn: socket.socket, rank: int, msg: dict[str, Any]) -> bool:
+        kind = msg.get("type")
+        if kind == "begin":
+            try:
+                self.ledger.begin(rank, msg.get("version"), msg.get("kind"), msg.get("base"))
+            except PlaneError as exc:
+                ch.send_json({"ok": False, "error": str(exc)})
+                return True
+            ch.send_json({"ok": True})
+            socket.send_fds(conn, [b"F"], [self.fd])  # the capability, on this authenticated connection only
+        elif kind == "written":
+            try:
+                self.ledger.written(rank, msg)
+            except PlaneError as exc:
+                with self.ledger.cond:
+                    self.ledger.failure = self.ledger.failure or str(exc)
+                    self.ledger.cond.notify_all()
+        elif kind == "abort":
+            with self.ledger.cond:
+                self.ledger.failure = self.ledger.failure or f"rank {rank} gave up its write: {str(msg.get('reason'))[:500]}"
+                self.ledger.cond.notify_all()
+        elif kind == "commit" and rank == 0:
+            try:
+                done = self.ledger.commit(msg.get("version"), msg.get("world"), msg.get("params"), self.timeout)
+                ch.send_json({"ok": True, "bytes": done.bytes, "stages": done.stages})
+            except PlaneError as exc:
+                ch.send_json({"ok": False, "error": str(exc)})
+        elif kind == "same" and rank == 0:
+            try:
+                self.ledger.same(msg.get("version"), msg.get("base"))
+                ch.send_json({"ok": True})
+            except PlaneError as exc:
+                ch.send_json({"ok": False, "error": str(exc)})
+        elif kind == "bye":
+            return False
+        else:
+            ch.close(reason=f"unexpected message {str(kind)[:40]!r} from rank {rank}")
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.join(timeout=2.0)
+        self._sock.close()
+        for conn in list(self._conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.segment.close()
+        gc.collect()
+        try:
+            self._map.close()
+        except BufferError:  # staging views still referenced elsewhere: the mapping goes with them
+            pass
+        os.close(self.fd)
+
+
+class SegmentWriter:
+    """One trainer rank's end. ``slices``: this rank's ``(param index, start, values)`` (values a 1-D
+    view of its served shard), the same every update."""
+
+    def __init__(self, name: str, specs: Sequence[ParamSpec], slices: Sequence[tuple[int, int, torch.Tensor]], *,
+                 rank: int, world: int, session: str, timeout: float = 120.0,
+                 secret: str | bytes | None = None) -> None:
+        self.name, self.specs, self.slices = name, list(specs), list(slices)
+        self.rank, self.world, self.session, self.timeout = rank, world, session, float(timeout)
+        self._secret = secret
+        self.layout = Layout.of(self.specs)
+        self.channel: Channel | None = None
+        self._sock: socket.socket | None = None
+        self.offset_error = 0  # elements (tests only: a deliberate misplacement)
+
+    @property
+    def connected(self) -> bool:
+        return self.channel is not None and not self.channel.closed
+
+    def connect(self) -> None:
+        key = _require_secret(self._secret)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(_address(self.name))
+        except OSError as exc:
+            sock.close()
+            raise WeightSyncError(f"no faircast shared-memory plane at @{self.name}: {exc}") from None
+        self._sock = sock
+        self.channel = client_handshake(sock, key, timeout=self.timeout, peer=f"the engine's plane @{self.name}",
+                                        limits=_limits(self.specs))
+        self.channel.send_json({"type": "hello", "protocol": PROTOCOL, "session": self.session, "rank": self.rank,
+                                "world": self.world, "params": _spec_list(self.specs),
+                                "slices": [[i, s, v.numel()] for i, s, v in self.slices]})
+        reply = self.channel.recv_json()
+        if reply.get("ok") is not True:
+            self.close()
+            raise WeightSyncError(f"the engine's plane refused rank {self.rank}: {reply.get('error')}")
+        if reply.get("nbytes") != self.layout.nbytes or reply.get("offsets") != list(self.layout.offsets):
+            self.close()
+            raise WeightSyncError("the engine lays the staging segment out differently from this trainer")
+
+    def write(self, version: int, kind: str, base: int | None, params: set[int], stages: Stages,
+              pause: Any = None) -> int:
+        """Write this rank's slices of ``params`` for ``version`` and report them; returns bytes written.
+        ``pause(k)`` (tests) is called after the k-th slice written."""
+        ch = self.channel
+        if ch is None or ch.closed:
+            raise WeightSyncError(f"rank {self.rank} has no connection to the engine's plane")
+        with stages("shm.begin"):
+            ch.send_json({"type": "begin", "version": int(version), "kind": kind, "base": base})
+            reply = ch.recv_json()
+            if reply.get("ok") is not True:
+                raise PlaneError(f"the engine refused the write of version {version}: {reply.get('error')}")
+            try:
+                _, fds, _, _ = socket.recv_fds(self._sock, 1, 1)
+            except OSError as exc:
+                ch.close()
+                raise WeightSyncError(f"rank {self.rank}: receiving the staging segment failed: {exc}") from None
+            if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                ch.close()
+                raise WeightSyncError(f"rank {self.rank}: the engine sent {len(fds)} descriptors for the staging segment")
+        written, pieces = 0, []
+        try:
+            with stages("shm.map"):
+                try:
+                    mapped = mmap.mmap(fds[0], self.layout.nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                       mmap.PROT_READ | mmap.PROT_WRITE)
+                finally:
+                    os.close(fds[0])  # the mapping keeps the segment until it is unmapped below
+            segment = HostSegment(mapped, self.layout.nbytes)
+            try:
+                with stages("shm.write"):
+                    k = 0
+                    for index, start, values in self.slices:
+                        if index not in params:
+                            continue
+                        offset, nbytes = self.layout.span(index, start, values.numel())
+                        size = nbytes // max(1, values.numel())
+                        segment.bytes_at(offset + self.offset_error * size, nbytes).copy_(
+                            values.detach().reshape(-1).view(torch.uint8))
+                        pieces.append((index, start, values))
+                        written += nbytes
+                        k += 1
+                        if pause is not None:
+                            pause(k)
+            finally:
+                segment.close()
+                del segment
+                try:
+                    mapped.close()
+                except BufferError:  # a view outlived the write (a cycle): collect it, then unmap
+                    gc.collect()
+                    mapped.close()
+            with stages("shm.digest"):
+                digest = write_digest(pieces)
+        except BaseException as exc:
+            if ch is not None and not ch.closed:
+                try:
+                    ch.send_json({"type": "abort", "reason": f"{type(exc).__name__}: {exc}"})
+                except WeightSyncError:
+                    pass
+            raise
+        ch.send_json({"type": "written", "version": int(version), "params": sorted(params), "bytes": written,
+                      "digest": digest})
+        return written
+
+    def commit(self, version: int, params: set[int] | None, stages: Stages) -> dict[str, Any]:
+        """Rank 0: commit ``version`` (``params``: a delta's carried parameters; None: dense)."""
+        with stages("shm.commit"):
+            self.channel.send_json({"type": "commit", "version": int(version), "world": self.world,
+                                    "params": None if params is None else sorted(params)})
+            reply = self.channel.recv_json(timeout=self.timeout + 30.0)
+        if reply.get("ok") is not True:
+            raise PlaneError(f"the engine did not commit version {version}: {reply.get('error')}")
+        stages.merge({f"engine.{k}": v for k, v in (reply.get("stages") or {}).items()})
+        return reply
+
+    def same(self, version: int, base: int) -> None:
+        self.channel.send_json({"type": "same", "version": int(version), "base": int(base)})
+        reply = self.channel.recv_json()
+        if reply.get("ok") is not True:
+            raise PlaneError(f"the engine refused the no-change update {version}: {reply.get('error')}")
+
+    def close(self) -> None:
+        if self.channel is not None and not self.channel.closed:
+            try:
+                self.channel.send_json({"type": "bye"})
+            except WeightSyncError:
+                pass
+            self.channel.close()
+        self.channel = None
+        self._sock = None
+
+
+def find_segments(name: str = MEMFD_NAME) -> list[str]:
+    """Every process of this machine's ``/proc`` that holds a descriptor or a mapping of a memfd named
+    ``name`` (``"PID fd N"`` / ``"PID map"``): what must be empty once the engine that made it is gone."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{name}"):
+                        found.append(f"{pid} fd {fd}")
+                except OSError:
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                if f"/memfd:{name}" in f.read():
+                    found.append(f"{pid} map")
+        except OSError:
+            continue
+    return found
+
+
+def iter_pieces(slices: Iterable[tuple[int, int, torch.Tensor]], params: set[int]) -> list[tuple[int, int, torch.Tensor]]:
+    return [(i, s, v) for i, s, v in slices if i in params]

@@ -1,0 +1,223 @@
+"""Push the served weights into a ``vllm serve`` process on this host through the shared-memory plane
+(issue 32 item 2): every trainer rank writes its own served slices into the engine's staging segment,
+no gather to rank 0, no MAC over the bulk bytes; rank 0 commits and drives vLLM's update.
+
+Construct and :meth:`SharedMemoryPush.push` on every rank (two collectives per push: the changed-count
+all-reduce of a delta, and the outcome); ``server`` (a
+:class:`~faircast_ds.vllm.transfer.server.VllmServer` started on this host, or its URL) on rank 0.
+Both processes hold the same ``FAIRCAST_DS_SYNC_SECRET``. One push::
+
+    every rank   diff its slices against its last acknowledged bits (delta)    -> all-reduce of counts
+    every rank   begin -> the segment's descriptor -> write its slices -> written (bytes, digest)
+    rank 0       commit (the engine checks every rank's report) -> HTTP start, update, finish
+                 (finish loads the carried layers from the segment, then checks their kernels
+                 against it: sampled columns, or every element with verify="full") -> reset_prefix_cache
+    every rank   the outcome from rank 0; acknowledged -> the next push is a delta
+
+A push that changes nothing costs one HTTP round trip (``/update_weight_version``) and one local
+message. Any failure raises on every rank, leaves the engine serving what it served (the model
+changes only at finish), and makes the next push dense.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from faircast_ds._util.dist import _collective_device, first_failure, from_rank0, rank_world
+from faircast_ds.export import delta as delta_encoding
+from faircast_ds.export.channel import WeightSyncError
+from faircast_ds.export.plane import PlaneError
+from faircast_ds.export.served import local_served_slices, served_specs
+from faircast_ds.export.source import ServedReport
+from faircast_ds.export.stages import Stages
+from faircast_ds.vllm.push import EngineWeightsMismatch
+from faircast_ds.vllm.transfer.shm import SegmentWriter, socket_name
+
+
+_STAGE = {"start_weight_update": "http.start", "update_weights": "http.update", "finish_weight_update": "http.finish",
+          "reset_prefix_cache": "http.reset_prefix_cache"}
+
+
+class SharedMemoryPush:
+    """The trainer's end of the shared-memory plane (see the module docstring). ``verify``: True (the
+    loaded layers' kernels against the segment on sampled columns), ``"full"`` (every element) or
+    False. ``delta``: after an acknowledged push, carry only the parameters whose bits changed (each
+    rank keeps its slices' bits of the acknowledged version: 2 bytes per shard element)."""
+
+    def __init__(self, model: Any, server: Any, *, timeout: float = 120.0, verify: bool | str = True,
+                 delta: bool = True, secret: str | bytes | None = None) -> None:
+        from faircast_ds.vllm.transfer.server import VllmServer
+
+        if verify not in (True, False, "full"):
+            raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
+        self.model, self.verify, self.delta, self.timeout = model, verify, delta, float(timeout)
+        self.rank, self.world = rank_world()
+        if self.rank == 0 and server is None:
+            raise ValueError("SharedMemoryPush needs the server (or its URL) on rank 0")
+        self.server = (server if isinstance(server, VllmServer) else VllmServer(url=server)) if self.rank == 0 else None
+        self.specs = served_specs(model)
+        index = {s.name: i for i, s in enumerate(self.specs)}
+        self.numel = sum(s.numel for s in self.specs)
+        try:
+            local = local_served_slices(model)
+        except ValueError as exc:
+            raise ValueError(f"the shared-memory plane writes each rank's own served slices: {exc}") from None
+        self.slices = [(index[s.name], s.start, s.values) for s in local]
+        session, name = from_rank0((secrets.token_hex(16), socket_name()) if self.rank == 0 else None)
+        error = None
+        if self.rank == 0:
+            try:
+                self.server._post("init_weight_transfer_engine", {"init_info": {
+                    "plane": "shm", "socket": name, "port": 0, "timeout": self.timeout,
+                    "params": [[s.name, list(s.shape), str(s.dtype)] for s in self.specs]}})
+            except Exception as exc:  # noqa: BLE001 - reported on every rank
+                error = f"{type(exc).__name__}: {exc}"
+        error = from_rank0(error)
+        if error is not None:
+            raise WeightSyncError(f"the vLLM engine did not open the faircast shared-memory plane: {error}")
+        self.writer = SegmentWriter(name, self.specs, self.slices, rank=self.rank, world=self.world, session=session,
+                                    timeout=self.timeout, secret=secret)
+        error = first_failure(self.writer.connect, WeightSyncError)
+        if error is not None:
+            self.writer.close()
+            raise WeightSyncError(f"joining the engine's shared-memory plane failed: {error}")
+        self.acknowledged: int | None = None  # the version the engine serves from this trainer
+        self._baseline: list[torch.Tensor] | None = None  # per slice: its bits at that version
+        self.pause: Callable[[int], None] | None = None  # tests: called after each slice written
+        self.pushes = 0
+        self.committed_bytes = 0
+
+    # -- one push -------------------------------------------------------------------------------------
+    def push(self, version: int | None = None, *, kind: str = "auto", verify: bool | str | None = None) -> ServedReport:
+        began = time.perf_counter()
+        stages, collectives, http = Stages(), 0, 0
+        verify = self.verify if verify is None else verify
+        if verify not in (True, False, "full"):
+            raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
+        if kind not in ("auto", "dense", "delta"):
+            raise ValueError(f"kind must be 'auto', 'dense' or 'delta', not {kind!r}")
+        if version is None:
+            version = getattr(self.model, "global_steps", None)
+            if version is None:
+                raise ValueError("push(version=...) is required for a model that is not a DeepSpeed engine")
+        use_delta = kind != "dense" and self.delta and self.acknowledged is not None
+        if kind == "delta" and not use_delta:
+            raise ValueError("a delta push needs delta=True and a previous acknowledged push")
+        params = set(range(len(self.specs)))
+        changed = self.numel
+        if use_delta:
+            with stages("trainer.diff"):
+                counts = torch.zeros(len(self.specs), dtype=torch.int64)
+                for (i, _, values), base in zip(self.slices, self._baseline):
+                    counts[i] += int((delta_encoding.bits_view(values) != base).sum())
+            if self.world > 1:
+                collectives += 1
+                with stages("trainer.collectives"):
+                    reduced = counts.to(_collective_device())
+                    dist.all_reduce(reduced)
+                    counts = reduced.cpu()
+            params = {i for i, c in enumerate(counts.tolist()) if c}
+            changed = int(counts.sum())
+        error, written = None, 0
+        if use_delta and not params:
+            if self.rank == 0:
+                try:
+                    with stages("shm.same"):
+                        self.writer.same(int(version), self.acknowledged)
+                    with stages("http.update_weight_version"):
+                        self.server._post("update_weight_version", {"new_version": str(version)})
+                    http += 1
+                except Exception as exc:  # noqa: BLE001
+                    error = f"{type(exc).__name__}: {exc}"
+        else:
+            try:
+                written = self.writer.write(int(version), "delta" if use_delta else "dense",
+                                            self.acknowledged if use_delta else None, params, stages, self.pause)
+            except (WeightSyncError, PlaneError) as exc:
+                error = f"rank {self.rank}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the outcome's collective
+                error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            if self.rank == 0:
+                error = error or self._commit_and_load(int(version), params if use_delta else None, verify, stages)
+                http += stages.http_calls()
+        if self.world > 1:
+            collectives += 1
+            with stages("trainer.collectives"):
+                try:
+                    error = from_rank0(error)
+                except Exception as exc:  # noqa: BLE001 - a rank died: say what this rank knows
+                    self.acknowledged = None
+                    raise WeightSyncError(f"weight update {version}: the training job's ranks could not agree on "
+                                          f"its outcome ({type(exc).__name__}: {exc}); this rank's account: "
+                                          f"{error or 'its write was accepted'}") from None
+        if error is not None:
+            self.acknowledged = None  # the engine's segment may be dirty: the next push is dense
+            if "kernels compute with other bits" in error:
+                raise EngineWeightsMismatch(f"weight update {version}: {error}", [])
+            raise WeightSyncError(f"weight update {version} not applied by the vLLM engine: {error}")
+        if self.delta and params:
+            with stages("trainer.acknowledge"):
+                self._remember(params, dense=not use_delta)
+        self.acknowledged = int(version)
+        self.pushes += 1
+        if self.rank == 0 and params:
+            written = self.committed_bytes  # every rank's bytes, as the engine counted them
+        carried = sum(self.specs[i].numel for i in params) if params else 0
+        seconds = time.perf_counter() - began
+        # the stages here run one after the other: what they leave of the push is bookkeeping
+        stages.add("trainer.other", max(0.0, seconds - sum(v for k, v in stages.seconds.items()
+                                                            if not k.startswith("engine."))))
+        return ServedReport(version=int(version), kind="delta" if use_delta else "dense", params=len(params),
+                            changed=changed, numel=self.numel, bytes=written, seconds=seconds,
+                            elements=carried, params_total=len(self.specs), gathers=0,
+                            verified=(True if verify and params else None), stages=stages.as_dict(),
+                            http_calls=http, collectives=collectives)
+
+    def _commit_and_load(self, version: int, params: set[int] | None, verify: bool | str,
+                         stages: Stages) -> str | None:
+        """Rank 0: commit the ranks' write, then vLLM's start / update / finish (load + check) and the
+        prefix-cache reset. The error as text, or None."""
+        server = self.server
+        try:
+            self.committed_bytes = int(self.writer.commit(version, params, stages).get("bytes", 0))
+        except (WeightSyncError, PlaneError) as exc:
+            return str(exc)
+        check = None if not verify else ("full" if verify == "full" else "sampled")
+        calls = [("start_weight_update", None), ("update_weights", {"update_info": {"version": version, "check": check}}),
+                 ("finish_weight_update", {"weight_version": str(version)}), ("reset_prefix_cache", None)]
+        for route, body in calls:
+            try:
+                with stages(_STAGE[route]):
+                    server._post(route, body)
+            except Exception as exc:  # noqa: BLE001
+                if route == "start_weight_update":  # a session a dead trainer left open: end it, start ours
+                    try:
+                        server._post("update_weights", {"update_info": {"abandon": True}})
+                        server._post("finish_weight_update", None)
+                        server._post("start_weight_update", None)
+                        continue
+                    except Exception as again:  # noqa: BLE001
+                        exc = again
+                return f"{route} failed: {exc}"
+        return None
+
+    def _remember(self, params: set[int], dense: bool) -> None:
+        """Each rank keeps its slices' bits of the acknowledged version (what the next delta diffs)."""
+        if self._baseline is None or dense:
+            self._baseline = [delta_encoding.bits_view(v).clone() for _, _, v in self.slices]
+            return
+        for (i, _, values), base in zip(self.slices, self._baseline):
+            if i in params:
+                base.copy_(delta_encoding.bits_view(values))
+
+    def close(self) -> None:
+        self.writer.close()
+        if self.server is not None:
+            try:
+                self.server._post("shutdown_weight_transfer_engine")
+            except Exception:  # noqa: BLE001 - best effort: the engine may be gone
+                pass
