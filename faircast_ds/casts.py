@@ -33,8 +33,9 @@ from typing import Final
 
 import torch
 
-from faircast_ds.modes import MODES, noise_key
+from faircast_ds.modes import MODES, noise_key, uses_noise
 from faircast_ds.noise import MASK32, noise16, noise16_at
+from faircast_ds.runs import Runs
 
 _SIGN: Final = 0x80000000
 _ABS: Final = 0x7FFFFFFF
@@ -167,7 +168,8 @@ def cast_into(out: torch.Tensor,
               step: int,
               name: str,
               start: int = 0,
-              residual: torch.Tensor | None = None) -> tuple[int, int]:
+              residual: torch.Tensor | None = None,
+              runs: Runs | None = None) -> tuple[int, int]:
     """Write :func:`cast` of ``x`` into the 1-D bf16 buffer ``out`` in place.
 
     Returns ``(changed, nonfinite)``: how many elements' bits differ from what ``out`` held before,
@@ -175,18 +177,30 @@ def cast_into(out: torch.Tensor,
     pass (``faircast_ds.kernels``: fused C++ on CPU, Triton on CUDA; ``FAIRCAST_DS_KERNELS`` =
     ``eager|cpp|triton`` forces one); every path writes exactly the bits :func:`cast` returns.
     ``error_feedback`` updates ``residual`` in place, as in :func:`cast`.
+    ``runs`` (:class:`faircast_ds.runs.Runs`): ``x`` holds these runs of the parameter, not the contiguous
+    run from ``start`` (which is then ignored); the fused kernels cast them in one call, the eager path
+    keys the noise by :meth:`Runs.indices`, as :func:`cast` with ``index``.
     """
     _check_inputs(x, mode, residual)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != x.shape:
         got = f"{out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise TypeError(f"cast_into expects a bf16 output shaped like x {tuple(x.shape)}, got {got}")
+    if runs is not None:
+        if not isinstance(runs, Runs):
+            raise TypeError(f"runs must be a faircast_ds.runs.Runs, got {type(runs).__name__}")
+        if runs.numel != x.numel():
+            raise ValueError(f"runs cover {runs.numel} elements, x has {x.numel()}")
+        if not uses_noise(mode):
+            runs = None  # nearest and error feedback draw no noise: the index does not enter the result
     from faircast_ds import kernels  # deferred: the kernels are optional and may build on first use
 
     counts = kernels.fused_cast_into(out, x, mode, seed=seed, step=step, name=name, start=start,
-                                     residual=residual)
+                                     residual=residual, runs=runs)
     if counts is not None:
         return counts
-    served = cast(x, mode, seed=seed, step=step, name=name, start=start, residual=residual).to(out.device)
+    index = runs.indices(x.device) if runs is not None else None
+    served = cast(x, mode, seed=seed, step=step, name=name, start=start, residual=residual,
+                  index=index).to(out.device)
     changed = int((bf16_bits(out) != bf16_bits(served)).sum())
     nonfinite = int((~torch.isfinite(served)).sum())
     out.copy_(served)
