@@ -49,16 +49,53 @@ def _weights(device: torch.device) -> torch.Tensor:
     return w
 
 
+def _weights32(device: torch.device) -> torch.Tensor:
+    """The same weights as int32 (all below 2^31), for the fused CPU digest."""
+    w = _WEIGHTS.get((device, "int32"))
+    if w is None:
+        w = _weights(device).to(torch.int32)
+        _WEIGHTS[(device, "int32")] = w
+    return w
+
+
+def _fused_digests(bits: torch.Tensor, out: torch.Tensor) -> bool:
+    """:func:`block_digests` by the fused CPU kernel (one read of the bits, ~40x faster than the torch
+    code below on a 2-core CPU); False where that kernel is not what casts this tensor (then the torch code
+    computes the same sums)."""
+    if bits.device.type != "cpu" or bits.element_size() != 2 or not bits.is_contiguous() or not out.is_contiguous():
+        return False
+    from faircast_ds import kernels
+
+    if kernels.backend_for(bits.device) != "cpp":
+        return False
+    from faircast_ds.kernels import cpu
+
+    cpu.load().block_digests(bits.data_ptr(), bits.numel(), out.data_ptr(), _weights32(bits.device).data_ptr(), BLOCK)
+    return True
+
+
 @torch.no_grad()
 def block_digests(bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One int64 per block of :data:`BLOCK` elements of 1-D int16 ``bits``: the sum of each element's
     16-bit pattern times a fixed odd weight of its position in the block (no overflow). Any one changed
-    element changes its block's digest; several collide with a chance of about 2^-31. Memory: a
-    chunk of 256 blocks at a time, whatever the size of ``bits``."""
+    element changes its block's digest; several collide with a chance of about 2^-31. On CPU the fused
+    kernel computes it in one read of the bits; elsewhere torch, a chunk of 256 blocks at a time, whatever
+    the size of ``bits``."""
     n = bits.numel()
     blocks = -(-n // BLOCK)
     if out is None:
         out = torch.empty(blocks, dtype=torch.int64, device=bits.device)
+    if out.numel() != blocks or out.dtype != torch.int64:
+        raise ValueError(f"block_digests: {n} elements need {blocks} int64 digests, got {out.numel()} {out.dtype}")
+    if n and _fused_digests(bits, out):
+        return out
+    return torch_block_digests(bits, out)
+
+
+@torch.no_grad()
+def torch_block_digests(bits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`block_digests` in torch ops (any device; the definition the fused kernel is tested against)."""
+    n = bits.numel()
     w = _weights(bits.device)
     step = _CHUNK_BLOCKS * BLOCK
     buf = torch.empty(min(step, n), dtype=torch.int64, device=bits.device)  # made once, never above the input
@@ -129,6 +166,8 @@ class Guard:
         if full:  # the digest weights are made here, outside the cast
             for _, _, served, _ in self.adapter.flat_groups():
                 _weights(served.device)
+                if served.device.type == "cpu":
+                    _weights32(served.device)
         self.ready = {key: self._new_record(slices, served.numel(), served.device, self.caster.step + 1, full)
                       for key, _, served, slices in self.adapter.flat_groups()}
 

@@ -369,6 +369,28 @@ pybind11::tuple cast_runs_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr,
   return pybind11::make_tuple(changed.load(), nonfinite.load());
 }
 
+// The guard's block digests (faircast_ds/guard.py, block_digests): for each block of `block` 16-bit
+// patterns, the sum of each pattern times the fixed weight of its position (weights below 2^31: a
+// block of 4,096 stays below 2^59, so the sum is exact and its order does not matter). One read of
+// the bits; the weights stay in cache.
+void block_digests(uintptr_t bits_ptr, int64_t n, uintptr_t out_ptr, uintptr_t weights_ptr, int64_t block) {
+  if (block < 1 || block > 4096) throw std::invalid_argument("digest blocks hold 1 to 4096 elements");
+  const auto* bits = reinterpret_cast<const uint16_t*>(bits_ptr);
+  auto* out = reinterpret_cast<int64_t*>(out_ptr);
+  const auto* w = reinterpret_cast<const uint32_t*>(weights_ptr);
+  const int64_t blocks = (n + block - 1) / block;
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / block), [&](int64_t b0, int64_t b1) {
+    for (int64_t k = b0; k < b1; ++k) {
+      const uint16_t* b = bits + k * block;
+      const int64_t m = std::min(block, n - k * block);
+      uint64_t acc = 0;
+      for (int64_t i = 0; i < m; ++i) acc += uint64_t{b[i]} * uint64_t{w[i]};
+      out[k] = static_cast<int64_t>(acc);
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -376,6 +398,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast_into", &cast_into, "Cast a contiguous fp32 shard into a contiguous bf16 buffer in place");
   m.def("cast_runs_into", &cast_runs_into,
         "The same for a shard made of runs of the parameter (run starts and shard offsets given)");
+  m.def("block_digests", &block_digests, "The guard's weighted sums of blocks of 16-bit patterns");
   m.def("lanes", [] { return kLanes; }, "Vector lanes this build computes with");
   m.def("mask_counts", [] {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
