@@ -20,6 +20,7 @@ here changes a served bit, and nothing here imports a framework.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
@@ -146,7 +147,20 @@ class Guard:
         self.record_full = False  # casts now record every bit
         self.steps_checked = 0
         self._counters: tuple[int, int] = (0, 0)  # (caster step, applied optimizer steps) before engine.step
+        self.paused = False  # inside superseded(): casts are not recorded
         self.caster.observers.append(self)  # every cast is recorded where it was written
+
+    @contextmanager
+    def superseded(self):
+        """Casts made inside are not recorded: the caller casts every flat group again before the check
+        (a checkpoint load: the framework's load sites cast at the old step, then the restore casts at the
+        saved one), so their digests would be computed only to be replaced. A flat group the later cast
+        misses keeps its older record, which the check then finds differs: an error, never a pass."""
+        before, self.paused = self.paused, True
+        try:
+            yield self
+        finally:
+            self.paused = before
 
     # ---- recording (the caster's observer) ------------------------------------------------------------
     def on_cast(self, key: Hashable, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
@@ -203,6 +217,8 @@ class Guard:
     @torch.no_grad()
     def record(self, key: Hashable, served: torch.Tensor, slices: Sequence[ShardSlice]) -> None:
         """Note what Fair Cast just wrote into ``served`` (the flat shard of group ``key``)."""
+        if self.paused:
+            return
         bits = _bits(served)
         rec = self.ready.pop(key, None)
         if rec is None or rec.source is not slices or (rec.full is not None) != self.record_full:
@@ -229,6 +245,9 @@ class Guard:
                 continue
             if rec is None:
                 return f"flat group {key!r} was never cast by Fair Cast: {self._moved()}"
+            if self.record_full and rec.full is None:  # a full check reads only what was cast since prepare()
+                return (f"after {site}: flat group {key!r} was not cast by Fair Cast since this check was prepared, "
+                        f"so what it serves was not checked: {self._moved()}")
             if len(views) != len(rec.slices) or (rec.full is not None and [s for s, _ in views] != rec.slices):
                 return f"flat group {key!r} changed its layout since Fair Cast cast it: {self._moved()}"
             if rec.full is not None:

@@ -101,8 +101,9 @@ class _Engine:
     skipped_steps = 0
 
 
-def _guarded_load(corrupt: bool) -> None:
-    """A ``load_checkpoint`` as the DeepSpeed guard sees it: prepared, the load's recast (and, with
+def _guarded_load(corrupt: bool, recast: bool = True) -> None:
+    """A ``load_checkpoint`` as the DeepSpeed guard sees it: prepared, DeepSpeed's load-site cast (not
+    recorded: superseded), the restore's recast at the saved step into the prepared records (and, with
     ``corrupt``, an element left at round-to-nearest after it), then the check."""
     from faircast_ds.deepspeed import guard as ds_guard
 
@@ -116,10 +117,20 @@ def _guarded_load(corrupt: bool) -> None:
     fc.adapter = adapter
     hooks = _Hooks()
     ds_guard.install(_Engine(), fc, hooks)
+    guard = fc.extras["guard"]
+    adapter.caster.begin_step()
+    adapter.cast_all()  # a step before the save (full: the first step's record)
+    guard.check("step 1")
     for fn in hooks.before_cbs["load_checkpoint"]:
         fn("ckpt", "t")
-    adapter.caster.step = 7  # the restored step
-    adapter.recast_and_publish()  # what publish_restored does for the noise modes
+    prepared = {k: [d.data_ptr() for d in r.full] for k, r in guard.ready.items()}
+    with guard.superseded():  # DeepSpeed's load sites: a cast at the old step, not recorded
+        adapter.cast_all()
+    assert {k: [d.data_ptr() for d in r.full] for k, r in guard.ready.items()} == prepared
+    if recast:
+        adapter.caster.step = 7  # the restored step
+        adapter.recast_and_publish()  # what publish_restored does for the noise modes
+        assert {k: [d.data_ptr() for d in r.full] for k, r in guard.records.items()} == prepared
     if corrupt:
         overwrite(adapter, 1, 3905, 3906)  # an element of small.39 (padding is not served)
         adapter.served[1][3905] = adapter.served[1][3905] + 1.0
@@ -131,3 +142,12 @@ def test_the_check_after_a_load_compares_what_the_load_served():
     _guarded_load(corrupt=False)
     with pytest.raises(UnsupportedSetupError, match=r"after load_checkpoint\(ckpt, tag='t'\): 1 of \d+ checked blocks .* 'small\.39' elements 0\.\.89"):
         _guarded_load(corrupt=True)
+
+
+def test_a_load_whose_superseded_cast_is_not_followed_by_a_recast_fails_the_check():
+    """Only the restore's casts are recorded; were a flat group left with only the load site's (unrecorded)
+    cast -- here the very bits the record of the step before holds -- the full check after the load refuses
+    it as not cast since the check was prepared, rather than passing a copy it did not check."""
+    with pytest.raises(UnsupportedSetupError, match=r"after load_checkpoint\(ckpt, tag='t'\): flat group 0 was not "
+                       r"cast by Fair Cast since this check was prepared"):
+        _guarded_load(corrupt=False, recast=False)
