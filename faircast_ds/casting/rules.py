@@ -36,6 +36,7 @@ import torch
 from faircast_ds.casting.bits import bf16_bits
 from faircast_ds.casting.modes import CastRule, ModeSpec, registered, spec
 from faircast_ds.casting.noise import noise16, noise16_at
+from faircast_ds.casting.runs import Runs
 
 
 def _check_inputs(x: torch.Tensor, mode: ModeSpec, residual: torch.Tensor | None) -> None:
@@ -97,7 +98,8 @@ def cast_into(out: torch.Tensor,
               step: int,
               name: str,
               start: int = 0,
-              residual: torch.Tensor | None = None) -> tuple[int, int]:
+              residual: torch.Tensor | None = None,
+              runs: Runs | None = None) -> tuple[int, int]:
     """Write :func:`cast` of ``x`` into the 1-D bf16 buffer ``out`` in place.
 
     Returns ``(changed, nonfinite)``: how many elements' bits differ from what ``out`` held before,
@@ -105,25 +107,35 @@ def cast_into(out: torch.Tensor,
     pass (``faircast_ds.casting.kernels``: fused C++ on CPU, Triton on CUDA; ``FAIRCAST_DS_KERNELS`` =
     ``eager|cpp|triton`` forces one); every path writes exactly the bits :func:`cast` returns.
     ``error_feedback`` updates ``residual`` in place, as in :func:`cast`.
+    ``runs`` (:class:`faircast_ds.casting.runs.Runs`): ``x`` holds these runs of the parameter, not the contiguous
+    run from ``start`` (which is then ignored); the fused kernels cast them in one call, the eager path
+    keys the noise by :meth:`Runs.indices`, as :func:`cast` with ``index``.
     """
-    return cast_into_with(CastRule.of(mode, seed), out, x, step=step, name=name, start=start, residual=residual)
+    return cast_into_with(CastRule.of(mode, seed), out, x, step=step, name=name, start=start, residual=residual,
+                          runs=runs)
 
 
 def cast_into_with(rule: CastRule, out: torch.Tensor, x: torch.Tensor, *, step: int, name: str, start: int = 0,
-                   residual: torch.Tensor | None = None) -> tuple[int, int]:
+                   residual: torch.Tensor | None = None, runs: Runs | None = None) -> tuple[int, int]:
     """:func:`cast_into` under a run's :class:`~faircast_ds.casting.modes.CastRule`."""
     _check_inputs(x, rule.spec, residual)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != x.shape:
         got = f"{out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise TypeError(f"cast_into expects a bf16 output shaped like x {tuple(x.shape)}, got {got}")
-    from faircast_ds.casting import (
-        kernels,  # deferred: the kernels are optional and may build on first use
-    )
+    if runs is not None:
+        if not isinstance(runs, Runs):
+            raise TypeError(f"runs must be a faircast_ds.casting.runs.Runs, got {type(runs).__name__}")
+        if runs.numel != x.numel():
+            raise ValueError(f"runs cover {runs.numel} elements, x has {x.numel()}")
+        if not rule.spec.uses_noise:
+            runs = None  # a mode without noise: the index does not enter the result
+    from faircast_ds.casting import kernels  # deferred: the kernels are optional and may build on first use
 
-    counts = kernels.fused_cast_into(out, x, rule, step=step, name=name, start=start, residual=residual)
+    counts = kernels.fused_cast_into(out, x, rule, step=step, name=name, start=start, residual=residual, runs=runs)
     if counts is not None:
         return counts
-    served = cast_with(rule, x, step=step, name=name, start=start, residual=residual).to(out.device)
+    index = runs.indices(x.device) if runs is not None else None
+    served = cast_with(rule, x, step=step, name=name, start=start, residual=residual, index=index).to(out.device)
     changed = int((bf16_bits(out) != bf16_bits(served)).sum())
     nonfinite = int((~torch.isfinite(served)).sum())
     out.copy_(served)

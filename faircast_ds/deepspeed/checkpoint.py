@@ -26,6 +26,7 @@ missing or truncated file); then, by what the load restored:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import inspect
@@ -235,9 +236,13 @@ def register(engine: Any, fair_cast: FairCast, hooks: Any) -> None:
         _LOADING[os.path.abspath(load_dir)] = tag
         # a load reproduces the saved served copy as it was, non-finite weights (a save after a failed
         # step) included: the next step's cast raises on them again
+        guard = fair_cast.extras.get("guard")
         with fair_cast.caster.unchecked() as caster:
             try:
-                result = load(*given.args, **given.kwargs)
+                # DeepSpeed's load sites cast at the old step; the restore below casts (or restores) every flat
+                # group again: only that is what the guard's check after the load reads
+                with guard.superseded() if guard is not None else contextlib.nullcontext():
+                    result = load(*given.args, **given.kwargs)
             finally:
                 _LOADING.pop(os.path.abspath(load_dir), None)
                 served_cast.pop("cast", None)

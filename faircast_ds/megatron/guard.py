@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from faircast_ds.casting.rules import cast
+from faircast_ds.casting.rules import cast_into
 from faircast_ds.megatron import compat
 from faircast_ds.shard.adapter import UnsupportedSetupError
 from faircast_ds.shard.guard import Guard
@@ -102,10 +102,9 @@ def check_after_load(fair_cast: FairCast, site: str) -> None:
         for key, main, served, slices in g.adapter.flat_groups():
             flat = main.detach().reshape(-1)
             want = torch.empty(flat.numel(), dtype=served.dtype, device=flat.device)
-            for s in slices:  # under tensor parallelism a shard may be several runs of the full parameter
-                want[s.offset:s.offset + s.numel] = cast(
-                    flat[s.offset:s.offset + s.numel], cfg.mode, seed=cfg.seed, step=g.caster.step, name=s.name,
-                    start=s.start, index=s.indices(flat.device) if s.runs is not None else None)
+            for s in slices:  # under tensor parallelism a shard may be runs of the full parameter: one call
+                cast_into(want.narrow(0, s.offset, s.numel), flat.narrow(0, s.offset, s.numel), cfg.mode,
+                          seed=cfg.seed, step=g.caster.step, name=s.name, start=s.start, runs=s.run_table)
             g.record(key, want, slices)
         steps_explain, g.explain = g.explain, _explain_load  # a load mismatch means something else than a step's
         try:

@@ -21,10 +21,11 @@ the same whatever the layout:
   split: TP slices concatenate to the TP 1 layout) and SwiGLU's ``linear_fc1`` (stride 2: rank ``r``
   holds ``[gate_r; up_r]``, gate chunk ``r`` and up chunk ``tp + r`` of ``[gate; up]``).
 
-A local range of a rank's main shard becomes contiguous slices when it spans few runs or its runs are long
-(:data:`MIN_KERNEL_RUN`; the fused kernel casts each), else one slice with
-:class:`faircast_ds.shard.caster.IndexRuns` (one start per run, computed once per shard; the eager cast
-expands them), never a per-element Python loop.
+A local range of a rank's main shard becomes contiguous slices when it spans few runs or its runs are very
+long (:data:`MIN_KERNEL_RUN`; the fused kernel casts each), else one slice with
+:class:`faircast_ds.shard.caster.IndexRuns` (one start per run, computed once per shard), which the fused
+kernels cast in one call over the runs (``rules.cast_into(..., runs=...)``; the eager path expands them),
+never a per-element Python loop.
 """
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ import torch
 from faircast_ds.shard.caster import IndexRuns, ShardSlice
 
 MAX_PLAIN_RUNS = 4  # up to this many contiguous runs a shard is cut into plain slices (fused kernel each)
-# runs at least this long are plain slices however many (one fused-kernel call each, ~tens of microseconds):
-# a row-parallel weight of a real model (rows of in_features / tp elements); shorter runs (a tiny model's rows)
-# cost less as one eager cast over index runs than as one kernel call per run
-MIN_KERNEL_RUN = 256
+# runs at least this long are plain slices however many (one fused-kernel call each, ~20 microseconds of
+# Python and dispatch, small beside casting 2^18 elements); shorter runs -- a row-parallel weight's rows, of
+# in_features / tp elements -- are one slice with index runs, cast by one kernel call over all of them
+# (benchmarks/bench_runs.py: one call per row cost 13-50x a contiguous cast of the same elements)
+MIN_KERNEL_RUN = 1 << 18
 
 _LAYER = re.compile(r"^(.*\.)?layers\.(\d+)$")
 TIED_OUTPUT = "output_layer.weight"

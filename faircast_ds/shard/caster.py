@@ -11,13 +11,14 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Hashable, Protocol, Sequence
 
 import torch
 
-from faircast_ds.casting.bits import bf16_bits
 from faircast_ds.casting.modes import CastRule
-from faircast_ds.casting.rules import cast_into_with, cast_with
+from faircast_ds.casting.rules import cast_into_with
+from faircast_ds.casting.runs import Runs
 from faircast_ds.config.section import FairCastConfig
 
 
@@ -40,28 +41,59 @@ class IndexRuns:
             raise ValueError(f"index runs cover {every.numel() - self.phase} elements, the slice has {numel}")
         return every.narrow(0, self.phase, numel)
 
+    def table(self, numel: int) -> Runs:
+        """The runs the slice's ``numel`` elements make, as the fused kernels take them: the first run
+        from ``phase`` on, the last one cut where the slice ends."""
+        if not 0 <= self.phase < self.length:
+            raise ValueError(f"index runs of length {self.length} with phase {self.phase}")
+        count = (self.phase + numel + self.length - 1) // self.length
+        if count > self.starts.numel():
+            raise ValueError(f"index runs cover {self.starts.numel() * self.length - self.phase} elements, "
+                             f"the slice has {numel}")
+        starts = self.starts[:count].to("cpu", torch.int64).clone()
+        lengths = torch.full((count,), self.length, dtype=torch.int64)
+        starts[0] += self.phase
+        lengths[0] -= self.phase
+        lengths[-1] -= count * self.length - self.phase - numel
+        return Runs.of(starts, lengths)
+
 
 @dataclass(frozen=True)
 class ShardSlice:
     """Elements ``[start, start + numel)`` of parameter ``name`` sit at ``[offset, offset + numel)`` of
     the flat shard. ``name`` None marks DeepSpeed's alignment padding, which belongs to no parameter.
     With ``runs`` the elements are not contiguous in the parameter: ``runs`` says where each one is
-    (``start`` is then the first one's index), and the noise is keyed by those indices."""
+    (``start`` is then the first one's index), and the noise is keyed by those indices: equal-length runs
+    (:class:`IndexRuns`, a tensor-parallel cut) or any runs (:class:`faircast_ds.casting.runs.Runs`)."""
 
     name: str | None
     start: int
     numel: int
     offset: int
-    runs: IndexRuns | None = field(default=None, compare=False)
+    runs: IndexRuns | Runs | None = field(default=None, compare=False)
 
     @property
     def is_padding(self) -> bool:
         return self.name is None
 
+    @cached_property
+    def run_table(self) -> Runs | None:
+        """The slice's runs as the fused kernels take them (made once per slice), or None."""
+        if self.runs is None:
+            return None
+        table = self.runs if isinstance(self.runs, Runs) else self.runs.table(self.numel)
+        if table.numel != self.numel:
+            raise ValueError(f"slice of {self.name!r}: its runs cover {table.numel} elements, the slice has "
+                             f"{self.numel}")
+        if int(table.starts[0]) != self.start:
+            raise ValueError(f"slice of {self.name!r} starts at {self.start}, its first run at "
+                             f"{int(table.starts[0])}")
+        return table
+
     def indices(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The parameter index of each element of the slice (int64)."""
         if self.runs is not None:
-            return self.runs.indices(self.numel, device)
+            return self.run_table.indices(device)
         return torch.arange(self.start, self.start + self.numel, dtype=torch.int64, device=device)
 
 
@@ -240,18 +272,13 @@ class ShardCaster:
 
     def _cast_slice(self, out: torch.Tensor, src: torch.Tensor, s: ShardSlice,
                     residual: torch.Tensor | None) -> tuple[int, int]:
-        """One parameter slice into ``out``: the fused kernel for a contiguous run of the parameter; for
-        a slice with index runs (and a mode that draws noise) the eager cast, its noise keyed by each
-        element's own index in the parameter."""
+        """One parameter slice into ``out``, one ``cast_into`` call: a contiguous run of the parameter from
+        ``start``, or a slice with runs (its noise keyed by each element's own index in the parameter; a mode
+        that draws no noise ignores them)."""
         rule = self.rule
-        if s.runs is None or not rule.spec.uses_noise:  # a mode without noise: no index in the result
-            return cast_into_with(rule, out, src, step=self.step, name=s.name, start=s.start, residual=residual)
-        served = cast_with(rule, src, step=self.step, name=s.name, index=s.indices(src.device))
-        served = served.to(out.device)
-        changed = int((bf16_bits(out) != bf16_bits(served)).sum())
-        nonfinite = int((~torch.isfinite(served)).sum())
-        out.copy_(served)
-        return changed, nonfinite
+        runs = s.run_table if rule.spec.uses_noise else None
+        return cast_into_with(rule, out, src, step=self.step, name=s.name, start=s.start, residual=residual,
+                              runs=runs)
 
     def _count(self, changed: int, nonfinite: int, out: torch.Tensor, src: torch.Tensor, s: ShardSlice) -> None:
         self.last.changed += changed
@@ -313,8 +340,9 @@ class ShardCaster:
 def _nonfinite_error(out: torch.Tensor, src: torch.Tensor, s: ShardSlice, step: int) -> NonFiniteWeightError:
     bad = ~torch.isfinite(out.float()).cpu()
     i = int(bad.nonzero()[0, 0]) if bool(bad.any()) else 0
+    index = int(s.indices()[i]) if s.runs is not None else s.start + i
     return NonFiniteWeightError(
-        f"fair_cast: parameter {s.name!r} element {s.start + i} would be served as {float(out[i])} "
+        f"fair_cast: parameter {s.name!r} element {index} would be served as {float(out[i])} "
         f"(fp32 master {float(src[i])}) at step {step}; {int(bad.sum())} non-finite element(s) in this slice. "
         "The fp32 master has diverged or overflowed bf16; set fair_cast.on_nonfinite to 'propagate' "
         "to serve it anyway.")

@@ -71,11 +71,12 @@ def backend_for(device: torch.device) -> str:
 
 
 def fused_cast_into(out: torch.Tensor, x: torch.Tensor, rule: CastRule, *, step: int, name: str,
-                    start: int, residual: torch.Tensor | None) -> tuple[int, int] | None:
+                    start: int, residual: torch.Tensor | None, runs=None) -> tuple[int, int] | None:
     """Cast with the fast path for the tensors' device; None when the eager path must do it (also for a
     mode the kernels have no code for, unless a kernel is forced: then that kernel refuses it by name).
 
-    Inputs are those already checked by ``rules.cast_into``.
+    Inputs are those already checked by ``rules.cast_into`` (``runs``: a ``faircast_ds.casting.runs.Runs``
+    of ``x.numel()`` elements, given only for a mode that draws noise).
     """
     devices = {out.device, x.device} | ({residual.device} if residual is not None else set())
     if len(devices) != 1:
@@ -89,10 +90,10 @@ def fused_cast_into(out: torch.Tensor, x: torch.Tensor, rule: CastRule, *, step:
     if backend == "cpp":
         from faircast_ds.casting.kernels import cpu
 
-        return cpu.cast_into(out, x, rule.mode, key=key, start=start, residual=residual)
+        return cpu.cast_into(out, x, rule.mode, key=key, start=start, residual=residual, runs=runs)
     from faircast_ds.casting.kernels import triton_cast
 
-    return triton_cast.cast_into(out, x, rule.mode, key=key, start=start, residual=residual)
+    return triton_cast.cast_into(out, x, rule.mode, key=key, start=start, residual=residual, runs=runs)
 
 
 def prepare(device: torch.device | str = "cpu") -> str:

@@ -128,11 +128,12 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start: int,
-              residual: torch.Tensor | None, arch: str = "native") -> tuple[int, int]:
+              residual: torch.Tensor | None, arch: str = "native", runs=None) -> tuple[int, int]:
     """Run the fused kernel on CPU tensors already checked by ``casts.cast_into``.
 
     Non-contiguous operands go through contiguous copies (1-D narrow views at any offset are
-    contiguous and need none). Returns (changed, nonfinite).
+    contiguous and need none). ``runs`` (a ``faircast_ds.casting.runs.Runs`` covering ``x``): the elements'
+    parameter indices, in place of ``start``; one call casts them all. Returns (changed, nonfinite).
     """
     module = load(arch)
     pairs = [(out, x)] + ([(out, residual), (x, residual)] if residual is not None else [])
@@ -141,8 +142,15 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start:
     if out.numel() == 0:
         return 0, 0
     dst, src, res = contiguous(out, x, residual)
-    changed, nonfinite = module.cast_into(
-        kernel_code(mode, "cpp"), dst.data_ptr(), src.data_ptr(), res.data_ptr() if res is not None else 0,
-        src.numel(), start, key, torch_nan16(out.device))
+    res_ptr = res.data_ptr() if res is not None else 0
+    if runs is not None:
+        offsets, starts = runs.on("cpu")
+        changed, nonfinite = module.cast_runs_into(
+            kernel_code(mode, "cpp"), dst.data_ptr(), src.data_ptr(), res_ptr, src.numel(), offsets.data_ptr(),
+            starts.data_ptr(), starts.numel(), key, torch_nan16(out.device))
+    else:
+        changed, nonfinite = module.cast_into(
+            kernel_code(mode, "cpp"), dst.data_ptr(), src.data_ptr(), res_ptr, src.numel(), start, key,
+            torch_nan16(out.device))
     write_back(out, dst, residual, res)
     return changed, nonfinite

@@ -279,12 +279,43 @@ void run_block(const Op& op, const float* x, uint16_t* out, float* res, int64_t 
   c.finish(changed, nonfinite);
 }
 
+// Casts elements [p, p + m) of the shard, whose parameter indices are [index, index + m), cut into
+// blocks that never cross a multiple of kBlock in the index (see Noise).
+void cast_span(int64_t mode, uint16_t* out, const float* x, float* res, int64_t p, int64_t m, uint64_t index,
+               uint32_t key, uint32_t nan16, int64_t& ch, int64_t& nf) {
+  while (m > 0) {
+    const uint64_t lo = index & 0xFFFFFFFFu;
+    const int64_t b = std::min<int64_t>(m, kBlock - static_cast<int64_t>(index % kBlock));
+    float* r = res ? res + p : nullptr;
+    switch (mode) {
+      case kNearest:
+        run_block(Nearest{nan16}, x + p, out + p, r, b, 0, ch, nf);
+        break;
+      case kStochastic:
+      case kDither:
+        run_block(Noise{key ^ ((static_cast<uint32_t>(lo) ^ key) >> 16), static_cast<uint32_t>(index >> 32)},
+                  x + p, out + p, r, b, static_cast<uint32_t>(lo), ch, nf);
+        break;
+      case kErrorFeedback:
+        run_block(ErrorFeedback{nan16}, x + p, out + p, r, b, 0, ch, nf);
+        break;
+    }
+    p += b;
+    index += static_cast<uint64_t>(b);
+    m -= b;
+  }
+}
+
+void check_mode(int64_t mode, uintptr_t res_ptr) {
+  if (mode < kNearest || mode > kErrorFeedback) throw std::invalid_argument("unknown cast mode");
+  if (mode == kErrorFeedback && res_ptr == 0) throw std::invalid_argument("error feedback needs a residual");
+}
+
 // Casts elements [0, n) of a contiguous shard holding indices [start, start + n) of one parameter.
 // Pointers come from tensors the Python side has checked (dtype, length, contiguity, device).
 pybind11::tuple cast_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr, uintptr_t res_ptr, int64_t n,
                           int64_t start, int64_t key, int64_t nan16) {
-  if (mode < kNearest || mode > kErrorFeedback) throw std::invalid_argument("unknown cast mode");
-  if (mode == kErrorFeedback && res_ptr == 0) throw std::invalid_argument("error feedback needs a residual");
+  check_mode(mode, res_ptr);
   auto* out = reinterpret_cast<uint16_t*>(out_ptr);
   const auto* x = reinterpret_cast<const float*>(x_ptr);
   auto* res = mode == kErrorFeedback ? reinterpret_cast<float*>(res_ptr) : nullptr;
@@ -293,26 +324,43 @@ pybind11::tuple cast_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr, uint
     pybind11::gil_scoped_release no_gil;
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
       int64_t ch = 0, nf = 0;
-      for (int64_t p = begin; p < end;) {
-        const auto index = static_cast<uint64_t>(start + p);
-        const uint64_t lo = index & 0xFFFFFFFFu;
-        const int64_t m = std::min<int64_t>(end - p, kBlock - static_cast<int64_t>(index % kBlock));
-        float* r = res ? res + p : nullptr;
-        switch (mode) {
-          case kNearest:
-            run_block(Nearest{static_cast<uint32_t>(nan16)}, x + p, out + p, r, m, 0, ch, nf);
-            break;
-          case kStochastic:
-          case kDither:
-            run_block(Noise{static_cast<uint32_t>(key) ^ ((static_cast<uint32_t>(lo) ^ static_cast<uint32_t>(key)) >> 16),
-                            static_cast<uint32_t>(index >> 32)},
-                      x + p, out + p, r, m, static_cast<uint32_t>(lo), ch, nf);
-            break;
-          case kErrorFeedback:
-            run_block(ErrorFeedback{static_cast<uint32_t>(nan16)}, x + p, out + p, r, m, 0, ch, nf);
-            break;
-        }
-        p += m;
+      cast_span(mode, out, x, res, begin, end - begin, static_cast<uint64_t>(start + begin),
+                static_cast<uint32_t>(key), static_cast<uint32_t>(nan16), ch, nf);
+      changed += ch;
+      nonfinite += nf;
+    });
+  }
+  return pybind11::make_tuple(changed.load(), nonfinite.load());
+}
+
+// Casts elements [0, n) of a contiguous shard made of runs of one parameter: run r holds shard elements
+// [offsets[r], offsets[r + 1]) and parameter indices [starts[r], starts[r] + offsets[r + 1] - offsets[r]).
+// offsets (nruns + 1 of them, from 0 up to n, non-decreasing) and starts (nruns, non-negative) come
+// checked from the Python side (faircast_ds/runs.py). One parallel loop over the whole shard: each thread
+// finds the run its first element is in, then walks the runs.
+pybind11::tuple cast_runs_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr, uintptr_t res_ptr, int64_t n,
+                               uintptr_t offsets_ptr, uintptr_t starts_ptr, int64_t nruns, int64_t key,
+                               int64_t nan16) {
+  check_mode(mode, res_ptr);
+  if (nruns < 1) throw std::invalid_argument("cast_runs_into needs at least one run");
+  auto* out = reinterpret_cast<uint16_t*>(out_ptr);
+  const auto* x = reinterpret_cast<const float*>(x_ptr);
+  auto* res = mode == kErrorFeedback ? reinterpret_cast<float*>(res_ptr) : nullptr;
+  const auto* offsets = reinterpret_cast<const int64_t*>(offsets_ptr);
+  const auto* starts = reinterpret_cast<const int64_t*>(starts_ptr);
+  if (offsets[0] != 0 || offsets[nruns] != n) throw std::invalid_argument("the runs do not cover the shard");
+  std::atomic<int64_t> changed{0}, nonfinite{0};
+  {
+    pybind11::gil_scoped_release no_gil;
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      int64_t ch = 0, nf = 0;
+      // the last run starting at or before `begin` (a non-empty one: it reaches past `begin`)
+      int64_t r = std::upper_bound(offsets, offsets + nruns + 1, begin) - offsets - 1;
+      for (int64_t p = begin; p < end; ++r) {
+        const int64_t stop = std::min(offsets[r + 1], end);
+        cast_span(mode, out, x, res, p, stop - p, static_cast<uint64_t>(starts[r] + (p - offsets[r])),
+                  static_cast<uint32_t>(key), static_cast<uint32_t>(nan16), ch, nf);
+        p = std::max(p, stop);
       }
       changed += ch;
       nonfinite += nf;
@@ -321,11 +369,36 @@ pybind11::tuple cast_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr, uint
   return pybind11::make_tuple(changed.load(), nonfinite.load());
 }
 
+// The guard's block digests (faircast_ds/guard.py, block_digests): for each block of `block` 16-bit
+// patterns, the sum of each pattern times the fixed weight of its position (weights below 2^31: a
+// block of 4,096 stays below 2^59, so the sum is exact and its order does not matter). One read of
+// the bits; the weights stay in cache.
+void block_digests(uintptr_t bits_ptr, int64_t n, uintptr_t out_ptr, uintptr_t weights_ptr, int64_t block) {
+  if (block < 1 || block > 4096) throw std::invalid_argument("digest blocks hold 1 to 4096 elements");
+  const auto* bits = reinterpret_cast<const uint16_t*>(bits_ptr);
+  auto* out = reinterpret_cast<int64_t*>(out_ptr);
+  const auto* w = reinterpret_cast<const uint32_t*>(weights_ptr);
+  const int64_t blocks = (n + block - 1) / block;
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / block), [&](int64_t b0, int64_t b1) {
+    for (int64_t k = b0; k < b1; ++k) {
+      const uint16_t* b = bits + k * block;
+      const int64_t m = std::min(block, n - k * block);
+      uint64_t acc = 0;
+      for (int64_t i = 0; i < m; ++i) acc += uint64_t{b[i]} * uint64_t{w[i]};
+      out[k] = static_cast<int64_t>(acc);
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "faircast-ds fused fp32 -> bf16 casts (CPU)";
   m.def("cast_into", &cast_into, "Cast a contiguous fp32 shard into a contiguous bf16 buffer in place");
+  m.def("cast_runs_into", &cast_runs_into,
+        "The same for a shard made of runs of the parameter (run starts and shard offsets given)");
+  m.def("block_digests", &block_digests, "The guard's weighted sums of blocks of 16-bit patterns");
   m.def("lanes", [] { return kLanes; }, "Vector lanes this build computes with");
   m.def("mask_counts", [] {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)

@@ -57,10 +57,10 @@ def fsub(a, b, USE_PTX: tl.constexpr):
     else:
         return a - b
 
-@triton.jit(do_not_specialize=["n", "start", "key"])
-def cast_kernel(x_ptr, res_ptr, out_ptr, partial_ptr, n, start, key,
+@triton.jit(do_not_specialize=["n", "start", "key", "nruns", "steps"])
+def cast_kernel(x_ptr, res_ptr, out_ptr, partial_ptr, n, start, key, offsets_ptr, starts_ptr, nruns, steps,
                 MODE: tl.constexpr, NAN16: tl.constexpr, COUNT_CHANGED: tl.constexpr,
-                USE_PTX: tl.constexpr, BLOCK: tl.constexpr):
+                USE_PTX: tl.constexpr, RUNS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -94,7 +94,18 @@ def cast_kernel(x_ptr, res_ptr, out_ptr, partial_ptr, n, start, key,
         special = tl.where(mag > 0x7F800000, t | 0x40, t)
         o = tl.where(mag < 0x7F800000, served, special)
     else:  # stochastic and dither (casts.round_with_noise)
-        index = offs + start
+        if RUNS:  # run r holds elements [offsets[r], offsets[r + 1]) at indices starts[r], starts[r] + 1, ...
+            # binary search for the last run starting at or before each element: lo <= r < hi throughout
+            lo = tl.zeros([BLOCK], tl.int32)
+            hi = tl.full([BLOCK], 0, tl.int32) + nruns
+            for _ in range(steps):  # ceil(log2(nruns)) halvings leave hi == lo + 1
+                mid = (lo + hi) // 2
+                below = tl.load(offsets_ptr + mid) <= offs
+                lo = tl.where(below, mid, lo)
+                hi = tl.where(below, hi, mid)
+            index = tl.load(starts_ptr + lo) + (offs - tl.load(offsets_ptr + lo))
+        else:
+            index = offs + start
         index_lo = index.to(tl.uint32)  # truncation: index mod 2^32
         index_hi = (index >> 32).to(tl.uint32)
         noise = mix32(mix32(index_lo ^ key.to(tl.uint32, bitcast=True)) ^ index_hi) >> 16
@@ -118,11 +129,12 @@ def _use_ptx() -> bool:
 
 
 def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start: int,
-              residual: torch.Tensor | None, count_changed: bool = True) -> tuple[int, int]:
+              residual: torch.Tensor | None, count_changed: bool = True, runs=None) -> tuple[int, int]:
     """Run the Triton kernel on CUDA tensors already checked by ``casts.cast_into``.
 
     Returns (changed, nonfinite); with ``count_changed=False`` the old output is not read (2 bytes
-    less per element) and ``changed`` is reported as -1.
+    less per element) and ``changed`` is reported as -1. ``runs`` (a ``faircast_ds.casting.runs.Runs`` covering
+    ``x``): the elements' parameter indices, in place of ``start``; one launch casts them all.
     """
     n = x.numel()
     if n == 0:
@@ -131,11 +143,18 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start:
     grid = (n + BLOCK - 1) // BLOCK
     partial = torch.empty((grid, 2), dtype=torch.int32, device=x.device)
     key_i32 = key - (1 << 32) if key >= (1 << 31) else key  # always an i32 argument
+    if runs is not None:
+        offsets, starts = runs.on(x.device)
+        nruns = starts.numel()
+        steps = (nruns - 1).bit_length()
+    else:
+        offsets = starts = partial  # not read
+        nruns, steps = 1, 0
     cast_kernel[(grid,)](
         src.view(torch.int32), (res if res is not None else src).view(torch.int32), dst.view(torch.int16), partial,
-        n, start, key_i32,
+        n, start, key_i32, offsets, starts, nruns, steps,
         MODE=kernel_code(mode, "triton"), NAN16=torch_nan16(x.device), COUNT_CHANGED=count_changed, USE_PTX=_use_ptx(),
-        BLOCK=BLOCK, num_warps=NUM_WARPS)
+        RUNS=runs is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
     write_back(out, dst, residual, res)
     changed, nonfinite = partial.sum(0, dtype=torch.int64).tolist()
     return (changed if count_changed else -1), nonfinite
