@@ -192,7 +192,22 @@ class GatherSiteAdapter(ZeroAdapter):
             return result
 
         self.optimizer.step = step_then_cast
-        self._wrap("update_lp_params", before=self.cast_lp_params)
+        update = self.optimizer.update_lp_params
+
+        @functools.wraps(update)
+        def update_lp_params_through_cast(*args: Any, **kwargs: Any) -> Any:
+            self.cast_lp_params()
+            try:
+                result = update(*args, **kwargs)
+            finally:
+                self.restore()  # also when DeepSpeed's own method raised before its all-gather
+                if not self._in_step:
+                    self._copied = False
+            if not self._in_step:
+                self._raise_deferred()  # an update without its all-gather (none in the tested releases)
+            return result
+
+        self.optimizer.update_lp_params = update_lp_params_through_cast
 
     def before_gather(self) -> None:
         """Called by the wrapped all-gather: DeepSpeed's lists back, and the casts its copies gave way to
