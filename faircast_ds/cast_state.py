@@ -199,6 +199,12 @@ def cast_mismatch(saved: Mapping[str, Any], cfg: FairCastConfig, where: str) -> 
     return None
 
 
+# elements of saved served bits converted at a time on restore: bf16_from_bits makes int64 temporaries,
+# 8 bytes per element each; over a whole embedding slice (78M elements at Qwen3-0.6B under ZeRO-2) they
+# were the restore's peak (issue 33)
+_BITS_CHUNK = 1 << 20
+
+
 def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine_step: int | None = None) -> int:
     """Restore this rank's state from ``tag_dir`` (any saved world size or stage); returns the step.
 
@@ -234,7 +240,10 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
                 src = p.offset + lo - p.start
                 dst = s.offset + lo - s.start
                 residual.narrow(0, dst, hi - lo).copy_(res_all.narrow(0, src, hi - lo))
-                served.narrow(0, dst, hi - lo).data.copy_(bf16_from_bits(bits_all.narrow(0, src, hi - lo).to(torch.int64)))
+                for at in range(0, hi - lo, _BITS_CHUNK):  # int64 temporaries of a chunk, not of the whole slice
+                    n = min(_BITS_CHUNK, hi - lo - at)
+                    served.narrow(0, dst + at, n).data.copy_(
+                        bf16_from_bits(bits_all.narrow(0, src + at, n).to(torch.int64)))
             if covered != s.numel:
                 raise FairCastStateError(f"checkpoint {tag_dir} does not cover {s.name} elements "
                                          f"[{s.start}, {s.start + s.numel}) (covered {covered})")
