@@ -226,7 +226,8 @@ def format_settled(rows: list[Figures]) -> str:
     resampled, paired with plain's; :mod:`faircast_ds.bench_stats`) beside the cast's share of the same
     steps, and peak RSS as the median over rounds beside plain's own round-to-round spread."""
     lines = [("ZeRO", "config", "rounds", "steps", "step s", "x plain", "95% interval", "step goal", "cast ms",
-              "cast share", "peak RSS MiB", "+MiB vs plain", "plain spread MiB", "RSS allowance", "RSS goal")]
+              "cast share", "peak RSS MiB", "+MiB vs plain", "plain spread MiB", "RSS allowance", "RSS goal",
+              "with ckpt MiB", "+MiB vs plain")]
     for r in rows:
         plain = next((p for p in rows if p.stage == r.stage and p.config == "plain"), None)
         steps = sum(len(x) for x in r.round_steps)
@@ -236,7 +237,7 @@ def format_settled(rows: list[Figures]) -> str:
             plain_spread = f"{spread(r.round_peaks):.0f}" if r.config == "plain" else "-"
             lines.append((str(r.stage), r.config, str(len(r.round_steps)), str(steps), f"{r.step_s:.2f}",
                           "1.000" if r.config == "plain" else "-", "-", "-", f"{r.cast_ms:.0f}", f"{100 * share:.2f}%",
-                          f"{peak:.0f}", "-", plain_spread, "-", "-"))
+                          f"{peak:.0f}", "-", plain_spread, "-", "-", f"{r.peak_all_mib:.0f}", "-"))
             continue
         ratio = median_ratio(r.round_steps, plain.round_steps)
         lo, hi = bootstrap_ratio_interval(r.round_steps, plain.round_steps)
@@ -247,12 +248,14 @@ def format_settled(rows: list[Figures]) -> str:
         lines.append((str(r.stage), r.config, str(len(r.round_steps)), str(steps), f"{r.step_s:.2f}", f"{ratio:.3f}",
                       f"[{lo:.3f}, {hi:.3f}]", f"<={goal} {_interval_verdict(lo, hi, goal)}", f"{r.cast_ms:.0f}",
                       f"{100 * share:.2f}%", f"{peak:.0f}", f"{extra:+.0f}", f"{spread(plain.round_peaks):.0f}",
-                      f"+{allowance:.0f}", _verdict(extra <= allowance)))
+                      f"+{allowance:.0f}", _verdict(extra <= allowance), f"{r.peak_all_mib:.0f}",
+                      f"{r.peak_all_mib - plain.peak_all_mib:+.0f}"))
     head = ["step time and memory: x plain = median step / plain's median step over every round's timed steps; "
             "95% interval: bootstrap over rounds (paired with plain's) and the steps inside them; step goal: pass "
             "= the interval is within the goal, MISS = above it, open = it straddles it; cast share: the cast's "
             "time in those same steps / their wall time; peak RSS: the larger rank's training peak, median over "
-            "rounds; plain spread: plain's largest minus smallest peak over the rounds"]
+            "rounds; plain spread: plain's largest minus smallest peak over the rounds; with ckpt: the peak including "
+            "the checkpoint save and load after the steps (median over rounds)"]
     return "\n".join(head + [""] + columns(lines))
 
 

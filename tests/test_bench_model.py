@@ -175,7 +175,8 @@ def test_settled_table_prints_the_interval_the_cast_share_and_plain_rss_spread()
     assert rows["dither"].split()[14] == "50"  # plain's spread: 3040 - 2990
     assert "<=1.03 pass" in rows["error_feedback"] and "2.00%" in rows["error_feedback"]
     assert "+4055" in rows["error_feedback"] and "+4064" in rows["error_feedback"]
-    assert rows["error_feedback"].endswith("pass")
+    assert rows["error_feedback"].split()[-3] == "pass"
+    assert rows["error_feedback"].split()[-2:] == ["7160", "+4055"]  # with the checkpoint: _rank's peak + 100
 
 
 def test_rounds_are_interleaved_in_a_rotating_order(tmp_path, monkeypatch):
