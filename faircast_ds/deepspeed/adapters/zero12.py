@@ -160,17 +160,14 @@ class GatherSiteAdapter(ZeroAdapter):
         self._staging_current.clear()  # written outside DeepSpeed's copy: the pinned buffers may be stale
 
     # ---- wrapping -------------------------------------------------------------------------------------------
-    def _wrap(self, name: str, before: Callable[[], None] | None = None,
-              after: Callable[..., None] | None = None) -> None:
+    def _wrap_after(self, name: str, after: Callable[..., None]) -> None:
+        """The optimizer's method ``name``, then ``after`` with the same arguments."""
         own = getattr(self.optimizer, name)
 
         @functools.wraps(own)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                before()
             result = own(*args, **kwargs)
-            if after is not None:
-                after(*args, **kwargs)
+            after(*args, **kwargs)
             return result
 
         setattr(self.optimizer, name, wrapped)
@@ -274,7 +271,7 @@ class Zero12Adapter(GatherSiteAdapter):
 
     def install(self) -> None:
         super().install()
-        self._wrap("_optimizer_step", after=self.cast_at_step_copy)
+        self._wrap_after("_optimizer_step", self.cast_at_step_copy)
 
     @torch.no_grad()
     def cast_at_step_copy(self, group_no: int, *args: Any, **kwargs: Any) -> None:
