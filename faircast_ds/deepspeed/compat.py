@@ -29,6 +29,7 @@ ZeRO-3 universal load signature            ``load_hp_checkpoint_state_from_check
 ZeRO-1/2 CPU-offload refresh               fp32 -> pinned bf16 buffer                           0.17.0
                                            (``param_buffer_of_bit16_for_cpu_offload_groups``)
                                            -> device; before: one direct ``copy_`` to the device
+                                           (the cast takes the copy's place: :func:`zero12_step_copy`)
 BF16_Optimizer for ZeRO-1 + fp32 grad      0.18.0 - 0.18.4 name ``DDP_BFLOAT16`` like           0.18.5 at
 accumulation                               ``BFLOAT16`` ("bf16") and build FP16_UnfusedOptimizer  the latest
 =========================================  ===================================================  ==========
@@ -36,7 +37,8 @@ accumulation                               ``BFLOAT16`` ("bf16") and build FP16_
 Unchanged over the range (and relied on): ZeRO-3's flat groups and
 ``_reassign_or_swap_out_partitioned_parameters``, ``_rigid_load_state_dict``, ZeRO-1/2's
 ``all_gather_dp_groups`` imported into the module namespace, the ``_hp_mapping`` fragment addresses,
-BF16_Optimizer's ``update_lp_params``. :func:`require_internals` checks that an optimizer still has
+BF16_Optimizer's ``update_lp_params``, ZeRO-1/2's ``_optimizer_step(i)`` followed in ``step()`` by the copy of
+group ``i`` (:func:`zero12_step_copy`). :func:`require_internals` checks that an optimizer still has
 every attribute an adapter reads, so a release that moved one is refused at initialize, naming it;
 a moved cast site that leaves the attributes in place is caught by ``faircast_ds.deepspeed.guard``.
 """
@@ -179,7 +181,7 @@ REQUIRED = {
     "DeepSpeedZeroOptimizer": ("bit16_groups", "bit16_groups_flat", "single_partition_of_fp32_groups",
                                "parallel_partitioned_bit16_groups", "real_dp_process_group",
                                "nccl_start_alignment_factor", "allgather_bucket_size", "partition_gradients",
-                               "cpu_offload", "_update_model_bit16_weights", "update_lp_params"),
+                               "cpu_offload", "_update_model_bit16_weights", "update_lp_params", "_optimizer_step"),
     "BF16_Optimizer": ("bf16_groups", "bf16_groups_flat", "fp32_groups_flat_partition", "bf16_partitioned_groups",
                        "real_dp_process_group", "nccl_start_alignment_factor", "allgather_bucket_size",
                        "update_lp_params"),
@@ -241,6 +243,59 @@ def zero12_offload_staging(optimizer: Any, group: int) -> Any:
     if not buffers or group >= len(buffers):
         return None
     return buffers[group]
+
+
+@dataclass(frozen=True)
+class CopySite:
+    """DeepSpeed's own round-to-nearest copy of one ZeRO-1/2 (or BF16_Optimizer) group inside ``step()`` or
+    ``update_lp_params()``, as Fair Cast takes its place: the cast writes ``target`` (the tensor that copy
+    writes from the fp32 partition: this rank's served bf16 partition, or with CPU offload on 0.17.0+
+    DeepSpeed's pinned staging buffer, which DeepSpeed then copies to the served partition itself), and for
+    that one copy ``holder[index]`` holds ``stand_in`` instead, which makes DeepSpeed's copy a copy of a
+    tensor onto itself (torch returns at once: nothing is read or written)."""
+
+    target: Any
+    holder: list
+    index: int
+    stand_in: Any
+
+
+def zero12_step_copy(optimizer: Any, group: int) -> CopySite:
+    """The copy of group ``group`` that ``DeepSpeedZeroOptimizer.step()`` makes right after
+    ``_optimizer_step(group)``, in every release of the range:
+
+    - no offload: ``bit16_partitions[partition_id].data.copy_(fp32_partition.data)``; the destination's
+      list (``parallel_partitioned_bit16_groups[group]``) holds the fp32 partition itself for the copy;
+    - CPU offload, 0.17.0+: ``buffer.copy_(fp32_partition)`` then ``bit16_partitions[partition_id].copy_(buffer)``;
+      the source (``single_partition_of_fp32_groups[group]``) is the buffer itself for the copy, and
+      DeepSpeed's second copy carries the cast to the served partition;
+    - CPU offload, before: ``bit16_partitions[partition_id].copy_(fp32_partition.to(device))``; the source
+      is the served partition itself (``.to`` of a tensor already there is that tensor).
+
+    The fp32 partition's own reads before the copy (``.grad = None`` without offload) are untouched: each
+    stand-in sits in the list that is read only by the copy."""
+    from deepspeed import comm as dist
+
+    rank = dist.get_rank(group=optimizer.real_dp_process_group[group])
+    served = optimizer.parallel_partitioned_bit16_groups[group][rank]
+    master = optimizer.single_partition_of_fp32_groups[group]
+    if not optimizer.cpu_offload:
+        partitions = list(optimizer.parallel_partitioned_bit16_groups[group])
+        partitions[rank] = master
+        return CopySite(served, optimizer.parallel_partitioned_bit16_groups, group, partitions)
+    staging = zero12_offload_staging(optimizer, group)
+    target = staging if staging is not None else served
+    return CopySite(target, optimizer.single_partition_of_fp32_groups, group, target)
+
+
+def lp_params_copy(partitioned: list, masters: list, rank: int, group: int) -> CopySite:
+    """The copy of group ``group`` in ``update_lp_params()`` (ZeRO-1/2's universal checkpoint load and
+    BF16_Optimizer's step and loads): ``partitioned[group][rank].data.copy_(masters[group].data)``, then
+    the all-gather; the destination's list holds the fp32 partition itself for the copy."""
+    partitions = list(partitioned[group])
+    target = partitions[rank]
+    partitions[rank] = masters[group]
+    return CopySite(target, partitioned, group, partitions)
 
 
 def facts(optimizer: Any = None, cfg: Any = None) -> dict[str, Any]:

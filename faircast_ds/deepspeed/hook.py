@@ -42,9 +42,11 @@ def _cast(adapter: Adapter, lp: torch.Tensor, hp: torch.Tensor, context: Any) ->
     if context.after_step and context.group_index == 0:  # DeepSpeed refreshes groups in order after a step
         caster.begin_step()
     key = context.group_index
-    slices = adapter.group_slices(key)
-    # ZeRO-1/2 and BF16_Optimizer keep the last served bits aside (lp may be the offload staging buffer)
-    caster.cast_flat(key, hp, lp, slices, previous=adapter.previous(key))
+    into_copy_target = getattr(adapter, "cast_into_copy_target", None)
+    if into_copy_target is not None:  # ZeRO-1/2, BF16_Optimizer: lp may be the offload staging buffer
+        into_copy_target(key, hp, lp)
+        return
+    caster.cast_flat(key, hp, lp, adapter.group_slices(key))
 
 
 def _hook(lp: torch.Tensor, hp: torch.Tensor, context: Any) -> bool:

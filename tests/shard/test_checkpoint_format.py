@@ -209,6 +209,15 @@ def test_save_at_world_2_restore_at_world_3(tmp_path, mode, use_previous):
     assert sum(a.caster.last.changed for a in w2) > 0
 
 
+def test_error_feedback_served_bits_restored_in_chunks(tmp_path, monkeypatch):
+    """The restore copies saved pieces a chunk at a time (bounded temporaries): with 7-element chunks,
+    chunk edges fall inside every slice, and the round trip is the same."""
+    from faircast_ds.shard import state as cast_state
+
+    monkeypatch.setattr(cast_state, "_COPY_CHUNK", 7)
+    test_save_at_world_2_restore_at_world_3(tmp_path, "error_feedback", False)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_state_file_contents(tmp_path, mode):
     _, w2, tag, files = saved_at_world_2(tmp_path, mode)

@@ -110,3 +110,93 @@ def test_a_stopped_run_is_resumed_and_a_failed_launch_is_reported(tmp_path, monk
     assert launched == ["stochastic", "dither"]  # plain's results were there
     assert [r.config for r in rows] == ["plain", "dither"]
     assert len(failures) == 1 and "stochastic" in failures[0] and "-9" in failures[0]
+
+
+# ---- issue 33, item 4: the step ratio with its interval, the cast's share, RSS over rounds ------------------
+
+def test_a_constant_slowdown_has_a_point_interval_that_misses_the_goal():
+    from faircast_ds.tools.bench.stats import bootstrap_ratio_interval, median_ratio
+
+    plain = [[10.0, 10.0, 10.0]] * 6
+    mode = [[10.5, 10.5, 10.5]] * 6
+    assert median_ratio(mode, plain) == pytest.approx(1.05)
+    assert bootstrap_ratio_interval(mode, plain) == (pytest.approx(1.05), pytest.approx(1.05))
+
+
+def test_round_drift_cancels_in_the_paired_interval():
+    """Plain's own median moves by half between rounds (a shared machine); the mode is 0.5% slower
+    than plain in every round. The interval stays inside 1.01 (pairs by round), while the drift is 50x
+    the difference being measured."""
+    from faircast_ds.tools.bench.stats import bootstrap_ratio_interval, median_ratio
+
+    drift = [8.5, 12.4, 9.0, 11.8, 8.7, 12.0]
+    jitter = [0.999, 1.0, 1.001]
+    plain = [[d * j for j in jitter] for d in drift]
+    mode = [[1.005 * d * j for j in jitter] for d in drift]
+    lo, hi = bootstrap_ratio_interval(mode, plain)
+    assert lo <= median_ratio(mode, plain) <= hi
+    assert 1.0 < lo and hi < 1.01, (lo, hi)
+
+
+def test_equal_noisy_configurations_leave_the_goal_open():
+    import random
+
+    from faircast_ds.tools.bench.stats import bootstrap_ratio_interval
+
+    rng = random.Random(5)
+    plain = [[rng.uniform(9, 11) for _ in range(3)] for _ in range(6)]
+    mode = [[rng.uniform(9, 11) for _ in range(3)] for _ in range(6)]
+    lo, hi = bootstrap_ratio_interval(mode, plain)
+    assert lo < 1.0 < 1.01 < hi, (lo, hi)
+
+
+def test_unpaired_rounds_are_refused():
+    from faircast_ds.tools.bench.stats import bootstrap_ratio_interval
+
+    with pytest.raises(ValueError, match="paired rounds"):
+        bootstrap_ratio_interval([[1.0]] * 3, [[1.0]] * 2)
+
+
+def test_settled_table_prints_the_interval_the_cast_share_and_plain_rss_spread():
+    from faircast_ds.tools.bench.model import format_settled
+
+    def rounds(config, steps, cast, peaks):  # one launch per round, both ranks alike
+        return figures(2, config, [[_rank(config, [30.0] + steps, cast, p, 1.0, 1000, 1000 * 1024 * 1024)] * 2
+                                   for p in peaks])
+
+    plain = rounds("plain", [10.0, 10.0], 0.0, [3000, 3040, 2990, 3010, 3020, 3000])
+    dither = rounds("dither", [10.5, 10.5], 0.05, [3030] * 6)  # 5% slower throughout: MISS
+    ef = rounds("error_feedback", [10.0, 10.0], 0.2, [7060] * 6)  # +4055 within 4 B x 2^30 + 64 MiB
+    text = format_settled([plain, dither, ef])
+    rows = {line.split()[1]: line for line in text.splitlines() if line.startswith("2 ")}
+    assert "[1.050, 1.050]" in rows["dither"] and "<=1.01 MISS" in rows["dither"]
+    assert "0.48%" in rows["dither"]  # 0.05 s of each 10.5 s step
+    assert "+25" in rows["dither"]  # 3030 against plain's median over rounds, 3005
+    assert rows["dither"].split()[14] == "50"  # plain's spread: 3040 - 2990
+    assert "<=1.03 pass" in rows["error_feedback"] and "2.00%" in rows["error_feedback"]
+    assert "+4055" in rows["error_feedback"] and "+4064" in rows["error_feedback"]
+    assert rows["error_feedback"].split()[-3] == "pass"
+    assert rows["error_feedback"].split()[-2:] == ["7160", "+4055"]  # with the checkpoint: _rank's peak + 100
+
+
+def test_rounds_are_interleaved_in_a_rotating_order(tmp_path, monkeypatch):
+    import json
+
+    from faircast_ds.tools.bench import model as bench_model
+
+    launched = []
+
+    def launch(stem, model, layers, stage, config, warmup, steps, log):
+        launched.append(stem.rsplit("/", 1)[1])
+        for r in (0, 1):
+            d = _rank(config, [9, 10, 10, 10], 0.05, 3000, 10.0, 1000)
+            d.update(layers=2)
+            (tmp_path / f"{stem.rsplit('/', 1)[1]}.rank{r}.json").write_text(json.dumps(d))
+
+    monkeypatch.setattr(bench_model, "_launch", launch)
+    rows = bench_model.run("qwen3-0.6b", layers=2, stages=(3, 2), configs=("plain", "dither", "error_feedback"),
+                           warmup=1, steps=3, rounds=2, out_dir=str(tmp_path), log=lambda s: None)
+    assert launched == ["r0-z3-plain", "r0-z3-dither", "r0-z3-error_feedback", "r0-z2-plain", "r0-z2-dither",
+                        "r0-z2-error_feedback", "r1-z3-dither", "r1-z3-error_feedback", "r1-z3-plain",
+                        "r1-z2-dither", "r1-z2-error_feedback", "r1-z2-plain"]
+    assert [len(r.round_steps) for r in rows] == [2] * 6

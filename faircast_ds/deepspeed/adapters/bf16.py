@@ -1,6 +1,7 @@
 """BF16_Optimizer (``deepspeed/runtime/bf16_optimizer.py``): bf16 + ZeRO-1 with fp32 gradient
 accumulation, and pipelines. ``step()`` -> ``update_lp_params()``: copy each local partition, then
-``all_gather_dp_groups``; the same gather-site wrapping as ZeRO-1/2 serves it."""
+``all_gather_dp_groups``; the cast takes the place of those copies as in ZeRO-1/2's
+``update_lp_params`` (``compat.lp_params_copy``)."""
 from __future__ import annotations
 
 from typing import Any

@@ -30,10 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from faircast_ds.casting.modes import MODES, spec
+from faircast_ds.tools.bench.stats import bootstrap_ratio_interval, median_ratio, spread
 from faircast_ds.tools.bench.table import columns
 
 CONFIGS = ("plain",) + MODES
@@ -68,6 +69,9 @@ class Figures:
     checkpoint_bytes: int
     shard_elements: int | None
     params: int
+    round_steps: list[list[float]] = field(default_factory=list)  # per round: the timed steps (the slower rank)
+    round_cast: list[list[float]] = field(default_factory=list)  # per round: the cast's seconds in those steps
+    round_peaks: list[float] = field(default_factory=list)  # per round: the larger rank's training peak RSS
 
 
 def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup: int, steps: int,
@@ -137,13 +141,17 @@ def _bar(done: int, total: int, label: str, started: float) -> str:
 
 def figures(stage: int, config: str, runs: list[list[dict[str, Any]]]) -> Figures:
     """Pool the ranks' JSON of every round of one (stage, configuration)."""
-    timed, first = [], []
+    timed, first, round_steps, round_cast = [], [], [], []
     for ranks in runs:
         by_step = list(zip(*[r["steps"] for r in ranks]))
         warm = ranks[0]["warmup"]
         first.append(by_step[0])
+        this_round = []
         for per_rank in by_step[warm:]:
-            timed.append({k: max(r[k] for r in per_rank) for k in ("seconds", "cast_s", "guard_s", "diagnostics_s")})
+            this_round.append({k: max(r[k] for r in per_rank) for k in ("seconds", "cast_s", "guard_s", "diagnostics_s")})
+        timed += this_round
+        round_steps.append([t["seconds"] for t in this_round])
+        round_cast.append([t["cast_s"] for t in this_round])
     med = lambda k: statistics.median(t[k] for t in timed)  # noqa: E731
     flat = [r for ranks in runs for r in ranks]
     return Figures(stage=stage, config=config, step_s=med("seconds"), cast_ms=1e3 * med("cast_s"),
@@ -157,7 +165,8 @@ def figures(stage: int, config: str, runs: list[list[dict[str, Any]]]) -> Figure
                    load_s=statistics.median(max(r["load_s"] for r in ranks) for ranks in runs),
                    checkpoint_bytes=max(r["checkpoint_bytes"] for r in flat),
                    shard_elements=max((r["shard_elements"] or 0) for r in flat) or None,
-                   params=flat[0]["params"])
+                   params=flat[0]["params"], round_steps=round_steps, round_cast=round_cast,
+                   round_peaks=[max(r["train_peak_mib"] for r in ranks) for ranks in runs])
 
 
 def _verdict(ok: bool) -> str:
@@ -208,6 +217,50 @@ def format_table(rows: list[Figures], *, model: str, layers: int, rounds: int, s
     return "\n".join(head + [""] + columns(lines))
 
 
+def _interval_verdict(lo: float, hi: float, goal: float) -> str:
+    """pass: the whole interval is within the goal; MISS: the whole interval is above it; open: it
+    straddles the goal (the data do not settle it)."""
+    return "pass" if hi <= goal else ("MISS" if lo > goal else "open")
+
+
+def format_settled(rows: list[Figures]) -> str:
+    """Issue 33, item 4: each mode's median step ratio to plain with its bootstrap 95% interval (rounds
+    resampled, paired with plain's; :mod:`faircast_ds.tools.bench.stats`) beside the cast's share of the same
+    steps, and peak RSS as the median over rounds beside plain's own round-to-round spread."""
+    lines = [("ZeRO", "config", "rounds", "steps", "step s", "x plain", "95% interval", "step goal", "cast ms",
+              "cast share", "peak RSS MiB", "+MiB vs plain", "plain spread MiB", "RSS allowance", "RSS goal",
+              "with ckpt MiB", "+MiB vs plain")]
+    for r in rows:
+        plain = next((p for p in rows if p.stage == r.stage and p.config == "plain"), None)
+        steps = sum(len(x) for x in r.round_steps)
+        share = sum(map(sum, r.round_cast)) / max(sum(map(sum, r.round_steps)), 1e-12)
+        peak = statistics.median(r.round_peaks) if r.round_peaks else r.peak_mib
+        if plain is None or r.config == "plain" or len(plain.round_steps) != len(r.round_steps):
+            plain_spread = f"{spread(r.round_peaks):.0f}" if r.config == "plain" else "-"
+            lines.append((str(r.stage), r.config, str(len(r.round_steps)), str(steps), f"{r.step_s:.2f}",
+                          "1.000" if r.config == "plain" else "-", "-", "-", f"{r.cast_ms:.0f}", f"{100 * share:.2f}%",
+                          f"{peak:.0f}", "-", plain_spread, "-", "-", f"{r.peak_all_mib:.0f}", "-"))
+            continue
+        ratio = median_ratio(r.round_steps, plain.round_steps)
+        lo, hi = bootstrap_ratio_interval(r.round_steps, plain.round_steps)
+        goal = STEP_GOAL[r.config]
+        plain_peak = statistics.median(plain.round_peaks) if plain.round_peaks else plain.peak_mib
+        extra = peak - plain_peak
+        allowance = RSS_SLACK_MIB + (4 * (r.shard_elements or 0) / MIB if spec(r.config).residual else 0)
+        lines.append((str(r.stage), r.config, str(len(r.round_steps)), str(steps), f"{r.step_s:.2f}", f"{ratio:.3f}",
+                      f"[{lo:.3f}, {hi:.3f}]", f"<={goal} {_interval_verdict(lo, hi, goal)}", f"{r.cast_ms:.0f}",
+                      f"{100 * share:.2f}%", f"{peak:.0f}", f"{extra:+.0f}", f"{spread(plain.round_peaks):.0f}",
+                      f"+{allowance:.0f}", _verdict(extra <= allowance), f"{r.peak_all_mib:.0f}",
+                      f"{r.peak_all_mib - plain.peak_all_mib:+.0f}"))
+    head = ["step time and memory: x plain = median step / plain's median step over every round's timed steps; "
+            "95% interval: bootstrap over rounds (paired with plain's) and the steps inside them; step goal: pass "
+            "= the interval is within the goal, MISS = above it, open = it straddles it; cast share: the cast's "
+            "time in those same steps / their wall time; peak RSS: the larger rank's training peak, median over "
+            "rounds; plain spread: plain's largest minus smallest peak over the rounds; with ckpt: the peak including "
+            "the checkpoint save and load after the steps (median over rounds)"]
+    return "\n".join(head + [""] + columns(lines))
+
+
 def run(model: str, *, layers: int | None, stages: tuple[int, ...], configs: tuple[str, ...], warmup: int,
         steps: int, rounds: int, out_dir: str | None, log=print, failures: list[str] | None = None) -> list[Figures]:
     from faircast_ds.models.builders import architecture
@@ -216,7 +269,10 @@ def run(model: str, *, layers: int | None, stages: tuple[int, ...], configs: tup
     failures = failures if failures is not None else []
     out_dir = out_dir or tempfile.mkdtemp(prefix="faircast-bench-model-")
     os.makedirs(out_dir, exist_ok=True)
-    plan = [(rnd, stage, config) for rnd in range(rounds) for stage in stages for config in configs]
+    # interleaved: every round runs every configuration once, each round in another order (plain is not
+    # always the first launch after the machine was idle)
+    plan = [(rnd, stage, config) for rnd in range(rounds) for stage in stages
+            for config in configs[rnd % len(configs):] + configs[:rnd % len(configs)]]
     started = time.perf_counter()
     results: dict[tuple[int, str], list[list[dict[str, Any]]]] = {}
     for done, (rnd, stage, config) in enumerate(plan):
@@ -435,6 +491,7 @@ def main_from_args(args) -> int:  # type: ignore[no-untyped-def]
     pushes = run_push(args.model, layers=layers, modes=push_modes, lr=lr, out_dir=out_dir, log=log,
                       failures=failures, planes=planes) if push_modes else []
     table = format_table(rows, model=args.model, layers=layers, rounds=args.rounds, steps=args.steps, command=command)
+    table += "\n\n" + format_settled(rows)
     if pushes:
         table += "\n\n" + format_push_table(pushes, model=args.model, layers=layers, lr=lr)
         stage_table = format_stage_table(pushes)

@@ -149,6 +149,7 @@ def main(argv: list[str]) -> None:
     engine.save_checkpoint(ckpt, tag="bench")
     dist.barrier()
     save_s = time.perf_counter() - t
+    save_peak = _peak_mib()  # the peak so far: training, then the save
     size = _dir_bytes(ckpt) if rank == 0 else 0
     t = time.perf_counter()
     engine.load_checkpoint(ckpt, tag="bench")
@@ -164,7 +165,7 @@ def main(argv: list[str]) -> None:
     result = {"rank": rank, "config": config, "stage": stage, "model": model_name, "layers": layers,
               "params": sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()),
               "shard_elements": shard, "build_s": build_s, "build_peak_mib": build_peak, "warmup": warmup, "steps": rows,
-              "train_peak_mib": train_peak, "peak_mib": _peak_mib(), "save_s": save_s, "load_s": load_s,
+              "train_peak_mib": train_peak, "save_peak_mib": save_peak, "peak_mib": _peak_mib(), "save_s": save_s, "load_s": load_s,
               "load_guard_s": load_guard_s, "checkpoint_bytes": size, "threads": torch.get_num_threads()}
     write_json(f"{stem}.rank{rank}.json", result)
     finish()
