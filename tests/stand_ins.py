@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from faircast_ds.config.section import FairCastConfig
+from faircast_ds.deepspeed.guard import Guard
 from faircast_ds.shard.adapter import Adapter
 from faircast_ds.shard.caster import ShardCaster, ShardSlice, with_padding
 
@@ -29,3 +31,19 @@ class TwoGroups(Adapter):
 
     def publish(self) -> None:
         pass
+
+
+def setup(mode: str = "stochastic") -> tuple[TwoGroups, Guard]:
+    adapter = TwoGroups(ShardCaster(FairCastConfig(mode=mode, seed=3)))
+    return adapter, Guard(adapter, describe_sites="the stand-in's sites")
+
+
+def step(adapter: TwoGroups, g: Guard, *, full: bool) -> None:
+    g.prepare(full=full)
+    adapter.caster.begin_step()
+    adapter.cast_all()
+
+
+def overwrite(adapter: TwoGroups, group: int, start: int, stop: int) -> None:
+    """What a moved cast site does: round-to-nearest over the served shard after the cast."""
+    adapter.served[group][start:stop] = adapter.masters[group][start:stop].to(torch.bfloat16)

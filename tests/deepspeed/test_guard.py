@@ -7,28 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faircast_ds.config.section import FairCastConfig
 from faircast_ds.deepspeed import guard as guard_mod
-from faircast_ds.deepspeed.guard import Guard
 from faircast_ds.shard.adapter import UnsupportedSetupError
-from faircast_ds.shard.caster import NonFiniteWeightError, ShardCaster, ShardSlice, with_padding
-from stand_ins import N, TwoGroups
-
-def setup(mode: str = "stochastic") -> tuple[TwoGroups, Guard]:
-    adapter = TwoGroups(ShardCaster(FairCastConfig(mode=mode, seed=3)))
-    return adapter, Guard(adapter, describe_sites="the stand-in's sites")
-
-
-def step(adapter: TwoGroups, g: Guard, *, full: bool) -> None:
-    g.prepare(full=full)
-    adapter.caster.begin_step()
-    adapter.cast_all()
-
-
-def overwrite(adapter: TwoGroups, group: int, start: int, stop: int) -> None:
-    """What a moved cast site does: round-to-nearest over the served shard after the cast."""
-    adapter.served[group][start:stop] = adapter.masters[group][start:stop].to(torch.bfloat16)
-
+from faircast_ds.shard.caster import NonFiniteWeightError, ShardSlice, with_padding
+from stand_ins import N, overwrite, setup, step
 
 @pytest.mark.parametrize("full", (True, False))
 def test_what_the_caster_wrote_passes(full):

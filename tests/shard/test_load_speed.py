@@ -20,7 +20,7 @@ from faircast_ds.shard.guard import BLOCK, _weights, block_digests, torch_block_
 from faircast_ds.casting.kernels import cpu
 from test_checkpoint_format import (assert_same, gather, initial_params, make_world, saved_at_world_2,
                                     tensor_entries, train_step)
-from test_guard import overwrite, setup
+from stand_ins import overwrite, setup
 
 needs_kernel = pytest.mark.skipif(not cpu.available(), reason="the fused CPU kernel is not available")
 
