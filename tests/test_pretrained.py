@@ -91,6 +91,7 @@ def test_the_cache_directory_is_configurable(monkeypatch, tmp_path):
 # ---------------------------------------------------------------- the cache
 
 
+@pytest.mark.slow
 def test_the_cache_is_keyed_by_the_gguf_files_hash(cache):
     root, directory = cache
     digest = hashlib.sha256(installed_gguf().read_bytes()).hexdigest()
@@ -101,11 +102,25 @@ def test_the_cache_is_keyed_by_the_gguf_files_hash(cache):
     assert sorted(p.name for p in directory.iterdir()) == sorted(pretrained.REQUIRED)
 
 
-def test_a_cache_made_from_another_file_is_never_used(cache, tmp_path, monkeypatch):
+def _fake_cache(root: Path, digest: str) -> Path:
+    """A whole-looking cached checkpoint for the GGUF file of SHA-256 ``digest`` (placeholder files)."""
+    directory = pretrained.cache_dir(NAME, digest, root)
+    directory.mkdir(parents=True)
+    for name in pretrained.REQUIRED:
+        (directory / name).write_text("{}")
+    (directory / pretrained.SOURCE_RECORD).write_text(json.dumps(
+        {"format": pretrained.FORMAT, "model": NAME, "gguf": FILE, "gguf_sha256": digest}))
+    return directory
+
+
+def test_a_cache_made_from_another_file_is_never_used(tmp_path, monkeypatch):
     """Another GGUF file of the same name and size (one byte of tensor data changed): its key is its own
     hash, and a checkpoint made from the installed file, put where the other file's would be, is refused
     (the loader rebuilds instead of serving it)."""
-    root, directory = cache
+    root = tmp_path / "cache"
+    digest = hashlib.sha256(installed_gguf().read_bytes()).hexdigest()
+    directory = _fake_cache(root, digest)
+    assert pretrained.cached(NAME, digest, root) == directory
     other = tmp_path / FILE
     shutil.copyfile(installed_gguf(), other)
     with open(other, "r+b") as f:
@@ -127,17 +142,13 @@ def test_a_cache_made_from_another_file_is_never_used(cache, tmp_path, monkeypat
     monkeypatch.setattr(pretrained, "_dequantize", rebuild)
     with pytest.raises(Rebuilt):
         pretrained.checkpoint(NAME, root=root, gguf=other)
-    assert pretrained.cached(NAME, hashlib.sha256(installed_gguf().read_bytes()).hexdigest(), root) == directory
-    shutil.rmtree(planted)
+    assert pretrained.checkpoint(NAME, root=root) == directory  # the installed file's own cache is used
 
 
-def test_an_incomplete_cache_is_not_used(cache, tmp_path):
-    root, directory = cache
-    digest = json.loads((directory / "faircast-source.json").read_text())["gguf_sha256"]
-    copy = tmp_path / "root"
-    shutil.copytree(directory, pretrained.cache_dir(NAME, digest, copy))
-    (pretrained.cache_dir(NAME, digest, copy) / "chat_template.jinja").unlink()
-    assert pretrained.cached(NAME, digest, copy) is None
+def test_an_incomplete_cache_is_not_used(tmp_path):
+    directory = _fake_cache(tmp_path, "ab" * 32)
+    (directory / "chat_template.jinja").unlink()
+    assert pretrained.cached(NAME, "ab" * 32, tmp_path) is None
 
 
 # ---------------------------------------------------------------- the weights: GGUF values rounded to bf16
@@ -166,17 +177,24 @@ def _bf16_nearest_even(x: np.ndarray) -> np.ndarray:
     return (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF).astype(np.uint16)
 
 
+@pytest.fixture(scope="module")
+def reader():
+    import gguf
+
+    return {t.name: t for t in gguf.GGUFReader(str(installed_gguf())).tensors}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("gguf_name, hf_name", [
     ("token_embd.weight", "model.embed_tokens.weight"),  # Q8_0, the tied embedding and head
     ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),  # Q4_1
     ("blk.29.attn_v.weight", "model.layers.29.self_attn.v_proj.weight"),  # Q4_1 (q and k are stored permuted)
     ("blk.7.attn_norm.weight", "model.layers.7.input_layernorm.weight"),  # F32
 ])
-def test_cached_weights_are_the_gguf_values_rounded_to_nearest_bf16(cache, gguf_name, hf_name):
-    import gguf
+def test_cached_weights_are_the_gguf_values_rounded_to_nearest_bf16(cache, reader, gguf_name, hf_name):
     from safetensors import safe_open
 
-    (tensor,) = [t for t in gguf.GGUFReader(str(installed_gguf())).tensors if t.name == gguf_name]
+    tensor = reader[gguf_name]
     want = _bf16_nearest_even(_dequantize(tensor.tensor_type.name, np.asarray(tensor.data).reshape(-1).view(np.uint8)
                                           if tensor.tensor_type.name != "F32" else np.asarray(tensor.data)))
     with safe_open(str(cache[1] / "model.safetensors"), framework="pt") as f:
@@ -186,6 +204,7 @@ def test_cached_weights_are_the_gguf_values_rounded_to_nearest_bf16(cache, gguf_
     assert got.size == want.size and int((got != want).sum()) == 0
 
 
+@pytest.mark.slow
 def test_parameter_count_and_tied_head(cache):
     from safetensors import safe_open
 
@@ -202,8 +221,11 @@ def test_parameter_count_and_tied_head(cache):
 # ---------------------------------------------------------------- the chat template
 
 
-def test_chat_prompt_is_the_models_chatml_turn(cache):
-    tok = pretrained.load_tokenizer(cache[1])
+def test_chat_prompt_is_the_models_chatml_turn():
+    import transformers
+
+    path = installed_gguf()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     question = "What is 3 + 4?"
     want = tok(CHATML.format(question=question), add_special_tokens=False)["input_ids"]
     assert pretrained.chat_prompt_ids(tok, question) == want

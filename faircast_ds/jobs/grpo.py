@@ -422,6 +422,10 @@ def finish_run(run: Run, last_seqs: torch.Tensor) -> dict[str, Any]:
             final.update(mismatch(copy, last_seqs))
     run.source.close()
     run.engine.destroy()
+    if run.cfg.model:  # the next engine must fit beside what this one leaves behind (jobs/release.py)
+        from faircast_ds.jobs.release import release
+
+        release(run.engine)
     return final
 
 

@@ -37,6 +37,7 @@ from realsize_worker import CHUNK, oracle_unbiased  # noqa: E402  (the vectorize
 from faircast_ds import get_fair_cast, pretrained  # noqa: E402
 from faircast_ds.deepspeed.models import ZeroInit  # noqa: E402
 from faircast_ds.export import served_weights  # noqa: E402
+from faircast_ds.jobs.release import release  # noqa: E402
 
 NAME, SEED, LR = "smollm2-135m-instruct", 77, 1e-5
 QUESTION = "What is 3 + 4?"
@@ -193,6 +194,7 @@ def main() -> None:
         if mode == "dither":
             r["push"] = push_and_generate(engine, tok, rank, server_box, starter, result)
         engine.destroy()
+        release(engine)  # DeepSpeed keeps a destroyed ZeRO-3 engine's optimizer alive (jobs/release.py)
         del engine, model, opt, fc, params
         gc.collect()  # the first engine's partitions and optimizer state go before the second is built
         result[mode] = r
