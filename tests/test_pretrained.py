@@ -295,3 +295,15 @@ def test_smoke_generation_through_the_chat_template(smoke):
     # the assistant answers the question (measured: "3 + 4 = 7\n\nThis is a classic example of ...")
     assert re.search(r"(^|\D)7(\D|$)", gen["text"].split("\n")[0]), gen["text"]
     print("greedy answer:", repr(gen["text"]))
+
+
+def test_vllm_server_names_a_relative_model_directory_by_its_absolute_path(tmp_path, monkeypatch):
+    """Issue 32 item 9: the server runs in the export's parent directory, so a relative path is made
+    absolute before it reaches vLLM (the smoke run starts a real server from a relative path)."""
+    pytest.importorskip("vllm")
+    from faircast_ds.vllm.transfer.server import VllmServer
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "not-a-model").mkdir()
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "not-a-model")):
+        VllmServer("not-a-model")
