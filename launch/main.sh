@@ -8,6 +8,9 @@
 #   bash launch/main.sh --seed-list 8-19 --modes fp32,nearest,dither --lr 3e-6 --steps 250 --init-std 0.05
 #   bash launch/main.sh --off-grid            # masters start at a seeded random point inside their bf16 cell
 #   bash launch/main.sh --engine vllm   # rollouts from a real vLLM engine fed the served weights (docs/vllm.md)
+#   bash launch/main.sh --model smollm2-135m-instruct --task addition   # the pretrained SmolLM2-135M-Instruct
+#       (docs/pretrained.md): fp32, nearest, dither; 4 prompts x 4 completions from `vllm serve`; resumable:
+#       give --out/--name and run the same command again to continue (--session-steps N stops after N steps)
 # Every option and its check: faircast_ds/jobs/config.py, `python3 -m faircast_ds.jobs.grpo --help`.
 # Wall times are in docs/grpo.md.
 # JOB=staleness runs the older served-weights-changed-per-step job instead.

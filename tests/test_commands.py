@@ -32,6 +32,8 @@ PREFIXES = ("bash launch/", "faircast-ds ", "faircast-vllm", "python3 -m faircas
 # an environment setting or install step, made by every test that needs it and by launch/setup.sh.
 COVERAGE: list[tuple[str, str, str]] = [
     (r"^bash launch/setup\.sh && bash launch/main\.sh$", "quick", "test_main_job_commands_run_quick"),
+    (r"^bash launch/main\.sh --model smollm2-135m-instruct", "test",
+     "tests/jobs/test_job_pretrained.py::test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run"),
     (r"^(JOB=staleness )?bash launch/main\.sh( |$)", "quick", "test_main_job_commands_run_quick"),
     (r"^bash launch/(setup\.sh && bash launch/)?test\.sh", "long",
      "the suite itself: .ci/run runs `bash launch/setup.sh && bash launch/test.sh`"),
@@ -54,7 +56,9 @@ COVERAGE: list[tuple[str, str, str]] = [
     (r"^python3 -m pytest -q -p no:cacheprovider (tests/\S+\.py)$", "suite", "a file of the suite: .ci/run runs it"),
     (r"^NUM_RANKS=8 bash launch/single_node\.sh", "test",
      "tests/system/test_multinode.py::test_two_nodes_no_ssh_on_loopback_serve_the_single_node_bits"),
-    (r"^(export |pip install )|^VLLM_SERVER_DEV_MODE=1$|^nice -n \d+$", "setting",
+    (r"^python -c \"from faircast_ds\.models\.pretrained import checkpoint", "test",
+     "tests/models/test_pretrained.py::test_the_cache_is_keyed_by_the_gguf_files_hash"),
+    (r"^(export |pip install |bash launch/setup\.d/)|^VLLM_SERVER_DEV_MODE=1$|^nice -n \d+$", "setting",
      "launch/setup.sh installs; the tests that need a variable set it; `nice` alone is a prefix, not a command"),
 ]
 LONG_RUNS_AT_MOST = 5
@@ -160,8 +164,8 @@ def test_quick_variants_keep_the_command_and_cut_its_length():
 
 
 def main_job_variants() -> list[str]:
-    return sorted({quick_main_variant(c) for c in documented_commands()
-                   if re.search(r"^(JOB=staleness )?(bash launch/setup\.sh && )?bash launch/main\.sh( |$)", c)})
+    return sorted({quick_main_variant(c) for c in documented_commands() if rule_for(c)[1] == "quick"
+                   and re.search(r"^(JOB=staleness )?(bash launch/setup\.sh && )?bash launch/main\.sh( |$)", c)})
 
 
 @pytest.fixture(scope="module")

@@ -68,6 +68,19 @@ class JobConfig:
     regime: str = "paper"
     out: str = "runs"
     name: str = ""
+    # a published pretrained model by name (faircast_ds/models/pretrained.py; "" = the tiny Qwen3 built from the
+    # flags above) and its task (jobs/addition.py); --model applies PRETRAINED_DEFAULTS first
+    model: str = ""
+    task: str = ""  # "" = the tiny model's low-token task; "addition" needs --model
+    operand_max: int = 9  # addition: operands drawn from [1, operand_max] (one digit: one prompt length)
+    # KL(master || served) per token on a fixed batch of right answers every this many steps (0: off)
+    kl_master_every: int = 0
+    # a DeepSpeed checkpoint of the running engine every this many steps (and at its last step), kept in
+    # <out>/<name>/checkpoints/<mode>-seed<seed>/ (the newest only): the same command resumes from it (0: off)
+    save_every: int = 0
+    # with --save-every: stop this session after training this many steps (0: run to the end); the same
+    # command without it (or with it again) resumes where the session stopped
+    session_steps: int = 0
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -147,6 +160,23 @@ def _problems(cfg: JobConfig) -> list[str]:
         out.append(f"unknown --engine {cfg.rollout_engine!r}; choose from {', '.join(ROLLOUT_ENGINES)}")
     if cfg.rollout_via not in ROLLOUT_VIA:
         out.append(f"unknown --rollout-via {cfg.rollout_via!r}; choose from {', '.join(ROLLOUT_VIA)}")
+    if cfg.model and cfg.model not in PRETRAINED:
+        out.append(f"unknown --model {cfg.model!r}; choose from {', '.join(PRETRAINED)} (or leave it out for the tiny model)")
+    if cfg.task not in TASKS:
+        out.append(f"unknown --task {cfg.task!r}; choose from {', '.join(t for t in TASKS if t)}")
+    elif bool(cfg.model) != bool(cfg.task):
+        out.append("--task addition goes with --model (the tiny model runs its own low-token task)" if cfg.task
+                   else f"--model {cfg.model} needs --task (choose from {', '.join(t for t in TASKS if t)})")
+    for name in ("operand_max",):
+        positive_int(name, getattr(cfg, name))
+    if isinstance(cfg.operand_max, int) and not isinstance(cfg.operand_max, bool) and cfg.operand_max > 9:
+        out.append(f"--operand-max must be at most 9 (one-digit operands), got {cfg.operand_max}")
+    for name in ("kl_master_every", "save_every", "session_steps"):
+        positive_int(name, getattr(cfg, name), low=0)
+    if cfg.session_steps and not cfg.save_every:
+        out.append("--session-steps needs --save-every (a session that stops must leave a checkpoint)")
+    if cfg.model and cfg.gen_len < 16:
+        out.append(f"--gen-len must be at least 16 for --model, got {cfg.gen_len}")
     if cfg.regime not in REGIMES:
         out.append(f"unknown --regime {cfg.regime!r}; choose from {', '.join(sorted(REGIMES))}")
     return out
@@ -161,6 +191,17 @@ REGIMES: dict[str, dict[str, Any]] = {
     # the earlier main job: lr 1e-4, random prompts; RN changes ~12% per step, the lag reads ~0
     "large-step": {"steps": 300, "lr": 1e-4, "hidden": 256, "rollouts": 64, "prompt_len": 4, "gen_len": 8,
                    "prompt_vocab": 0, "eval_every": 60},
+}
+# the published models --model accepts (faircast_ds/models/pretrained.py's MODELS; tests/jobs/test_job_pretrained.py
+# keeps the two lists equal) and the tasks --task accepts ("" = the tiny model's low-token task)
+PRETRAINED: tuple[str, ...] = ("smollm2-135m-instruct",)
+TASKS: tuple[str, ...] = ("", "addition")
+# what --model sets before the flags given: GRPO at a post-training rate, 4 prompts x 4 completions of 16
+# tokens from `vllm serve` fed the served weights, the fp32 reference and the two casts, checkpoints to resume
+PRETRAINED_DEFAULTS: dict[str, Any] = {
+    "steps": 100, "lr": 1e-5, "modes": ("fp32", "nearest", "dither"), "rollouts": 16, "group": 4, "gen_len": 16,
+    "rollout_engine": "vllm", "rollout_via": "module", "eval_every": 0, "kl_every": 0, "kl_master_every": 1,
+    "save_every": 5, "persist_threshold": 100_000, "task": "addition",
 }
 # what a run.json written before regimes existed ran with (the settings it does not list)
 LEGACY: dict[str, Any] = {"regime": "large-step", "prompt_vocab": 0, "eval_every": 0, "kl_every": 0}
@@ -239,11 +280,14 @@ def parse(argv: Sequence[str] | None) -> JobConfig:
                 raise ValueError(f"--seed-list names the seeds itself; drop {' and '.join(clash)}")
             given["seed_list"] = parse_seed_list(given["seed_list"])
         cfg = replace(JobConfig(regime=regime), **REGIMES[regime])
+        if given.get("model"):
+            cfg = replace(cfg, **PRETRAINED_DEFAULTS, model=given["model"])
         if args.full:
             cfg = replace(cfg, seeds=FULL_SEEDS[regime])
         cfg = replace(cfg, **given)
     except ValueError as e:
         p.error(str(e))
     if not cfg.name:
-        cfg = replace(cfg, name=f"{regime}-" + ("full-" if args.full else "") + time.strftime("%Y%m%d-%H%M%S"))
+        prefix = f"{cfg.model}-{cfg.task}" if cfg.model else regime
+        cfg = replace(cfg, name=f"{prefix}-" + ("full-" if args.full else "") + time.strftime("%Y%m%d-%H%M%S"))
     return cfg

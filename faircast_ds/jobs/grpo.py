@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,9 +42,17 @@ from faircast_ds.jobs.tasks import LowTokenTask, group_advantages, sample_token
 
 __all__ = ["FULL_SEEDS", "JOB_MODES", "REFERENCE", "REGIMES", "JobConfig", "parse", "run_one", "main"]
 
-def build_model(cfg: JobConfig, seed: int, fp32: bool) -> torch.nn.Module:
+def build_model(cfg: JobConfig, seed: int, fp32: bool, ds_config: dict[str, Any] | None = None) -> torch.nn.Module:
     """The tiny Qwen3, initialized in bf16 so that the fp32 master starts on the bf16 grid (as when
-    fine-tuning a bf16 checkpoint); the fp32 reference starts from the same values."""
+    fine-tuning a bf16 checkpoint); the fp32 reference starts from the same values. With ``--model``: the
+    pretrained model's cached bf16 checkpoint (fp32: the same values), built under ``deepspeed.zero.Init``
+    when ``ds_config`` is given (ZeRO-3)."""
+    if cfg.model:
+        from faircast_ds.deepspeed.zero_init import ZeroInit
+        from faircast_ds.models.builders.pretrained import load_causal_lm
+
+        return load_causal_lm(cfg.model, dtype=torch.float32 if fp32 else torch.bfloat16,
+                              partitioning=ZeroInit(ds_config) if ds_config is not None else None)
     from faircast_ds.models.builders import tiny_causal_lm
 
     model = tiny_causal_lm("qwen3", seed=seed, init_std=cfg.init_std, attn="eager", vocab_size=cfg.vocab,
@@ -63,6 +71,8 @@ def ds_config(mode: str, seed: int, cfg: JobConfig, per_rank: int) -> dict[str, 
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if cfg.model:  # DeepSpeed's default reduce bucket (5e8 elements) would be a 1-2 GB buffer per rank
+        config["zero_optimization"].update(reduce_bucket_size=20_000_000, stage3_prefetch_bucket_size=20_000_000)
     if mode != REFERENCE:
         config["bf16"] = {"enabled": True}
         config["fair_cast"] = {"enabled": True, "mode": mode, "seed": seed,
@@ -272,14 +282,15 @@ def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = cfg.rollouts // world
     reference = mode == REFERENCE
-    model = build_model(cfg, seed, fp32=reference)
+    config = ds_config(mode, seed, cfg, per_rank)
+    model = build_model(cfg, seed, fp32=reference, ds_config=config if cfg.model else None)
     masters = offgrid.off_grid_state(model.named_parameters(), seed) if cfg.off_grid else None
     if masters is not None and reference:  # fp32 serves its master: the module holds the off-grid values
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(masters[name])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(mode, seed, cfg, per_rank))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     if masters is not None:
         offgrid.set_masters(engine, masters)  # bf16 modes: the served copy stays RN(master) = the bf16 init
     fair_cast = get_fair_cast(engine)
@@ -290,8 +301,16 @@ def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
         view = ServedView(engine, build_model(cfg, seed, fp32=reference))
     # checkpoint consistency: the fp32 master policy against the served one, on one fixed batch (training
     # steps start at 1, so step 0's draw is never trained on); the fp32 reference serves its master
-    master_view = MasterView(engine, cfg, seed) if fair_cast is not None and cfg.eval_every else None
-    source = rollouts.make(cfg.rollout_engine, sample=rollout, ds_engine=engine, view=view, fp32=reference,
+    master_view = MasterView(engine, cfg, seed) if fair_cast is not None and (cfg.eval_every or cfg.kl_master_every) \
+        else None
+    engine_name = cfg.rollout_engine
+    if reference and cfg.model and engine_name == "vllm":
+        # a float32 `vllm serve` engine fails its first verified push of the pretrained model (every tensor's
+        # /weight_checker checksum differs; docs/pretrained.md): the fp32 reference samples through HF
+        engine_name = "hf"
+        if rank == 0:
+            print("[grpo] fp32 reference: rollouts from the trainer (HF), not vLLM (docs/pretrained.md)", flush=True)
+    source = rollouts.make(engine_name, sample=rollout, ds_engine=engine, view=view, fp32=reference,
                           seed=seed, max_len=cfg.prompt_len + cfg.gen_len + 8, run_dir=os.path.join(cfg.out, cfg.name))
     return Run(mode=mode, seed=seed, cfg=cfg, engine=engine, optimizer=opt, fair_cast=fair_cast, view=view,
                sync_meter=DeltaSyncBytes(view) if view is not None and fair_cast is not None else None,
@@ -311,12 +330,16 @@ def train_step(run: Run, task: LowTokenTask, step: int) -> Trained:
     if run.sync_meter is not None and run.sync_meter.previous is None:
         run.sync_meter.step()  # the baseline: the weights these rollouts were sampled from
     completions = seqs[:, cfg.prompt_len:]
-    rewards = task.reward(completions)
+    rewards = task.score(seqs) if hasattr(task, "score") else task.reward(completions)
     advantages = group_advantages(rewards, task.group)
     t1 = time.perf_counter()
     logits = run.engine(input_ids=seqs, use_cache=False).logits[:, cfg.prompt_len - 1:-1].float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
-    loss = -(advantages * logp.mean(dim=1)).mean()
+    if hasattr(task, "mask"):  # the completion's own turn only (jobs/addition.py)
+        mask = task.mask(completions)
+        loss = -(advantages * (logp * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)).mean()
+    else:
+        loss = -(advantages * logp.mean(dim=1)).mean()
     engine_columns = run.source.measure(logp.detach(), engine_logp, seqs, cfg.prompt_len)  # pre-step weights
     run.engine.backward(loss)
     t2 = time.perf_counter()
@@ -335,12 +358,17 @@ def policy_figures(run: Run, task: LowTokenTask, step: int, trained: Trained) ->
     kl = step_kl(trained.logits, policy, trained.seqs, cfg.prompt_len) \
         if cfg.kl_every and step % cfg.kl_every == 0 else math.nan
     served_eval = master_eval = math.nan
+    kl_master = math.nan
+    if cfg.kl_master_every and (step % cfg.kl_master_every == 0 or step == cfg.steps):
+        from faircast_ds.jobs.policy_kl import master_served_kl
+
+        kl_master = 0.0 if run.master_view is None else master_served_kl(run, task)  # fp32: served = master
     if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
         with torch.no_grad():
             served_eval = evaluate(policy, run.eval_batch, task)
             master_eval = evaluate(run.master_view.policy(), run.eval_batch, task) if run.master_view is not None \
                 else served_eval
-    return {"kl_step": kl, "served_eval": served_eval, "master_eval": master_eval}
+    return {"kl_step": kl, "served_eval": served_eval, "master_eval": master_eval, "kl_master": kl_master}
 
 
 DIAGNOSTICS = ("gap_spacings", "lag_steps", "lag_drift_steps", "bias_spacings")
@@ -402,38 +430,99 @@ def finish_run(run: Run, last_seqs: torch.Tensor) -> dict[str, Any]:
     import deepspeed.comm as dist
 
     final: dict[str, Any] = {"mode": run.mode, "seed": run.seed}
-    if run.fair_cast is not None:
+    if run.fair_cast is not None and not run.cfg.model:  # the SGLang profile models the tiny Qwen3
         copy = served_copy(run.engine, run.cfg, run.seed, dist.get_rank())
         if copy is not None:
             final.update(mismatch(copy, last_seqs))
     run.source.close()
     run.engine.destroy()
+    if run.cfg.model:  # the next engine must fit beside what this one leaves behind (jobs/release.py)
+        from faircast_ds.jobs.release import release
+
+        release(run.engine)
     return final
 
 
-def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: Any) -> tuple[list[dict], dict]:
-    """Train one engine; return its per-step rows and its end-of-run figures (rank 0's are complete)."""
+class _Session:
+    trained = 0  # steps trained by this process (--session-steps)
+
+
+def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: Any,
+            previous: Sequence[dict] = (), on_step: Callable[[list[dict]], None] | None = None,
+            ) -> tuple[list[dict], dict]:
+    """Train one engine; return its per-step rows and its end-of-run figures (rank 0's are complete).
+    With ``--save-every``: resume from this run's newest checkpoint (``previous``: the rows the CSV holds
+    for it) and save one every that many steps (jobs/resume.py); ``on_step`` gets the rows after each step."""
+    import deepspeed.comm as dist
+
+    from faircast_ds.jobs import resume
+
     run = start_run(mode, seed, cfg, task)
+    run_dir = os.path.join(cfg.out, cfg.name)
+    saves = resume.checkpoint_dir(run_dir, mode, seed)
     rows: list[dict] = []
+    first = 1
+    at = resume.latest_step(saves) if cfg.save_every else 0
+    if at:
+        run.engine.load_checkpoint(saves, tag=f"global_step{at}")
+        run.source.after_step()  # the engine gets the loaded weights (a verified push)
+        if run.counter is not None:
+            run.counter.previous = run.counter._bits()
+        rows = [r for r in previous if int(r["step"]) <= at]
+        if [int(r["step"]) for r in rows] != list(range(1, at + 1)):
+            raise RuntimeError(f"{mode} seed {seed}: the CSV lacks rows of steps 1..{at} that its checkpoint passed")
+        first = at + 1
+        if progress is not None:
+            progress.update(at)
     trained = None
-    for step in range(1, cfg.steps + 1):
+    last = cfg.steps
+    if cfg.session_steps:
+        last = min(cfg.steps, first - 1 + max(0, cfg.session_steps - _Session.trained))
+    for step in range(first, last + 1):
+        _Session.trained += 1
         trained = train_step(run, task, step)
         policy = policy_figures(run, task, step, trained)
         weights = weight_figures(run)
         delta_bytes = run.sync_meter.step() if run.sync_meter is not None else None
         rows.append(step_row(run, step, trained, policy, weights, delta_bytes,
                              time.perf_counter() - trained.stepped_at))
+        if on_step is not None:
+            on_step(rows)
         if step in cfg.save_steps:  # after the step's row: its timings leave the save out
             run.engine.save_checkpoint(os.path.join(cfg.out, cfg.name, "checkpoints", f"{mode}-seed{seed}"),
                                        tag=f"global_step{step}")
+        if cfg.save_every and (step % cfg.save_every == 0 or step in (cfg.steps, last)):
+            resume.save(run.engine, saves, step, dist.get_rank())
         if progress is not None:
             progress.set_postfix_str(f"{mode} seed {seed} reward {rows[-1]['reward']:.3f} "
                                      f"changed {100 * rows[-1]['changed_fraction']:.2f}%", refresh=False)
             progress.update(1)
-    final = finish_run(run, trained.seqs)
+    if last < cfg.steps:  # the session's steps are spent: stop here, resume later
+        run.source.close()
+        run.engine.destroy()
+        del run, trained
+        gc.collect()
+        return rows, {"mode": mode, "seed": seed, "unfinished": True}
+    final = finish_run(run, trained.seqs) if trained is not None else {"mode": mode, "seed": seed}
+    if cfg.save_every:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            resume.mark_done(run_dir, mode, seed, final)
+        dist.barrier()
     del run, trained
     gc.collect()
     return rows, final
+
+
+def make_task(cfg: JobConfig) -> Any:
+    """The tiny model's low-token task, or the pretrained model's task (``--task``) with its tokenizer."""
+    if not cfg.model:
+        return LowTokenTask(vocab=cfg.vocab, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, group=cfg.group,
+                            prompt_vocab=cfg.prompt_vocab)
+    from faircast_ds.jobs.addition import AdditionTask
+    from faircast_ds.models.builders.pretrained import load_tokenizer
+
+    return AdditionTask(load_tokenizer(cfg.model), gen_len=cfg.gen_len, group=cfg.group, high=cfg.operand_max)
 
 
 def quiet() -> None:
@@ -467,8 +556,27 @@ def main(argv: list[str] | None = None) -> None:
     dist.broadcast_object_list(name, src=0)
     cfg = replace(cfg, name=name[0])
     run_dir = os.path.join(cfg.out, cfg.name)
-    task = LowTokenTask(vocab=cfg.vocab, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, group=cfg.group,
-                        prompt_vocab=cfg.prompt_vocab)
+    if cfg.model:  # dequantized and cached once, by rank 0 (the others then find it)
+        from faircast_ds.models.builders.pretrained import checkpoint
+
+        if rank == 0:
+            checkpoint(cfg.model)
+        dist.barrier()
+    task = make_task(cfg)
+    if cfg.model:
+        cfg = replace(cfg, prompt_len=task.prompt_len)  # the chat template's length of the task's prompts
+    csv_path = os.path.join(run_dir, "steps.csv")
+    earlier: list[dict] = []
+    if cfg.save_every:
+        from faircast_ds.jobs import resume
+        from faircast_ds.jobs.steps_csv import read_csv
+
+        if rank == 0:
+            os.makedirs(run_dir, exist_ok=True)
+            resume.check_settings(run_dir, cfg.to_json())
+        dist.barrier()
+        if os.path.exists(csv_path):
+            earlier = resume.tidy(read_csv(csv_path))
     progress = None
     if rank == 0:
         from tqdm import tqdm
@@ -480,23 +588,54 @@ def main(argv: list[str] | None = None) -> None:
                         dynamic_ncols=True, mininterval=2.0)
     rows: list[dict] = []
     finals: list[dict] = []
-    csv_path = os.path.join(run_dir, "steps.csv")
     for seed in cfg.seed_ids:
         for mode in cfg.modes:
-            run_rows, final = run_one(mode, seed, cfg, task, progress)
+            mine = [r for r in earlier if r["mode"] == mode and int(r["seed"]) == seed]
+            if cfg.save_every and resume.is_done(run_dir, mode, seed):  # finished in an earlier session
+                rows += mine
+                finals.append(resume.read_done(run_dir, mode, seed))
+                if progress is not None:
+                    progress.update(cfg.steps)
+                continue
+            done_rows = list(rows)
+
+            def write(run_rows: list[dict], done_rows: list[dict] = done_rows) -> None:
+                if rank == 0 and cfg.save_every:  # every step: a long run keeps what it did
+                    later = [r for r in earlier if (r["mode"], int(r["seed"])) not in
+                             {(x["mode"], int(x["seed"])) for x in done_rows + run_rows}]
+                    report.write_csv(csv_path, done_rows + run_rows + later)
+
+            if cfg.session_steps and _Session.trained >= cfg.session_steps:
+                rows += mine
+                finals.append({"mode": mode, "seed": seed, "unfinished": True})
+                continue  # this session's steps are spent
+            run_rows, final = run_one(mode, seed, cfg, task, progress, previous=mine, on_step=write)
             rows += run_rows
             finals.append(final)
             if rank == 0:  # written as runs finish, so an interrupted job keeps what it did
-                report.write_csv(csv_path, rows)
+                if cfg.save_every:
+                    write(run_rows)
+                else:
+                    report.write_csv(csv_path, rows)
     from faircast_ds.jobs import rollouts
 
     rollouts.shutdown()  # the vLLM engine, if one served the rollouts
+    if any(f.get("unfinished") for f in finals):
+        if rank == 0:
+            progress.close()
+            print(f"\n[grpo] session stopped after {_Session.trained} steps (--session-steps); {csv_path} holds "
+                  "every step so far. Resume with the same command.", flush=True)
+        dist.barrier()
+        torch.distributed.destroy_process_group()
+        return
     if rank == 0:
         progress.close()
         wall = time.time() - started
         summaries = report.summarize(rows, finals, cfg.modes, tie=cfg.tie)
         plots.plot_run(rows, os.path.join(run_dir, "reward.png"), title=report.headline(cfg, world))
         table = report.markdown(summaries, cfg, world, wall) + report.engine_table(rows, cfg.modes)
+        if cfg.model:
+            table += report.pretrained_table(rows, cfg.modes)
         with open(os.path.join(run_dir, "results.md"), "w") as f:
             f.write(table)
         with open(os.path.join(run_dir, "run.json"), "w") as f:

@@ -160,6 +160,11 @@ def _seeds_text(cfg: Any) -> str:
 
 
 def headline(cfg: Any, world: int) -> str:
+    if getattr(cfg, "model", ""):
+        return (f"GRPO, {cfg.model} ({cfg.task}: one-digit operands up to {cfg.operand_max}, through the chat "
+                f"template), ZeRO-3 on {world} ranks, AdamW lr {cfg.lr:g}, {cfg.rollouts // cfg.group} prompts x "
+                f"{cfg.group} completions x {cfg.gen_len} tokens/step at temperature 1 from "
+                f"{'vllm serve' if cfg.rollout_engine == 'vllm' else 'the trainer'}, {cfg.steps} steps, {_seeds_text(cfg)}")
     return (f"GRPO, tiny Qwen3 (hidden {cfg.hidden}, {cfg.layers} layers, init std {cfg.init_std}), ZeRO-3 on "
             f"{world} ranks, AdamW lr {cfg.lr:g}, {cfg.rollouts} rollouts x {cfg.gen_len} tokens/step, "
             f"{cfg.steps} steps, {_seeds_text(cfg)}"
@@ -427,3 +432,25 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def pretrained_table(rows: Sequence[dict], modes: Sequence[str]) -> str:
+    """Per mode and seed: mean reward (all steps and the last 20%), served changed fraction per step (first
+    step, mean), lag along drift (mean, peak), KL(master || served) on the fixed batch (mean, last), seconds
+    per step (rollout + train + measurement, mean)."""
+    lines = ["", "| mode | seed | steps | reward (all) | reward (last 20%) | changed/step: step 1, mean | lag along drift: "
+             "mean, peak (steps) | KL(master‖served): mean, last | s/step |", "|---|---|---|---|---|---|---|---|---|"]
+    for mode in modes:
+        for seed in sorted({int(r["seed"]) for r in rows if r["mode"] == mode}):
+            mine = sorted((r for r in rows if r["mode"] == mode and int(r["seed"]) == seed), key=lambda r: r["step"])
+            lags = [r["lag_drift_steps"] for r in mine if not math.isnan(r.get("lag_drift_steps", math.nan))]
+            kls = [r.get("kl_master", math.nan) for r in mine]
+            kls = [k for k in kls if not math.isnan(k)]
+            secs = _mean([(r["rollout_ms"] + r["train_ms"] + r["extra_ms"]) / 1e3 for r in mine])
+            lines.append(
+                f"| {mode} | {seed} | {len(mine)} | {_mean([r['reward'] for r in mine]):.3f} | "
+                f"{_mean([r['reward'] for r in tail(mine)]):.3f} | {100 * mine[0]['changed_fraction']:.2f}%, "
+                f"{100 * _mean([r['changed_fraction'] for r in mine]):.2f}% | "
+                f"{_fmt(_mean(lags), '.1f')}, {_fmt(max(lags) if lags else math.nan, '.0f')} | "
+                f"{_fmt(_mean(kls), '.2e')}, {_fmt(kls[-1] if kls else math.nan, '.2e')} | {secs:.1f} |")
+    return "\n".join(lines) + "\n"

@@ -66,6 +66,11 @@ class VllmServer:
             raise ValueError("VllmServer needs model_dir (to start a server) or url (to attach to one)")
         port = port or free_port(host)
         self.url = f"http://{host}:{port}"
+        # absolute: the server runs in the export's parent directory, where a relative path would not
+        # name the export (vLLM would take it for a hub repo id)
+        model_dir = Path(model_dir).resolve()
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"VllmServer: {model_dir} is not a model directory (no config.json)")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", host, "--port", str(port), "--weight-transfer-config", json.dumps({"backend": "faircast"}),
                "--enforce-eager", "--skip-tokenizer-init", "--dtype", dtype, "--seed", str(seed),
@@ -83,7 +88,7 @@ class VllmServer:
         self._log = open(self.log_path, "w")
         # its own session: one process group for the server and everything vLLM spawns, killed together
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     cwd=str(Path(model_dir).resolve().parent))
+                                     cwd=str(model_dir.parent))
         try:
             self._wait_healthy(start_timeout)
         except BaseException:

