@@ -415,7 +415,7 @@ def test_triton_kernel_in_the_cpu_interpreter(tmp_path):
     script = tmp_path / "check.py"
     script.write_text(textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {str(ROOT / 'tests' / 'cast')!r})
+        sys.path.insert(0, {str(ROOT / 'tests' / 'casting')!r})
         from faircast_ds.casting import modes
         from faircast_ds.casting.bits import bf16_bits, fp32_bits
         from faircast_ds.casting.modes import MODES

@@ -261,7 +261,7 @@ def test_the_triton_kernel_equals_the_reference_in_its_interpreter(tmp_path):
     """The Triton kernel's arithmetic on CPU tensors (TRITON_INTERPRET=1, chosen when Triton is imported:
     hence a subprocess), every mode, the same properties."""
     script = tmp_path / "triton_properties.py"
-    script.write_text(textwrap.dedent(TRITON_SCRIPT.format(tests=str(ROOT / "tests" / "cast"))))
+    script.write_text(textwrap.dedent(TRITON_SCRIPT.format(tests=str(ROOT / "tests" / "casting"))))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
