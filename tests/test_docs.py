@@ -203,3 +203,8 @@ def test_every_path_and_py_file_the_docs_mention_exists_outside_backticks_too():
             text = text[:text.index("## Renamed")]  # the list of old names itself
         bad += stale_mentions(str(doc.relative_to(ROOT)), text, known, None, former)
     assert not bad, "\n".join(bad)
+
+
+def test_the_readme_stays_a_front_door():
+    """What it is, the two commands, how to use it, the headline and links: at most 150 lines; the rest in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
