@@ -49,7 +49,7 @@ def build_model(cfg: JobConfig, seed: int, fp32: bool, ds_config: dict[str, Any]
     when ``ds_config`` is given (ZeRO-3)."""
     if cfg.model:
         from faircast_ds.deepspeed.zero_init import ZeroInit
-        from faircast_ds.models.builders.pretrained import load_causal_lm
+        from faircast_ds.models.pretrained import load_causal_lm
 
         return load_causal_lm(cfg.model, dtype=torch.float32 if fp32 else torch.bfloat16,
                               partitioning=ZeroInit(ds_config) if ds_config is not None else None)
@@ -520,7 +520,7 @@ def make_task(cfg: JobConfig) -> Any:
         return LowTokenTask(vocab=cfg.vocab, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, group=cfg.group,
                             prompt_vocab=cfg.prompt_vocab)
     from faircast_ds.jobs.addition import AdditionTask
-    from faircast_ds.models.builders.pretrained import load_tokenizer
+    from faircast_ds.models.pretrained import load_tokenizer
 
     return AdditionTask(load_tokenizer(cfg.model), gen_len=cfg.gen_len, group=cfg.group, high=cfg.operand_max)
 
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = replace(cfg, name=name[0])
     run_dir = os.path.join(cfg.out, cfg.name)
     if cfg.model:  # dequantized and cached once, by rank 0 (the others then find it)
-        from faircast_ds.models.builders.pretrained import checkpoint
+        from faircast_ds.models.pretrained import checkpoint
 
         if rank == 0:
             checkpoint(cfg.model)
