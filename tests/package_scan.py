@@ -57,12 +57,17 @@ def import_graph(*, function_level: bool) -> dict[str, set[str]]:
     return graph
 
 
-def lazy_targets(path: Path) -> set[str]:
-    """The modules a package's lazy ``_LAZY`` table names (loaded on first use: an import all the same)."""
+def lazy_table(path: Path) -> dict[str, str]:
+    """A package's lazy ``_LAZY`` table: public name -> the module it is loaded from on first use."""
     import re
 
     table = re.search(r"_LAZY = \{(.*?)\}", path.read_text(), re.S)
-    return set(re.findall(r'"\w+":\s*"([\w.]+)"', table.group(1))) if table else set()
+    return dict(re.findall(r'"(\w+)":\s*"([\w.]+)"', table.group(1))) if table else {}
+
+
+def lazy_targets(path: Path) -> set[str]:
+    """The modules a package's lazy table names (loaded on first use: an import all the same)."""
+    return set(lazy_table(path).values())
 
 
 def folder_of(module: str) -> str:

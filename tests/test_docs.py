@@ -6,8 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-from package_scan import ROOT, modules
-
+from package_scan import ROOT, lazy_table, modules
 
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 TOP = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
@@ -83,10 +82,7 @@ def top_level_names(path: Path) -> set[str]:
             names.add(node.target.id)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((a.asname or a.name).split(".")[0] for a in node.names)
-    lazy = re.search(r"_LAZY = \{(.*?)\}", path.read_text(), re.S)
-    if lazy:
-        names.update(re.findall(r'"(\w+)":', lazy.group(1)))
-    return names
+    return names | set(lazy_table(path))
 
 
 def test_every_module_and_name_the_docs_spell_with_dots_exists():
@@ -94,11 +90,8 @@ def test_every_module_and_name_the_docs_spell_with_dots_exists():
     known, missing = modules(), []
     for doc in DOCS + [ROOT / "patches" / "README.md"]:
         for span in re.findall(r"`([^`\n]+)`", doc.read_text()):
-            for dotted in re.findall(r"\bfaircast_ds(?:\.\w+)+", span):
-                parts = dotted.split(".")
-                k = next(k for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in known)
-                if k < len(parts) and parts[k] not in top_level_names(known[".".join(parts[:k])]):
-                    missing.append(f"{doc.relative_to(ROOT)}: {dotted}")
+            missing += [f"{doc.relative_to(ROOT)}: {dotted}" for dotted in re.findall(r"\bfaircast_ds(?:\.\w+)+", span)
+                        if not resolve_dotted(dotted, known)]
     assert not missing, "\n".join(missing)
 
 

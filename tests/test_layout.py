@@ -7,8 +7,18 @@ from __future__ import annotations
 import ast
 import re
 
-from package_scan import (PACKAGE, ROOT, cycles_in, folder_of, import_graph, imported, lazy_targets,
-                          modules, within)
+from package_scan import (
+    PACKAGE,
+    ROOT,
+    cycles_in,
+    folder_of,
+    import_graph,
+    imported,
+    lazy_table,
+    lazy_targets,
+    modules,
+    within,
+)
 
 INTEGRATIONS = ("faircast_ds.deepspeed", "faircast_ds.megatron")
 FRAMEWORKS = ("deepspeed", "megatron")
@@ -154,13 +164,8 @@ def test_no_submodule_shadows_a_public_name_of_its_package():
     clashes = []
     for init in PACKAGE.rglob("__init__.py"):
         tree = ast.parse(init.read_text())
-        public = lazy_names(init) | {n.name for n in tree.body
+        public = set(lazy_table(init)) | {n.name for n in tree.body
                                      if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
         parts = {p.stem for p in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir() if p.is_dir()}
         clashes += [f"{init.parent.relative_to(ROOT)}/: {name}" for name in sorted(public & parts)]
     assert not clashes, clashes
-
-
-def lazy_names(init) -> set[str]:
-    table = re.search(r"_LAZY = \{(.*?)\}", init.read_text(), re.S)
-    return set(re.findall(r'"(\w+)":', table.group(1))) if table else set()
