@@ -9,6 +9,7 @@ the parameter names and step numbers the framework used.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -88,3 +89,26 @@ def check_forward(tap: dict[str, Any], expected_at: dict[int, dict[str, torch.Te
         for phase, layers in required.items():
             assert seen.get((step, phase), 0) >= layers, \
                 f"step {step}, phase {phase}: {seen.get((step, phase), 0)} layers tapped, {layers} expected; {seen}"
+
+
+# vLLM's fused layers in its Llama and Qwen models (stated here, not read from vLLM or faircast_ds)
+VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def vllm_keyed_checksums(named_bits: dict[str, torch.Tensor]) -> dict[str, str]:
+    """SHA-256 of HF-named bf16 bits (int16 tensors) under vLLM's keys, as the engine's checksum endpoint
+    reports them: fused layers' parts concatenated in order; ±0 and subnormals (exponent field 0) as +0."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, bits in named_bits.items():
+        path, _, attr = name.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        fused = next((f for f, members in VLLM_FUSED.items() if leaf in members), None)
+        parts.setdefault(name if fused is None else f"{parent}.{fused}.{attr}", {})[leaf] = bits
+    out = {}
+    for key, members in parts.items():
+        leaf = key.rpartition(".")[0].rpartition(".")[2]
+        order = VLLM_FUSED.get(leaf, tuple(members))
+        bits = torch.cat([members[m].reshape(-1) for m in order]).clone()
+        bits[(bits & 0x7F80) == 0] = 0
+        out["dp0:pp0:pcp0:tp0:" + key] = hashlib.sha256(bits.numpy().tobytes()).hexdigest()
+    return out

@@ -69,7 +69,8 @@ class Diagnostics:
         self._threshold = min(2**32, (config.sample << 32) // max(model_numel, 1))
         self._positions: dict[Hashable, torch.Tensor] = {}
         self._history: dict[Hashable, torch.Tensor] = {}
-        self._first: dict[Hashable, int] = {}  # key -> first step recorded by this process
+        self._first: dict[Hashable, int] = {}  # key -> first step recorded (by this process, or the saved run)
+        self._slices: dict[Hashable, list[ShardSlice]] = {}  # key -> its parameter slices, to name the sample
         self.last: dict[str, float] = {}
 
     def _sample_positions(self, slices: Sequence[ShardSlice]) -> torch.Tensor:
@@ -80,11 +81,81 @@ class Diagnostics:
                 step: int) -> None:
         """Record the sampled master values of one flat group at this step."""
         if key not in self._positions:
-            self._positions[key] = self._sample_positions(slices).to(master.device)
-            self._history[key] = torch.full((self.config.horizon, self._positions[key].numel()), float("nan"),
-                                            device=master.device)
-            self._first[key] = step
+            self._track(key, slices, master.device, step)
         self._history[key][step % self.config.horizon] = master.detach().view(-1)[self._positions[key]]
+
+    def _track(self, key: Hashable, slices: Sequence[ShardSlice], device: torch.device, first: int) -> None:
+        self._slices[key] = [s for s in slices if not s.is_padding]
+        self._positions[key] = self._sample_positions(slices).to(device)
+        self._history[key] = torch.full((self.config.horizon, self._positions[key].numel()), float("nan"),
+                                        device=device)
+        self._first[key] = first
+
+    def _sample_names(self, key: Hashable) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """The sample of flat group ``key`` by parameter: (name, element indices, columns of the history)."""
+        positions = self._positions[key].cpu()
+        out = []
+        for s in self._slices[key]:
+            columns = ((positions >= s.offset) & (positions < s.offset + s.numel)).nonzero().flatten()
+            if columns.numel():
+                out.append((s.name, positions[columns] - s.offset + s.start, columns))
+        return out
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This rank's sampled master history, keyed by (parameter name, element index) so that any world
+        size or stage restores it (the sample itself is the same for any sharding): saved with Fair Cast's
+        checkpoint state so that a resumed run's lag reads as the uninterrupted run's."""
+        names, counts, indices, columns = [], [], [], []
+        for key in self._positions:
+            history = self._history[key].cpu()
+            for name, index, cols in self._sample_names(key):
+                names.append(name)
+                counts.append(int(index.numel()))
+                indices.append(index)
+                columns.append(history.index_select(1, cols))
+        return {"horizon": self.config.horizon, "first": min(self._first.values(), default=None),
+                "names": names, "counts": counts,
+                "index": torch.cat(indices) if indices else torch.zeros(0, dtype=torch.int64),
+                "history": torch.cat(columns, dim=1) if columns else torch.zeros(self.config.horizon, 0)}
+
+    def restore_checkpoint_state(self, states: Sequence[dict[str, Any] | None], flat_groups: Any) -> str | None:
+        """Put back the sampled history that every rank saved (``states``: each rank file's
+        :meth:`checkpoint_state`) for this rank's ``flat_groups``. Returns why nothing was restored (a
+        checkpoint from before the history was saved, another horizon, an element of the sample missing),
+        or None. Local: no collective."""
+        if not states or any(st is None for st in states):
+            return "the checkpoint holds no diagnostics history (saved by an older faircast-ds or without diagnostics)"
+        if any(int(st["horizon"]) != self.config.horizon for st in states):
+            return f"the checkpoint's diagnostics horizon differs from this run's {self.config.horizon}"
+        firsts = [int(st["first"]) for st in states if st["first"] is not None]
+        if not firsts:
+            return "the checkpoint's diagnostics had recorded nothing"
+        saved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for st in states:
+            at = 0
+            for name, count in zip(st["names"], st["counts"]):
+                index, history = st["index"][at:at + count], st["history"][:, at:at + count]
+                if name in saved:
+                    index, history = torch.cat([saved[name][0], index]), torch.cat([saved[name][1], history], dim=1)
+                saved[name] = (index, history)
+                at += count
+        tracked = {}
+        for key, master, _, slices in flat_groups:
+            self._track(key, slices, master.device, min(firsts))
+            history = torch.full_like(self._history[key], float("nan")).cpu()
+            for name, index, cols in self._sample_names(key):
+                have = saved.get(name)
+                if have is None:
+                    return f"the checkpoint's diagnostics sample lacks {name}"
+                order = torch.argsort(have[0])
+                sorted_index = have[0][order]
+                where = torch.searchsorted(sorted_index, index).clamp(max=max(sorted_index.numel() - 1, 0))
+                if sorted_index.numel() == 0 or not torch.equal(sorted_index[where], index):
+                    return f"the checkpoint's diagnostics sample lacks elements of {name}"
+                history[:, cols] = have[1][:, order[where]]
+            tracked[key] = history.to(self._history[key].device)
+        self._history.update(tracked)
+        return None
 
     def on_restored(self, key: Hashable, served: torch.Tensor, slices: Sequence[ShardSlice]) -> None:
         """A restore wrote the served shard: the figures read it at the next ``compute``; nothing to record."""

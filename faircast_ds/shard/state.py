@@ -116,6 +116,8 @@ def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int
         "format": FORMAT, "mode": cfg.mode, "seed": cfg.seed, "step": caster.step, "engine_step": engine_step,
         **adapter.setup.state(), "rank": rank, "world_size": world, "slices": slices,
         "residual": residuals, "served": served_bits,
+        # the diagnostics' sampled master history (their lag needs the steps before the save)
+        "diagnostics": next((o.checkpoint_state() for o in caster.observers if hasattr(o, "checkpoint_state")), None),
     }
     directory = state_dir(tag_dir)
     os.makedirs(directory, exist_ok=True)
@@ -281,6 +283,12 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
             previous.copy_(served.detach())
     caster.step = step
     caster.failed = None
+    for observer in caster.observers:
+        if hasattr(observer, "restore_checkpoint_state"):
+            why = observer.restore_checkpoint_state([r.get("diagnostics") for _, r in records], adapter.flat_groups())
+            if why is not None:
+                print(f"[fair_cast] diagnostics start over from step {step}: {why}; the lag reads short for the "
+                      f"next {observer.config.horizon} steps", file=sys.stderr, flush=True)
     return step
 
 

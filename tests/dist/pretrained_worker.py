@@ -15,7 +15,6 @@ built), ZeRO-3 on 2 CPU ranks, one launch. Each rank writes what it checked to O
 from __future__ import annotations
 
 import gc
-import hashlib
 import os
 import resource
 import sys
@@ -23,16 +22,17 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the served-bits oracle
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 from common import finish_and_exit, write_json  # noqa: E402
-from realsize_worker import CHUNK, oracle_unbiased  # noqa: E402  (the vectorized dither oracle)
+from realsize_worker import check_shard, oracle_nearest, oracle_unbiased  # noqa: E402  (the vectorized oracles)
+from served_oracle import vllm_keyed_checksums  # noqa: E402
 
 from faircast_ds import get_fair_cast  # noqa: E402
 from faircast_ds.models import pretrained
@@ -42,71 +42,16 @@ from faircast_ds.jobs.release import release  # noqa: E402
 
 NAME, SEED, LR = "smollm2-135m-instruct", 77, 1e-5
 QUESTION = "What is 3 + 4?"
-# vLLM's fused layers in its Llama (stated here, not read from vLLM or faircast_ds)
-VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 # ---------------------------------------------------------------- the oracle (no product code)
 
-def oracle_nearest(master: np.ndarray) -> np.ndarray:
-    """bf16 bits of round-to-nearest-even of finite fp32 values: add half a bf16 spacing minus one, plus
-    the kept part's lowest bit (ties go to even), and keep the top 16 bits."""
-    if not np.all(np.isfinite(master)):
-        raise AssertionError("a non-finite master in a finite run")
-    b = master.view(np.uint32).astype(np.uint64)
-    return (((b + np.uint64(0x7FFF) + ((b >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16))
-            & np.uint64(0xFFFF)).astype(np.uint16)
-
-
-def oracle(mode: str, master: np.ndarray, *, step: int, name: str, start: int) -> np.ndarray:
+def oracle(mode: str, step: int):
+    """The expected bits of ``mode`` at ``step``: round-to-nearest-even, or dither at this script's SEED."""
     if mode == "nearest":
-        return oracle_nearest(master)
-    return oracle_unbiased(master, seed=SEED, step=step, name=name, start=start)
+        return lambda m, *, name, start: oracle_nearest(m)
+    return lambda m, *, name, start: oracle_unbiased(m, seed=SEED, step=step, name=name, start=start)
 
-
-def check_shard(fc, mode: str, step: int) -> dict:
-    """This rank's served shard against the oracle, every element of every parameter slice; also how many
-    elements round-to-nearest would serve differently (dither's check is telling only if many)."""
-    checked = wrong = differ_rn = 0
-    first = None
-    for _, master, served, slices in fc.adapter.flat_groups():
-        m_all, s_all = master.detach().view(-1), served.detach().view(-1).view(torch.int16)
-        for s in slices:
-            if s.is_padding:
-                continue
-            for at in range(0, s.numel, CHUNK):
-                n = min(CHUNK, s.numel - at)
-                m = m_all.narrow(0, s.offset + at, n).numpy()
-                want = oracle(mode, m, step=step, name=s.name, start=s.start + at)
-                got = s_all.narrow(0, s.offset + at, n).numpy().view(np.uint16)
-                bad = np.flatnonzero(got != want)
-                checked += n
-                wrong += bad.size
-                differ_rn += int((got != oracle_nearest(m)).sum())
-                if bad.size and first is None:
-                    first = f"{s.name}[{s.start + at + int(bad[0])}]: served {got[bad[0]]:#06x}, oracle {want[bad[0]]:#06x}"
-    return {"step": step, "checked": checked, "wrong": wrong, "first": first, "differ_rn": differ_rn}
-
-
-def vllm_checksums(named_bits: dict[str, torch.Tensor]) -> dict[str, str]:
-    """vLLM-keyed SHA-256 of bf16 bits (fused layers: parts concatenated in order; ±0 and subnormals as +0)."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for name, bits in named_bits.items():
-        path, _, attr = name.rpartition(".")
-        parent, _, leaf = path.rpartition(".")
-        fused = next((f for f, members in VLLM_FUSED.items() if leaf in members), None)
-        parts.setdefault(name if fused is None else f"{parent}.{fused}.{attr}", {})[leaf] = bits
-    out = {}
-    for key, members in parts.items():
-        leaf = key.rpartition(".")[0].rpartition(".")[2]
-        order = VLLM_FUSED.get(leaf, tuple(members))
-        bits = torch.cat([members[m].reshape(-1) for m in order]).clone()
-        bits[(bits & 0x7F80) == 0] = 0
-        out["dp0:pp0:pcp0:tp0:" + key] = hashlib.sha256(bits.numpy().tobytes()).hexdigest()
-    return out
-
-
-# ---------------------------------------------------------------- the run
 
 def ds_config(mode: str) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
@@ -190,7 +135,7 @@ def main() -> None:
             engine.backward(engine(input_ids=x, labels=x).loss)
             engine.step()
             r["step_s"].append(time.perf_counter() - t0)
-            r["checks"].append(check_shard(fc, mode, fc.caster.step))
+            r["checks"].append(check_shard(fc, fc.caster.step, oracle(mode, fc.caster.step), count_nearest=True))
             log(rank, f"{mode} step {step}: {r['step_s'][-1]:.1f} s, check {r['checks'][-1]}", t_start)
         if mode == "dither":
             r["push"] = push_and_generate(engine, tok, rank, server_box, starter, result)
@@ -230,7 +175,7 @@ def push_and_generate(engine, tok, rank: int, server_box: dict, starter, result:
         if rank == 0:
             bits[name] = full.detach().reshape(-1).view(torch.int16).clone()
     if rank == 0:
-        want = vllm_checksums(bits)
+        want = vllm_keyed_checksums(bits)
         got = server.checksums()
         out["checksums"] = {"engine": len(got), "ours": len(want), "same_keys": set(got) == set(want),
                             "differ": sorted(k for k in want if got.get(k) != want[k])}

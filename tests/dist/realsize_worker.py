@@ -92,9 +92,25 @@ def oracle_unbiased(master: np.ndarray, *, seed: int, step: int, name: str, star
     return (lo + up).astype(np.uint16)
 
 
-def check_shard(fc, step: int) -> dict:
-    """This rank's served shard against the oracle, every element of every parameter slice."""
-    checked = wrong = 0
+def oracle_nearest(master: np.ndarray) -> np.ndarray:
+    """bf16 bits of round-to-nearest-even of finite fp32 values: add half a bf16 spacing minus one, plus
+    the kept part's lowest bit (ties go to even), and keep the top 16 bits."""
+    if not np.all(np.isfinite(master)):
+        raise AssertionError("a non-finite master in a finite run")
+    b = master.view(np.uint32).astype(np.uint64)
+    return (((b + np.uint64(0x7FFF) + ((b >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16))
+            & np.uint64(0xFFFF)).astype(np.uint16)
+
+
+def check_shard(fc, step: int, oracle=None, *, count_nearest: bool = False) -> dict:
+    """This rank's served shard against the oracle, every element of every parameter slice.
+    ``oracle(master_chunk, name=, start=)`` gives the expected bits (default: this script's dither at SEED);
+    with ``count_nearest``, also how many elements round-to-nearest would serve differently (a dither check
+    is telling only if many)."""
+    if oracle is None:
+        def oracle(m, *, name, start):
+            return oracle_unbiased(m, seed=SEED, step=step, name=name, start=start)
+    checked = wrong = differ_rn = 0
     first = None
     for _, master, served, slices in fc.adapter.flat_groups():
         m_all, s_all = master.detach().view(-1), served.detach().view(-1).view(torch.int16)
@@ -104,14 +120,19 @@ def check_shard(fc, step: int) -> dict:
             for at in range(0, s.numel, CHUNK):
                 n = min(CHUNK, s.numel - at)
                 m = m_all.narrow(0, s.offset + at, n).numpy()
-                want = oracle_unbiased(m, seed=SEED, step=step, name=s.name, start=s.start + at)
+                want = oracle(m, name=s.name, start=s.start + at)
                 got = s_all.narrow(0, s.offset + at, n).numpy().view(np.uint16)
                 bad = np.flatnonzero(got != want)
                 checked += n
                 wrong += bad.size
+                if count_nearest:
+                    differ_rn += int((got != oracle_nearest(m)).sum())
                 if bad.size and first is None:
                     first = f"{s.name}[{s.start + at + int(bad[0])}]: served {got[bad[0]]:#06x}, oracle {want[bad[0]]:#06x}"
-    return {"checked": checked, "wrong": wrong, "first": first}
+    out = {"step": step, "checked": checked, "wrong": wrong, "first": first}
+    if count_nearest:
+        out["differ_rn"] = differ_rn
+    return out
 
 
 def oracle_against_reference(fc, step: int, count: int = 3000) -> int:

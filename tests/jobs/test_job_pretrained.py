@@ -155,7 +155,8 @@ def _rows(path) -> list[dict]:
 @needs_wheel
 def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path):
     """2 steps of nearest with HF rollouts: once straight, once stopped after step 1 (--session-steps 1) and
-    resumed by the same command. Step 2's reward, changed count and KL are the same to the bit."""
+    resumed by the same command. Step 2's reward, changed count, KL and staleness figures (the lag along the
+    drift needs step 1's master, which only the checkpoint's diagnostics history holds) are the same to the bit."""
     from conftest import ROOT, cpu_env, deepspeed_runner, free_port, run_logged
 
     common = ["--model", NAME, "--engine", "hf", "--modes", "nearest", "--steps", "2", "--save-every", "1",
@@ -175,10 +176,13 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path
     launch("resumed")
     straight, resumed = _rows(tmp_path / "straight" / "steps.csv"), _rows(tmp_path / "resumed" / "steps.csv")
     assert [r["step"] for r in resumed] == ["1", "2"]
-    for key in ("reward", "changed", "kl_master", "loss"):
+    # the diagnostics' history is in the checkpoint: the lag reads as in the uninterrupted run
+    for key in ("reward", "changed", "kl_master", "loss", "gap_spacings", "lag_steps", "lag_drift_steps",
+                "bias_spacings"):
         assert [r[key] for r in resumed] == [r[key] for r in straight], key
     assert 0 < int(resumed[1]["changed"]) < int(resumed[1]["numel"])
     assert math.isfinite(float(resumed[1]["kl_master"])) and float(resumed[1]["kl_master"]) > 0
+    assert math.isfinite(float(resumed[1]["lag_drift_steps"]))
     assert "| nearest | 0 | 2 |" in (tmp_path / "resumed" / "results.md").read_text()
     assert resume.is_done(str(tmp_path / "resumed"), "nearest", 0)
     assert json.loads((tmp_path / "resumed" / "job.json").read_text())["model"] == NAME

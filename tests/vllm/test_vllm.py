@@ -7,7 +7,6 @@ tests/dist/vllm_serve_worker.py; the fast tests need no engine."""
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import math
 import sys
@@ -222,8 +221,6 @@ def test_main_job_with_vllm_rollouts(tmp_path):
 # ---------------------------------------------------------------- `vllm serve` with the faircast backend
 
 SERVE_MODE, SERVE_SEED = "dither", 1234  # tests/dist/vllm_serve_worker.py
-# vLLM's fused layers, as its Qwen3 model fuses the HF projections (stated here, not read from vLLM or faircast_ds)
-VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
@@ -240,23 +237,10 @@ def serve(tmp_path_factory):
 def oracle_checksums(snap: dict) -> dict[str, str]:
     """vLLM-keyed SHA-256 of the oracle's bits, cast_reference(master) at the snapshot's step (fused layers:
     their parts' bits concatenated in order; ±0 and subnormals, exponent field 0, as +0)."""
-    from served_oracle import check_snapshot
+    from served_oracle import check_snapshot, vllm_keyed_checksums
 
     expected = check_snapshot(snap, SERVE_MODE, SERVE_SEED)  # also: the trainer served exactly these bits
-    out, parts = {}, {}
-    for name, bits in expected.items():
-        path, _, attr = name.rpartition(".")
-        parent, _, leaf = path.rpartition(".")
-        fused = next((f for f, members in VLLM_FUSED.items() if leaf in members), None)
-        key = name if fused is None else f"{parent}.{fused}.{attr}"
-        parts.setdefault(key, {})[leaf] = bits
-    for key, members in parts.items():
-        leaf = key.rpartition(".")[0].rpartition(".")[2]
-        order = VLLM_FUSED.get(leaf, tuple(members))
-        bits = torch.cat([members[m].reshape(-1) for m in order]).clone()
-        bits[(bits & 0x7F80) == 0] = 0
-        out["dp0:pp0:pcp0:tp0:" + key] = hashlib.sha256(bits.numpy().tobytes()).hexdigest()
-    return out
+    return vllm_keyed_checksums(expected)
 
 
 @pytest.mark.slow
