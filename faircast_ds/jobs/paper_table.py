@@ -26,6 +26,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from faircast_ds.jobs.config import REFERENCE
+
 PAPER = "0.4–0.5% of served weights change per step; the served policy trails the fp32 master by 50–150 steps"
 BLOCK = 10
 KEEP = ("run", "lr", "mode", "seed", "step", "reward", "changed", "numel", "changed_fraction", "gap_spacings",
@@ -115,7 +117,7 @@ def measured_rows(rows: Sequence[dict]) -> list[str]:
             m, lo, hi = block_bootstrap(rewards)
             secs = [(r["rollout_ms"] + r["train_ms"] + r["extra_ms"]) / 1e3 for r in mine]
             changed_text = (f"{100 * float(np.median(changed)):.2f}%, {100 * float(np.mean(first10)):.2f}%"
-                            if changed and mode != "fp32" else "–")
+                            if changed and mode != REFERENCE else "–")
             lines.append(f"| {lr:g} | {mode} | {len(seeds)} × {'/'.join(map(str, counts))} | {changed_text} | "
                          f"{_fmt(lag_mean, '.1f')}, {peak} | {_fmt(float(np.mean(kl)) if kl else math.nan, '.2e')} | "
                          f"{m:.3f} [{_fmt(lo, '.3f')}, {_fmt(hi, '.3f')}] | {float(np.nanmean(secs)):.1f} |")
@@ -140,13 +142,14 @@ def paired_rows(rows: Sequence[dict], a: str = "dither", b: str = "nearest") -> 
     return lines
 
 
-def predicted_rows(rows: Sequence[dict], predictions: dict[str, dict]) -> list[str]:
-    """``faircast-ds predict`` beside round-to-nearest's measured changed fraction and lag."""
+def predicted_rows(rows: Sequence[dict], predictions: dict[str, dict], baseline: str = "nearest") -> list[str]:
+    """``faircast-ds predict`` (a prediction for round-to-nearest) beside the measured changed fraction and
+    lag of the ``baseline`` runs."""
     lines = ["| prediction | lr | RN changed per step: predicted mean, measured median | RN lag along drift: "
              "predicted peak @ step, measured peak @ step | steps below half a spacing |", "|---|---|---|---|---|"]
     for label, p in predictions.items():
         lr, fig = float(p["lr"]), p
-        near = [r for r in rows if r["lr"] == lr and r["mode"] == "nearest"]
+        near = [r for r in rows if r["lr"] == lr and r["mode"] == baseline]
         changed = [r["changed_fraction"] for r in near if r["step"] >= 2]
         lag_by_step: dict[int, list[float]] = {}
         for r in near:
@@ -188,7 +191,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
                 style = dict(color=COLORS.get(mode, "gray"), lw=1, alpha=0.9 if seed == 0 else 0.5,
                              label=f"{mode} seed {seed}")
                 steps, changed = _series(rows, lr, mode, seed, "changed_fraction")
-                if mode != "fp32":
+                if mode != REFERENCE:  # served = master: nothing changes by rounding
                     axes[0][col].plot(steps, [100 * c for c in changed], **style)
                     axes[1][col].plot(*_series(rows, lr, mode, seed, "lag_drift_steps"), **style)
                 steps, reward = _series(rows, lr, mode, seed, "reward")
