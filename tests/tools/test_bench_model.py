@@ -200,3 +200,22 @@ def test_rounds_are_interleaved_in_a_rotating_order(tmp_path, monkeypatch):
                         "r0-z2-error_feedback", "r1-z3-dither", "r1-z3-error_feedback", "r1-z3-plain",
                         "r1-z2-dither", "r1-z2-error_feedback", "r1-z2-plain"]
     assert [len(r.round_steps) for r in rows] == [2] * 6
+
+
+def test_launches_import_this_package_and_the_standard_library(tmp_path):
+    """A launch's path and folder give this checkout's faircast_ds and the standard library's inspect (a
+    root computed from the module's own folder once put faircast_ds/tools/ first: every launch died
+    importing torch)."""
+    import os
+    import subprocess
+    import sys
+
+    import faircast_ds
+    from faircast_ds.tools.bench.model import launch_env
+
+    env, root = launch_env()
+    code = "import inspect, faircast_ds; print(inspect.__file__); print(faircast_ds.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
+    lib, pkg = out.stdout.split()
+    assert os.path.dirname(lib) == os.path.dirname(os.__file__)
+    assert pkg == faircast_ds.__file__

@@ -89,12 +89,22 @@ def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: 
                f"push {mode} ({plane})")
 
 
-def _deepspeed(module: str, worker_args: list[str], log: str, what: str) -> None:
+def launch_env() -> tuple[dict[str, str], str]:
+    """The environment and working directory of a benchmark launch: the folder holding this faircast_ds
+    package first on the path (whatever folder this module sits in: a package folder there, such as
+    tools/ with its inspect.py, would shadow the standard library)."""
+    import faircast_ds
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(faircast_ds.__file__)))
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("OMP_NUM_THREADS", "1")
+    return env, root
+
+
+def _deepspeed(module: str, worker_args: list[str], log: str, what: str) -> None:
+    env, root = launch_env()
     runner = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     if not os.path.exists(runner):
         runner = "deepspeed"
