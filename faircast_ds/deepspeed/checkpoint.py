@@ -239,9 +239,10 @@ def register(engine: Any, fair_cast: FairCast, hooks: Any) -> None:
         guard = fair_cast.extras.get("guard")
         with fair_cast.caster.unchecked() as caster:
             try:
-                # DeepSpeed's load sites cast at the old step; the restore below casts (or restores) every flat
-                # group again: only that is what the guard's check after the load reads
-                with guard.superseded() if guard is not None else contextlib.nullcontext():
+                # the restore below casts (or restores) every flat group: DeepSpeed's load sites leave their
+                # round-to-nearest refresh for it to replace (ZeRO-3), or cast at the old step unrecorded
+                with guard.superseded() if guard is not None else contextlib.nullcontext(), \
+                        fair_cast.adapter.deferring_load_casts():
                     result = load(*given.args, **given.kwargs)
             finally:
                 _LOADING.pop(os.path.abspath(load_dir), None)

@@ -7,6 +7,8 @@ reads a framework's internals lives in those subclasses; this base only knows sh
 """
 from __future__ import annotations
 
+import contextlib
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterator
@@ -64,6 +66,9 @@ class Adapter(ABC):
         self.optimizer = optimizer
         self.caster = caster
         self.names = names  # parameter -> name in the model, as the framework records it
+        # True while a checkpoint load runs whose restore casts (or restores) every flat group afterwards:
+        # load sites then leave the framework's refresh for the restore to replace (no cast at the old step)
+        self.load_cast_deferred = False
 
     @abstractmethod
     def install(self) -> None:
@@ -77,6 +82,16 @@ class Adapter(ABC):
     def publish(self) -> None:
         """Make the model's bf16 parameters reflect the served shards after they were rewritten outside
         an optimizer step (a load, a restore)."""
+
+    @contextlib.contextmanager
+    def deferring_load_casts(self) -> Iterator["Adapter"]:
+        """Inside, load sites do not cast: the caller casts or restores every flat group after the load
+        (a checkpoint load with Fair Cast's restore), so a cast at the old step would only be replaced."""
+        before, self.load_cast_deferred = self.load_cast_deferred, True
+        try:
+            yield self
+        finally:
+            self.load_cast_deferred = before
 
     def group_slices(self, key: Hashable) -> list[ShardSlice]:
         """The slices of one flat group."""

@@ -218,13 +218,29 @@ def module_only_loads(root: str, straight_served: dict) -> dict:
     return out
 
 
+def count_casts(fc) -> dict:
+    """Count the caster's flat-group casts from now on (the load's: one per group, the restore's, under the
+    noise modes; none under error feedback, whose restore writes the saved bits)."""
+    counter = {"n": 0}
+    cast_flat = fc.caster.cast_flat
+
+    def counted(*args, **kwargs):
+        counter["n"] += 1
+        return cast_flat(*args, **kwargs)
+
+    fc.caster.cast_flat = counted
+    return counter
+
+
 def resume(root: str, out: str) -> None:
     straight_records = torch.load(os.path.join(os.environ["STRAIGHT_DIR"], "straight.pt"))
     records = {}
     for stage, mode in COMBOS:
         engine, fc = build(stage, mode)
+        casts = count_casts(fc)
         engine.load_checkpoint(os.path.join(root, f"{stage}-{mode}"), tag="step3")
         snaps = {3: snapshot(engine, fc)}
+        snaps["load_casts"] = {"casts": casts["n"], "groups": len(list(fc.adapter.flat_groups()))}
         for step in range(4, 7):
             train_step(engine, step, engine.global_rank)
             snaps[step] = snapshot(engine, fc)

@@ -83,7 +83,9 @@ class Zero3Adapter(ZeroAdapter):
         @functools.wraps(load)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             result = load(*args, **kwargs)  # restores fp32 and refreshes bf16 by round-to-nearest ...
-            self.cast_all()  # ... which we then replace with the configured cast;
+            if self.load_cast_deferred:  # ... which Fair Cast's restore after the load replaces, or
+                return result
+            self.cast_all()  # ... which we replace here with the configured cast;
             for i in range(len(self._slices)):  # DeepSpeed re-gathers persistent parameters after the load
                 self.optimizer._unflatten_partitioned_parameters(i)
             return result
