@@ -1,10 +1,11 @@
 """The paper's table on a real checkpoint (docs/pretrained.md): round-to-nearest's changed fraction per
 step and its lag from the pretrained bf16 start, beside dither, the fp32 reference and ``faircast-ds predict``.
 
-    python3 -m faircast_ds.jobs.paper_table RUN_DIR... [--predict LABEL=FILE.json ...] [--out DIR]
+    python3 -m faircast_ds.jobs.paper_table RUN_DIR_OR_CSV... [--predict LABEL=FILE.json ...] [--out DIR]
 
 Each RUN_DIR is one job's output (``steps.csv`` and ``job.json``, as ``launch/smollm2_runs.sh`` writes them);
-runs of any learning rate mix. With ``--out`` it writes ``DIR/steps.csv`` (every run's rows, one per learning
+runs of any learning rate mix. A ``.csv`` file instead is a table this command wrote (``DIR/steps.csv``), so the
+committed table rebuilds from the committed rows. With ``--out`` it writes ``DIR/steps.csv`` (every run's rows, one per learning
 rate, mode, seed and step, with the run's name and learning rate in front), ``DIR/table.md`` (what it prints)
 and ``DIR/curves.png``. ``--predict`` takes ``faircast-ds predict --json`` outputs to set beside the measured
 figures. Runs still going are read as far as they got: the table says how many steps each row has.
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from faircast_ds.jobs.config import REFERENCE
+from faircast_ds.jobs.config import JOB_MODES, REFERENCE
 
 PAPER = "0.4–0.5% of served weights change per step; the served policy trails the fp32 master by 50–150 steps"
 BLOCK = 10
@@ -61,6 +62,23 @@ def read_run(run_dir: str) -> list[dict[str, Any]]:
     return out
 
 
+def read_merged(path: str) -> list[dict[str, Any]]:
+    """The rows of a ``steps.csv`` this module wrote (every run's, with its name and learning rate)."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as exc:
+        raise TableError(f"{path}: {exc}") from exc
+    if not rows or set(KEEP) - set(rows[0]):
+        raise TableError(f"{path}: not a table of paper_table (columns {', '.join(KEEP)})")
+    return [{k: (r[k] if k in ("run", "mode") else int(r[k]) if k in ("seed", "step") else float(r[k])) for k in KEEP}
+            for r in rows]
+
+
+def read_input(path: str) -> list[dict[str, Any]]:
+    return read_merged(path) if os.path.isfile(path) and path.endswith(".csv") else read_run(path)
+
+
 def block_bootstrap(values: Sequence[float], block: int = BLOCK, resamples: int = 10_000,
                     level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
     """Mean of ``values`` (a series in step order) and a moving-block bootstrap interval of it."""
@@ -80,6 +98,12 @@ def block_bootstrap(values: Sequence[float], block: int = BLOCK, resamples: int 
     return float(x.mean()), float(lo), float(hi)
 
 
+def modes_of(rows: Sequence[dict], lr: float) -> list[str]:
+    """The modes run at ``lr``, in the job's order (the fp32 reference first)."""
+    found = {r["mode"] for r in rows if r["lr"] == lr}
+    return sorted(found, key=lambda m: (JOB_MODES.index(m) if m in JOB_MODES else len(JOB_MODES), m))
+
+
 def _fmt(v: float, spec: str) -> str:
     return "–" if not math.isfinite(v) else format(v, spec)
 
@@ -96,7 +120,7 @@ def measured_rows(rows: Sequence[dict]) -> list[str]:
              "mean, peak @ step | KL(master‖served) mean | reward mean [95% block CI] | s/step |",
              "|---|---|---|---|---|---|---|---|"]
     for lr in sorted({r["lr"] for r in rows}, reverse=True):
-        for mode in dict.fromkeys(r["mode"] for r in rows if r["lr"] == lr):
+        for mode in modes_of(rows, lr):
             mine = [r for r in rows if r["lr"] == lr and r["mode"] == mode]
             seeds = sorted({r["seed"] for r in mine})
             counts = [sum(1 for r in mine if r["seed"] == s) for s in seeds]
@@ -186,7 +210,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
     lrs = sorted({r["lr"] for r in rows}, reverse=True)
     fig, axes = plt.subplots(3, len(lrs), figsize=(5.5 * len(lrs), 9), squeeze=False)
     for col, lr in enumerate(lrs):
-        for mode in dict.fromkeys(r["mode"] for r in rows if r["lr"] == lr):
+        for mode in modes_of(rows, lr):
             for seed in sorted({r["seed"] for r in rows if r["lr"] == lr and r["mode"] == mode}):
                 style = dict(color=COLORS.get(mode, "gray"), lw=1, alpha=0.9 if seed == 0 else 0.5,
                              label=f"{mode} seed {seed}")
@@ -220,13 +244,14 @@ def write_csv(rows: Sequence[dict], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m faircast_ds.jobs.paper_table", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dirs", nargs="+", help="run directories (each with steps.csv and job.json)")
+    parser.add_argument("run_dirs", nargs="+", help="run directories (each with steps.csv and job.json), or a "
+                        "steps.csv this command wrote")
     parser.add_argument("--predict", action="append", default=[], metavar="LABEL=FILE",
                         help="a `faircast-ds predict --json` output to set beside the measured figures")
     parser.add_argument("--out", help="write steps.csv, table.md and curves.png here")
     args = parser.parse_args(argv)
     try:
-        rows = [r for d in args.run_dirs for r in read_run(d)]
+        rows = [r for d in args.run_dirs for r in read_input(d)]
         predictions = {}
         for item in args.predict:
             label, sep, path = item.partition("=")

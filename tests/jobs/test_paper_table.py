@@ -65,3 +65,12 @@ def test_what_is_not_a_run_is_named(tmp_path, capsys):
     write_run(tmp_path / "a", 1e-5, rows("nearest", 0, lambda s: 0.0))
     assert paper_table.main([str(tmp_path / "a"), "--predict", "nolabel.json"]) == 2
     assert "--predict wants LABEL=FILE" in capsys.readouterr().err
+
+
+def test_the_written_rows_rebuild_the_same_table(tmp_path, capsys):
+    write_run(tmp_path / "a", 1e-5, rows("nearest", 0, lambda s: s % 3 / 4) + rows("dither", 0, lambda s: s % 4 / 4))
+    assert paper_table.main([str(tmp_path / "a"), "--out", str(tmp_path / "one")]) == 0
+    first = capsys.readouterr().out
+    assert paper_table.main([str(tmp_path / "one" / "steps.csv"), "--out", str(tmp_path / "two")]) == 0
+    assert capsys.readouterr().out == first
+    assert (tmp_path / "two" / "steps.csv").read_bytes() == (tmp_path / "one" / "steps.csv").read_bytes()
