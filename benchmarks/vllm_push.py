@@ -86,9 +86,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vllm-push-"))
     save_hf(model, work / "export", version=0)
 
-    from faircast_ds.vllm.transfer.server import ServedPush, VllmServer
-
-    from faircast_ds.vllm.transfer.shm_push import SharedMemoryPush
+    from faircast_ds.vllm.transfer import ServedPush, VllmServer
 
     with VllmServer(work / "export", max_model_len=64, log_path=work / "server.log") as server:
         if "tcp" in args.planes:
@@ -96,7 +94,7 @@ def main() -> None:
             report("faircast backend, TCP channel", timed(push.push, model, args.repeats), numel)
             push.close()
         if "shm" in args.planes:
-            push = SharedMemoryPush(model, server)
+            push = ServedPush(model, server, plane="shm")
             report("faircast backend, shared memory", timed(push.push, model, args.repeats), numel)
             push.close()
     if args.skip_remote:

@@ -48,7 +48,7 @@ COVERAGE: list[tuple[str, str, str]] = [
      "`faircast-ds bench --model qwen3-0.6b` (benchmarks; tests/system/test_realsize.py runs the same workers at 2 layers)"),
     (r"^faircast-ds bench( --threads 1| --offload)?$", "quick", "test_bench_command_runs_quick"),
     (r"^(VLLM_SERVER_DEV_MODE=1 )?vllm serve|^faircast-vllm serve", "test",
-     "tests/vllm/test_vllm_faults.py::test_dense_then_delta_serve_the_trainers_bits"),
+     "tests/vllm/transfer/test_vllm_faults.py::test_dense_then_delta_serve_the_trainers_bits"),
     (r"^(nice -n 10 |OMP_NUM_THREADS=\d+ )?python3? benchmarks/", "long", "the benchmark script itself (benchmarks/, docs/performance.md)"),
     (r"^FAIRCAST_SOAK_RESTARTS=", "long", "the long soak: tests/system/test_soak.py with its documented settings"),
     (r"^python3 -m pytest -q -p no:cacheprovider tests/config/test_config\.py", "quick",

@@ -169,3 +169,48 @@ def test_no_submodule_shadows_a_public_name_of_its_package():
         parts = {p.stem for p in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir() if p.is_dir()}
         clashes += [f"{init.parent.relative_to(ROOT)}/: {name}" for name in sorted(public & parts)]
     assert not clashes, clashes
+
+
+PUSH_PATH = ("faircast_ds._util", "faircast_ds.export", "faircast_ds.vllm")  # the cast's bits on their way to an engine
+
+
+def private_imports(source: str, module: str) -> list[str]:
+    """``from faircast_ds.x import _name`` in ``source`` where ``faircast_ds.x`` is not ``module`` itself."""
+    return [f"{node.lineno}: from {node.module} import {alias.name}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("faircast_ds")
+            and node.module != module for alias in node.names if alias.name.startswith("_")]
+
+
+def test_the_private_import_scan_finds_one():
+    assert private_imports("def f():\n    from faircast_ds.vllm.kernels import _x, y\n", "faircast_ds.a") == [
+        "2: from faircast_ds.vllm.kernels import _x"]
+    assert private_imports("from faircast_ds.vllm.kernels import read_back\n", "faircast_ds.a") == []
+
+
+def test_the_push_path_imports_no_private_name_across_modules():
+    """A helper two modules of the push path share is public in the module that owns it."""
+    offenders = [f"{path.relative_to(ROOT)}:{hit}" for name, path in modules().items() if within(name, PUSH_PATH)
+                 for hit in private_imports(path.read_text(), name)]
+    assert not offenders, "\n".join(offenders)
+
+
+def fused_layer_literals(source: str) -> list[int]:
+    """Lines where a string literal in code (not a docstring) names a vLLM fused layer."""
+    tree = ast.parse(source)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docstrings and re.search(r"\b(qkv_proj|gate_up_proj)\b", n.value)]
+
+
+def test_the_fused_literal_scan_finds_one():
+    assert fused_layer_literals('"""qkv_proj in a docstring"""\nX = {"qkv_proj": 1}\n') == [2]
+
+
+def test_only_vllm_fused_names_the_fused_layers():
+    """The HF<->vLLM names of fused layers are written once, in faircast_ds/vllm/fused.py."""
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for name, path in modules().items()
+                 if within(name, ("faircast_ds.vllm",)) and name != "faircast_ds.vllm.fused"
+                 for line in fused_layer_literals(path.read_text())]
+    assert not offenders, offenders

@@ -67,14 +67,14 @@ def all_reduce_sum(values: list[float]) -> list[float]:
 
     t = torch.tensor(values, dtype=torch.float64)
     if initialized():
-        device = _collective_device()
+        device = collective_device()
         reduced = t.to(device)
         dist.all_reduce(reduced)
         t = reduced.cpu()
     return t.tolist()
 
 
-def _collective_device() -> Any:
+def collective_device() -> Any:
     """Where the default group's tensors must live: CPU for gloo and MPI (and a mixed ``cpu:gloo,...``
     backend), else the accelerator's current device (NCCL, HCCL, XCCL take device tensors only)."""
     import torch

@@ -39,12 +39,11 @@ from faircast_ds.export.source import (
 )
 from faircast_ds.export.sync import (
                                         SyncAborted,
-                                        SyncReport,
                                         WeightReceiver,
                                         WeightSender,
 )
 
 __all__ = ["AcceptTimeout", "AtomicDirectory", "AuthenticationError", "ChannelError", "ProtocolError", "Refused", "DEFAULT_HOST", "ExportError", "ExportResult", "ModelReader", "ParamSpec", "ServedItem",
            "ServedReader", "ServedReport", "ServedSource", "Walk",
-           "SyncAborted", "SyncReport", "WeightReceiver", "WeightSender", "WeightSyncError", "local_served_slices",
+           "SyncAborted", "WeightReceiver", "WeightSender", "WeightSyncError", "local_served_slices",
            "save_hf", "served_specs", "served_weights"]

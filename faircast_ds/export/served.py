@@ -52,7 +52,7 @@ def module_of(model: Any) -> torch.nn.Module:
 
 
 
-def _checked(name: str, p: torch.nn.Parameter) -> torch.nn.Parameter:
+def checked(name: str, p: torch.nn.Parameter) -> torch.nn.Parameter:
     """An ordinary parameter; one that holds no elements while no partitioned layout is registered is
     most likely a framework's partitioned parameter whose integration was never imported: refused."""
     if p.numel() == 0 and not partitioned.layouts():
@@ -67,7 +67,7 @@ def served_specs(model: Any) -> list[ParamSpec]:
     collective, no gather."""
     specs = []
     for name, p in module_of(model).named_parameters():
-        shape = partitioned.full_shape(_checked(name, p))
+        shape = partitioned.full_shape(checked(name, p))
         specs.append(ParamSpec(name, shape, p.dtype))
     return specs
 
@@ -88,7 +88,7 @@ def served_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             with partitioned.gathered(p) as full:
                 yield name, full
         else:
-            yield name, _checked(name, p).data
+            yield name, checked(name, p).data
 
 
 def fair_cast_of(model: Any) -> Any:

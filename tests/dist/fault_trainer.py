@@ -1,4 +1,4 @@
-"""A trainer for the weight-update fault tests (tests/vllm/test_vllm_faults.py), in pytest's process or as its
+"""A trainer for the weight-update fault tests (tests/vllm/transfer/test_vllm_faults.py), in pytest's process or as its
 own process (``python fault_trainer.py URL DIR VERSION... [--pause-at N]``) so that it can be killed.
 
 The served weights are a plain bf16 module, not a DeepSpeed engine: the faults concern the transport
@@ -114,7 +114,7 @@ def main() -> None:
                         help="the last version's update: all sent and received, then stop before finish_weight_update")
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
-    from faircast_ds.vllm.transfer.server import ServedPush
+    from faircast_ds.vllm.transfer import ServedPush
 
     model = build_model()
     push = ServedPush(model, args.url, timeout=args.timeout, verify=False)

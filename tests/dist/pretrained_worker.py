@@ -89,7 +89,7 @@ def log(rank: int, text: str, began: float) -> None:
 
 
 def main() -> None:
-    from faircast_ds.vllm.transfer.server import ServedPush, VllmServer
+    from faircast_ds.vllm.transfer import ServedPush, VllmServer
 
     out = os.environ["OUT_DIR"]
     deepspeed.init_distributed(dist_backend="gloo")
@@ -153,7 +153,7 @@ def main() -> None:
 
 
 def push_and_generate(engine, tok, rank: int, server_box: dict, starter, result: dict) -> dict:
-    from faircast_ds.vllm.transfer.server import ServedPush
+    from faircast_ds.vllm.transfer import ServedPush
 
     if starter is not None:
         starter.join()

@@ -1,9 +1,9 @@
-"""A trainer rank for the shared-memory plane's fault tests (tests/vllm/test_vllm_faults.py), as its own
+"""A trainer rank for the shared-memory plane's fault tests (tests/vllm/transfer/test_vllm_faults.py), as its own
 process so that it can be killed: ``python shm_trainer.py URL DIR VERSION... [--pause-rank R --pause-at N]``
 with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (gloo; the ranks of a plain bf16 module, each
 writing its even share of every parameter, as in tests/dist/fault_trainer.py).
 
-Pushes each VERSION in turn through :class:`~faircast_ds.vllm.transfer.shm_push.SharedMemoryPush`; rank 0
+Pushes each VERSION in turn through ``ServedPush(plane="shm")`` (:class:`~faircast_ds.vllm.transfer.served_push.ServedPush`); rank 0
 writes DIR/pushed-<v> after each. With ``--pause-rank R --pause-at N`` rank R stops inside the last
 version's write after N slices (the others finish theirs and rank 0 commits), writes DIR/paused and
 waits to be killed. A push that fails writes DIR/error-rank<r> with the message and exits 3.
@@ -34,10 +34,10 @@ def main() -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    from faircast_ds.vllm.transfer.shm_push import SharedMemoryPush
+    from faircast_ds.vllm.transfer import ServedPush
 
     model = ft.build_model()
-    push = SharedMemoryPush(model, args.url if rank == 0 else None, timeout=args.timeout, verify=False)
+    push = ServedPush(model, args.url if rank == 0 else None, plane="shm", timeout=args.timeout, verify=False)
     for i, version in enumerate(args.versions):
         ft.set_version(model, version)
         if i == len(args.versions) - 1 and rank == args.pause_rank:
@@ -47,7 +47,7 @@ def main() -> None:
                     while True:  # until killed, holding the mapping mid-write
                         time.sleep(1)
 
-            push.pause = hold
+            push.route.pause = hold
         try:
             report = push.push(version)
         except Exception as exc:  # noqa: BLE001 - handed to the test

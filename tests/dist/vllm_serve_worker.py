@@ -36,7 +36,7 @@ def report(r) -> dict:
 
 def main() -> None:
     from faircast_ds.export import save_hf
-    from faircast_ds.vllm.transfer.server import ServedPush, VllmServer
+    from faircast_ds.vllm.transfer import ServedPush, VllmServer
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()

@@ -16,7 +16,7 @@ import torch
 from conftest import DIST, ROOT, cpu_env, deepspeed_runner, free_port, run_logged
 
 from faircast_ds.vllm.bits import bit_pattern, canonical, differing, digest, pack, unpack
-from faircast_ds.vllm.push import packed_groups
+from faircast_ds.vllm.fused import packed_groups
 
 QWEN_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> None:
         finish,
         write_json,
     )
-    from faircast_ds.vllm.transfer.server import ServedPush, VllmServer
+    from faircast_ds.vllm.transfer import ServedPush, VllmServer
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -90,12 +90,7 @@ def main(argv: list[str]) -> None:
                             worker_extension=True)
         out["server_start_s"] = time.perf_counter() - t
     try:
-        if plane == "shm":
-            from faircast_ds.vllm.transfer.shm_push import SharedMemoryPush
-
-            push = SharedMemoryPush(engine, server)
-        else:
-            push = ServedPush(engine, server)
+        push = ServedPush(engine, server, plane=plane)
         plan = [("dense", True, 0), ("dense", False, 0), ("dense", True, 0), ("dense", True, 0), ("delta", True, 1),
                 ("delta", True, 1)]
         for version, (kind, verify, steps) in enumerate(plan):
@@ -107,7 +102,6 @@ def main(argv: list[str]) -> None:
             if plane == "shm":  # whole checks where the TCP plan's first and third pushes check whole
                 check = ("full" if version in (0, 2) else True) if verify else False
                 r = push.push(version=version, verify=check, kind=kind)
-                push.last_check = ("whole" if check == "full" else "sampled") if verify else None
             else:
                 r = push.push(version=version, verify=verify, kind=kind)
             if rank == 0:

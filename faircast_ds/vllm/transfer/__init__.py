@@ -1,5 +1,9 @@
-"""The ``faircast`` weight-transfer backend for vLLM's RL API (engine and trainer side), and the
-``/weight_checker`` checksums of the bits the kernels compute with.
+"""The ``vllm serve`` route: the ``faircast`` weight-transfer backend for vLLM's RL API (engine side
+:mod:`~faircast_ds.vllm.transfer.engine`, trainer side :mod:`~faircast_ds.vllm.transfer.trainer`), the
+``/weight_checker`` checksums of the bits the kernels compute with, the server process
+(:class:`VllmServer`) and the trainer's one entry point, :class:`ServedPush`
+(:mod:`~faircast_ds.vllm.transfer.served_push`: the authenticated channel, or the shared-memory plane on
+one host).
 
 Installed faircast-ds exposes :func:`register` in vLLM's ``vllm.general_plugins`` entry-point group
 (setup.py), so every vLLM process — ``vllm serve``, its engine core, its workers, an in-process
@@ -20,7 +24,7 @@ _LAZY = {
     "FairCastTrainerInitInfo": "faircast_ds.vllm.transfer.trainer",
     "LLMWeightSyncClient": "faircast_ds.vllm.transfer.trainer",
     "VllmServer": "faircast_ds.vllm.transfer.server",
-    "ServedPush": "faircast_ds.vllm.transfer.server",
+    "ServedPush": "faircast_ds.vllm.transfer.served_push",
     "served_checksums": "faircast_ds.vllm.transfer.checksums",
 }
 

@@ -27,15 +27,14 @@ only when the ``faircast`` backend's last update asked for one (``check_columns`
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
+from faircast_ds.vllm import fused
 from faircast_ds.vllm.bits import bit_pattern, canonical
+from faircast_ds.vllm.kernels import kernel_tensors
 
-# how vLLM fuses HF projections (its models' packed_modules_mapping for Llama/Qwen2/Qwen3), restated here
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_PROBE_ROWS = 1024  # identity rows per kernel call when reading a linear weight back
 SAMPLE_COLUMNS = 64  # input columns per matrix in a sampled check
 
 
@@ -97,7 +96,7 @@ class ChecksumCollector:
         self.prefix, self.whole, self.sample, self.tied = prefix, whole, sample, tied
         self.full: dict[str, str] = {}
         self.sampled: dict[str, str] = {}
-        self._waiting: dict[str, dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
+        self._waiting: dict[str, dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
 
     def _cols(self, key: str, t: torch.Tensor) -> torch.Tensor:
         k, version = self.sample  # type: ignore[misc]
@@ -112,23 +111,21 @@ class ChecksumCollector:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().cpu()
-        path, _, attr = name.rpartition(".")
-        parent, _, leaf = path.rpartition(".")
-        fused = next((f for f, parts in FUSED.items() if leaf in parts), None)
-        key = name if fused is None else f"{parent}.{fused}.{attr}"
+        part = fused.part_of(name)
+        key = fused.vllm_name(name)
         matrix = is_matrix(key, t)
-        if fused is None:
+        if part is None:
             if not (self.tied and name == "lm_head.weight"):
                 sampled = self._cols(key, t) if (self.sample is not None and matrix) else None
                 self._finish(key, t if (self.whole or not matrix) else None, sampled, matrix)
             return
         keep_whole = self.whole or not matrix
-        part = (t.clone() if keep_whole else None,
-                self._cols(key, t).clone() if (self.sample is not None and matrix) else None)
+        layer, index = part
         parts = self._waiting.setdefault(key, {})
-        parts[leaf] = part
-        if len(parts) == len(FUSED[fused]):
-            order = [parts[p] for p in FUSED[fused]]
+        parts[index] = (t.clone() if keep_whole else None,
+                        self._cols(key, t).clone() if (self.sample is not None and matrix) else None)
+        if len(parts) == len(fused.FUSED[layer]):
+            order = [parts[i] for i in range(len(parts))]
             whole = torch.cat([w for w, _ in order], dim=0) if keep_whole else None
             cols = torch.cat([c for _, c in order], dim=0) if order[0][1] is not None else None
             self._finish(key, whole, cols, matrix)
@@ -160,66 +157,18 @@ def compare(engine: Mapping[str, str], served: Mapping[str, str]) -> list[str]:
 
 # ------------------------------------------------------------------------------ engine side
 
-def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype,
-                   sample: Any = None, names: Any = None) -> Iterable[tuple[str, torch.Tensor | str]]:
-    """(vLLM parameter name, the tensor its kernel computes with) for every parameter of ``model``;
-    with ``sample`` (``(k, version_of)``: columns per matrix and each vLLM name's loaded version, or
-    None where unknown), a matrix's item is its sampled digest instead (:func:`sample_columns`). ``names``:
-    only these vLLM parameter names (default: every one)."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
-        VocabParallelEmbedding,
-    )
+def kernel_items(model: torch.nn.Module, dtype: torch.dtype, sample: Any = None,
+                 names: Any = None) -> Iterator[tuple[str, torch.Tensor | str]]:
+    """(vLLM parameter name, the tensor its kernel computes with) for every parameter of ``model``
+    (:func:`faircast_ds.vllm.kernels.kernel_tensors`); with ``sample`` (``(k, version_of)``: columns per
+    matrix and each vLLM name's loaded version, or None where unknown), a matrix's item is its sampled
+    digest instead (:func:`sample_columns`). ``names``: only these vLLM parameter names."""
+    def columns(name: str, width: int) -> torch.Tensor | None:
+        version = sample[1](name) if sample is not None else None
+        return None if version is None else sample_columns(name, width, sample[0], version)
 
-    modules = dict(model.named_modules())
-    with torch.inference_mode():
-        for name, param in model.named_parameters():
-            if names is not None and name not in names:
-                continue
-            path, _, attr = name.rpartition(".")
-            module = modules.get(path)
-            # an (unsharded) vocabulary the engine padded is cut back to the checkpoint's rows
-            vocab = getattr(module, "org_vocab_size", None)
-            if attr == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
-                version = sample[1](name) if sample is not None else None
-                if version is not None:
-                    cols = _linear_readback(module, dtype, sample_columns(name, _input_width(module), sample[0], version))
-                    yield name, sampled_digest(cols[:vocab] if isinstance(module, ParallelLMHead) and vocab else cols,
-                                               sample[0], version)
-                    continue
-                t = _linear_readback(module, dtype)
-                yield name, t[:vocab] if isinstance(module, ParallelLMHead) and vocab else t
-            elif attr == "weight" and isinstance(module, VocabParallelEmbedding):
-                yield name, module(torch.arange(vocab or param.shape[0], device=param.device))
-            else:
-                t = param.detach()
-                yield name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-
-
-def _input_width(module: Any) -> int:
-    """The input width of a vLLM linear layer (this rank's part) or LM head."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    return module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
-
-
-def _linear_readback(module: Any, dtype: torch.dtype, columns: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight ``[out, in]`` a linear kernel computes with, read through the kernel (identity rows);
-    with ``columns``, only those input columns (``[out, len(columns)]``)."""
-    width = _input_width(module)
-    device = next((t.device for t in module.parameters()), torch.device("cpu"))
-    if columns is not None:
-        probe = torch.zeros(len(columns), width, dtype=dtype, device=device)
-        probe[torch.arange(len(columns)), columns.to(device)] = 1
-        return module.quant_method.apply(module, probe).t().contiguous()
-    cols = []
-    for start in range(0, width, _PROBE_ROWS):
-        rows = min(_PROBE_ROWS, width - start)
-        eye = torch.zeros(rows, width, dtype=dtype, device=device)
-        eye[:, start:start + rows] = torch.eye(rows, dtype=dtype, device=device)
-        cols.append(module.quant_method.apply(module, eye))  # [rows, out]: W^T's rows, no bias
-    return torch.cat(cols).t().contiguous()
+    for name, t, sampled in kernel_tensors(model, dtype, columns if sample is not None else None, names):
+        yield name, sampled_digest(t, sample[0], sample[1](name)) if sampled else t
 
 
 def kernel_checksums(worker: Any) -> dict[str, str]:
@@ -232,7 +181,7 @@ def kernel_checksums(worker: Any) -> dict[str, str]:
     take = getattr(engine, "take_check_request", None)
     sample = take() if callable(take) else None
     return {prefix + name: t if isinstance(t, str) else checksum(t.cpu())
-            for name, t in kernel_tensors(model, dtype, sample)}
+            for name, t in kernel_items(model, dtype, sample)}
 
 
 def install_checksums() -> None:
@@ -260,6 +209,6 @@ def plane_check(model: torch.nn.Module, dtype: torch.dtype, staged: list[tuple[s
     sample = (columns, int(version)) if columns else None
     expected = served_checksums(staged, prefix="", sample=sample)
     got = {name: t if isinstance(t, str) else checksum(t.cpu())
-           for name, t in kernel_tensors(model, dtype, (columns, lambda _n: int(version)) if columns else None,
+           for name, t in kernel_items(model, dtype, (columns, lambda _n: int(version)) if columns else None,
                                          names=set(expected))}
     return compare(got, expected)

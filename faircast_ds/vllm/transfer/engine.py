@@ -35,9 +35,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from faircast_ds.export.channel import DEFAULT_HOST
-from faircast_ds.export.sync import SyncReport, WeightReceiver
-from faircast_ds.vllm.push import packed_groups
-from faircast_ds.vllm.worker import _quiet_reload
+from faircast_ds.export.source import ServedReport
+from faircast_ds.export.sync import WeightReceiver
+from faircast_ds.vllm import fused
+from faircast_ds.vllm.kernels import quiet_reload
 
 logger = logging.getLogger("faircast_ds.vllm")
 _DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32)}
@@ -81,7 +82,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         self.staging: dict[str, torch.Tensor] = {}
         self.groups: dict[str, tuple[str, ...]] = {}
         self._loaded: dict[str, int] = {}  # staging tensors' version counters at the last load into the model
-        self._received: SyncReport | None = None  # this session's complete update, not yet loaded
+        self._received: ServedReport | None = None  # this session's complete update, not yet loaded
         self._abandoned = False
         self._loaded_version: dict[str, int] = {}  # staging name -> the version it was last loaded at
         self._check: int = 0  # columns per matrix the next checksum samples (0: whole)
@@ -114,7 +115,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
             self.receiver = WeightReceiver(staging, init_info.host, int(init_info.port), timeout=float(init_info.timeout))
         self.staging = staging
         packed = {k: list(v) for k, v in (getattr(self.model, "packed_modules_mapping", None) or {}).items()}
-        self.groups = packed_groups(list(staging), packed)
+        self.groups = fused.packed_groups(list(staging), packed)
         self._loaded = {n: t._version for n, t in staging.items()}
         self._loaded_version, self._check = {}, 0
         if self.receiver is not None:
@@ -189,7 +190,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         load = [n for n in self.staging if any(m in changed for m in self.groups.get(n, (n,)))]
         if load:
             items = [(n, self.staging[n].to(self.device)) for n in load]
-            with _quiet_reload(), torch.inference_mode():
+            with quiet_reload(), torch.inference_mode():
                 reload_weights(self.vllm_config, self.model, weights_iterator=iter(items), weights_path=None,
                                is_checkpoint_format=True)
         self._loaded = {n: t._version for n, t in self.staging.items()}
@@ -208,7 +209,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         load = [n for n in names if any(m in changed for m in self.groups.get(n, (n,)))]
         if load:
             items = [(n, self.staging[n].to(self.device)) for n in load]
-            with _quiet_reload(), torch.inference_mode():
+            with quiet_reload(), torch.inference_mode():
                 reload_weights(self.vllm_config, self.model, weights_iterator=iter(items), weights_path=None,
                                is_checkpoint_format=True)
         self._loaded_version.update((n, commit.version) for n in load)
@@ -235,16 +236,10 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         columns, self._check = self._check, 0
         if not columns:
             return None
-        reverse = {}  # vLLM fused name -> its first HF part, whose load version the group shares
-        for fused, parts in (getattr(self.model, "packed_modules_mapping", None) or {}).items():
-            reverse[fused] = parts[0]
+        packed = getattr(self.model, "packed_modules_mapping", None) or {}
 
-        def version_of(name: str) -> int | None:
-            path, _, attr = name.rpartition(".")
-            parent, _, leaf = path.rpartition(".")
-            if leaf in reverse:
-                name = f"{parent}.{reverse[leaf]}.{attr}" if parent else f"{reverse[leaf]}.{attr}"
-            return self._loaded_version.get(name)
+        def version_of(name: str) -> int | None:  # a fused layer shares its first HF part's load version
+            return self._loaded_version.get(fused.first_part(name, packed))
 
         return columns, version_of
 

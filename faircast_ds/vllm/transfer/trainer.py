@@ -35,7 +35,8 @@ from vllm.distributed.weight_transfer.base import (
 from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export.channel import DEFAULT_HOST, WeightSyncError
 from faircast_ds.export.stages import Stages
-from faircast_ds.export.sync import SyncReport, WeightSender, spec_list
+from faircast_ds.export.source import ServedReport
+from faircast_ds.export.sync import WeightSender, spec_list
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
@@ -80,7 +81,7 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.sender: WeightSender | None = None
         self.timeout = 120.0
-        self.last: SyncReport | None = None
+        self.last: ServedReport | None = None
 
     @classmethod
     def trainer_init(cls, init_info: FairCastTrainerInitInfo, *, client: Any, source: Any = None
@@ -102,7 +103,7 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
 
     def send_weights(self, version: int | None = None, *, kind: str = "auto",
                      on_param: Callable[[Any], None] | None = None,
-                     groups: Mapping[str, Sequence[str]] | None = None, check_columns: int = 0) -> SyncReport:
+                     groups: Mapping[str, Sequence[str]] | None = None, check_columns: int = 0) -> ServedReport:
         """One update round (every rank): the served weights at ``version`` (default: the DeepSpeed
         engine's ``global_steps``) into the engine, and vLLM's weight version set to ``str(version)``.
         ``on_param`` and ``groups`` go to :meth:`WeightSender.sync` (e.g. checksums taken in the same walk).

@@ -7,7 +7,7 @@ whose bits changed since the last acknowledged push, each with its whole packed 
 rebuilds a fused layer (``qkv_proj``, ``gate_up_proj``) from all of its parts. The digests the
 verification expects are computed in the same walk (those of parameters the walk skips are the
 acknowledged push's). After the push it reads every parameter back from the engine's kernels
-(:mod:`faircast_ds.vllm.worker`) and compares digests of the canonical bits
+(:mod:`faircast_ds.vllm.colocated.worker`) and compares digests of the canonical bits
 (:mod:`faircast_ds.vllm.bits`) with the served ones; any difference raises
 :class:`EngineWeightsMismatch` on every rank, and the next push is dense.
 """
@@ -21,40 +21,13 @@ import torch
 from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export.source import ServedItem, ServedReport, ServedSource
 from faircast_ds.vllm.bits import digest
-
-
-class EngineWeightsMismatch(RuntimeError):
-    """After a push the engine computes with bits other than the served ones (the message lists them)."""
-
-    def __init__(self, message: str, mismatched: list[str]) -> None:
-        super().__init__(message)
-        self.mismatched = mismatched
-
-
-PushReport = ServedReport  # one report type for every route (faircast_ds.export.source)
-
-
-def packed_groups(names: list[str], packed: dict[str, list[str]]) -> dict[str, tuple[str, ...]]:
-    """For each HF tensor name, the names that one vLLM layer is rebuilt from together (itself alone,
-    or e.g. ``q_proj``/``k_proj``/``v_proj`` for ``qkv_proj``), as far as they exist in ``names``."""
-    present = set(names)
-    groups: dict[str, tuple[str, ...]] = {}
-    for name in names:
-        path, _, attr = name.rpartition(".")
-        parent, _, leaf = path.rpartition(".")
-        group: tuple[str, ...] = (name,)
-        for parts in packed.values():
-            if leaf in parts:
-                members = tuple(f"{parent}.{p}.{attr}" if parent else f"{p}.{attr}" for p in parts)
-                group = tuple(m for m in members if m in present)
-                break
-        groups[name] = group
-    return groups
+from faircast_ds.vllm.fused import packed_groups
+from faircast_ds.vllm.kernels import EngineWeightsMismatch
 
 
 class WeightPush:
     """The trainer's end of a colocated engine. Construct and :meth:`push` on every rank; ``engine``
-    is the :class:`~faircast_ds.vllm.inference.VllmEngine` on rank 0 and None elsewhere.
+    is the :class:`~faircast_ds.vllm.colocated.inference.VllmEngine` on rank 0 and None elsewhere.
 
     ``delta``: after the first push, hand over only changed groups. ``verify``: read everything
     back after each push and raise :class:`EngineWeightsMismatch` unless it equals the served bits.
@@ -83,7 +56,7 @@ class WeightPush:
     def _acked(self) -> bool:
         return self.source.acknowledged is not None
 
-    def push(self, version: int | None = None, *, verify: bool | None = None, kind: str = "auto") -> PushReport:
+    def push(self, version: int | None = None, *, verify: bool | None = None, kind: str = "auto") -> ServedReport:
         """Hand the served weights to the engine (a collective under ZeRO-3). ``kind``: ``auto`` (delta
         when a previous push succeeded and ``delta`` is on), ``dense`` or ``delta``."""
         if kind not in ("auto", "dense", "delta"):

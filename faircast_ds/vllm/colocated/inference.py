@@ -1,5 +1,5 @@
 """A vLLM engine the trainer holds: started from a Hugging Face directory, token ids in, token ids and
-log-probs out, and the weight-loading and read-back calls of :mod:`faircast_ds.vllm.worker`.
+log-probs out, and the weight-loading and read-back calls of :mod:`faircast_ds.vllm.colocated.worker`.
 
 In a plain process the engine runs in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocate
 mode): pushes hand tensors over without a copy. Inside a ``torch.distributed`` job (a DeepSpeed
@@ -19,7 +19,7 @@ import torch
 
 from faircast_ds.vllm.bits import pack, unpack
 
-WORKER_EXTENSION = "faircast_ds.vllm.worker.FairCastWorkerExtension"
+WORKER_EXTENSION = "faircast_ds.vllm.colocated.worker.FairCastWorkerExtension"
 # what a launcher (torchrun, deepspeed, SLURM, Open MPI) sets and vLLM would read as its own world
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                        "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "TORCHELASTIC_RUN_ID")
@@ -95,7 +95,7 @@ class VllmEngine:
 
     # -- plumbing ------------------------------------------------------------------------------
     def rpc(self, method: str, *args: Any) -> Any:
-        """Call a :class:`~faircast_ds.vllm.worker.FairCastWorkerExtension` method on the (single) worker."""
+        """Call a :class:`~faircast_ds.vllm.colocated.worker.FairCastWorkerExtension` method on the (single) worker."""
         results = self.llm.collective_rpc(method, args=args)
         if len(results) != 1:
             raise EngineUnavailable(f"faircast-ds drives one vLLM worker (tensor_parallel_size=1); got {len(results)}")

@@ -1,9 +1,10 @@
-"""Push the served weights into a ``vllm serve`` process on this host through the shared-memory plane
-(issue 32 item 2): every trainer rank writes its own served slices into the engine's staging segment,
-no gather to rank 0, no MAC over the bulk bytes; rank 0 commits and drives vLLM's update.
+"""The one-host route of :class:`~faircast_ds.vllm.transfer.served_push.ServedPush`: the served weights
+into a ``vllm serve`` process on this host through the shared-memory plane (issue 32 item 2): every
+trainer rank writes its own served slices into the engine's staging segment, no gather to rank 0, no
+MAC over the bulk bytes; rank 0 commits and drives vLLM's update.
 
-Construct and :meth:`SharedMemoryPush.push` on every rank (two collectives per push: the changed-count
-all-reduce of a delta, and the outcome); ``server`` (a
+Built by ``ServedPush(plane="shm")`` on every rank (two collectives per push: the changed-count
+all-reduce of a delta, and the outcome); the server (a
 :class:`~faircast_ds.vllm.transfer.server.VllmServer` started on this host, or its URL) on rank 0.
 Both processes hold the same ``FAIRCAST_DS_SYNC_SECRET``. One push::
 
@@ -27,14 +28,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from faircast_ds._util.dist import _collective_device, first_failure, from_rank0, rank_world
+from faircast_ds._util.dist import collective_device, first_failure, from_rank0, rank_world
 from faircast_ds.export import delta as delta_encoding
 from faircast_ds.export.channel import WeightSyncError
 from faircast_ds.export.plane import PlaneError
 from faircast_ds.export.served import local_served_slices, served_specs
 from faircast_ds.export.source import ServedReport
 from faircast_ds.export.stages import Stages
-from faircast_ds.vllm.push import EngineWeightsMismatch
+from faircast_ds.vllm.kernels import EngineWeightsMismatch
 from faircast_ds.vllm.transfer.shm import SegmentWriter, socket_name
 
 
@@ -42,23 +43,18 @@ _STAGE = {"start_weight_update": "http.start", "update_weights": "http.update", 
           "reset_prefix_cache": "http.reset_prefix_cache"}
 
 
-class SharedMemoryPush:
-    """The trainer's end of the shared-memory plane (see the module docstring). ``verify``: True (the
+class ShmRoute:
+    """The trainer's end of the shared-memory plane (see the module docstring); ``server`` a
+    :class:`~faircast_ds.vllm.transfer.server.VllmServer` on rank 0, None elsewhere. ``verify``: True (the
     loaded layers' kernels against the segment on sampled columns), ``"full"`` (every element) or
     False. ``delta``: after an acknowledged push, carry only the parameters whose bits changed (each
     rank keeps its slices' bits of the acknowledged version: 2 bytes per shard element)."""
 
     def __init__(self, model: Any, server: Any, *, timeout: float = 120.0, verify: bool | str = True,
                  delta: bool = True, secret: str | bytes | None = None) -> None:
-        from faircast_ds.vllm.transfer.server import VllmServer
-
-        if verify not in (True, False, "full"):
-            raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
         self.model, self.verify, self.delta, self.timeout = model, verify, delta, float(timeout)
         self.rank, self.world = rank_world()
-        if self.rank == 0 and server is None:
-            raise ValueError("SharedMemoryPush needs the server (or its URL) on rank 0")
-        self.server = (server if isinstance(server, VllmServer) else VllmServer(url=server)) if self.rank == 0 else None
+        self.server = server
         self.specs = served_specs(model)
         index = {s.name: i for i, s in enumerate(self.specs)}
         self.numel = sum(s.numel for s in self.specs)
@@ -90,20 +86,13 @@ class SharedMemoryPush:
         self.pause: Callable[[int], None] | None = None  # tests: called after each slice written
         self.pushes = 0
         self.committed_bytes = 0
+        self.last_check: str | None = None  # "whole" or "sampled": how the last push was verified
 
     # -- one push -------------------------------------------------------------------------------------
     def push(self, version: int | None = None, *, kind: str = "auto", verify: bool | str | None = None) -> ServedReport:
         began = time.perf_counter()
         stages, collectives, http = Stages(), 0, 0
         verify = self.verify if verify is None else verify
-        if verify not in (True, False, "full"):
-            raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
-        if kind not in ("auto", "dense", "delta"):
-            raise ValueError(f"kind must be 'auto', 'dense' or 'delta', not {kind!r}")
-        if version is None:
-            version = getattr(self.model, "global_steps", None)
-            if version is None:
-                raise ValueError("push(version=...) is required for a model that is not a DeepSpeed engine")
         use_delta = kind != "dense" and self.delta and self.acknowledged is not None
         if kind == "delta" and not use_delta:
             raise ValueError("a delta push needs delta=True and a previous acknowledged push")
@@ -117,7 +106,7 @@ class SharedMemoryPush:
             if self.world > 1:
                 collectives += 1
                 with stages("trainer.collectives"):
-                    reduced = counts.to(_collective_device())
+                    reduced = counts.to(collective_device())
                     dist.all_reduce(reduced)
                     counts = reduced.cpu()
             params = {i for i, c in enumerate(counts.tolist()) if c}
@@ -164,6 +153,7 @@ class SharedMemoryPush:
                 self._remember(params, dense=not use_delta)
         self.acknowledged = int(version)
         self.pushes += 1
+        self.last_check = ("whole" if verify == "full" else "sampled") if verify and params else None
         if self.rank == 0 and params:
             written = self.committed_bytes  # every rank's bytes, as the engine counted them
         carried = sum(self.specs[i].numel for i in params) if params else 0

@@ -64,7 +64,7 @@ def assert_serves(server, version: int, model, before: dict | None = None) -> di
 
 
 def connect(server, model, **kwargs):
-    from faircast_ds.vllm.transfer.server import ServedPush
+    from faircast_ds.vllm.transfer import ServedPush
 
     return ServedPush(model, server, timeout=TIMEOUT, verify=False, **kwargs)
 
@@ -249,7 +249,7 @@ def test_trainer_killed_before_finish_leaves_the_previous_version(engine, tmp_pa
 
 
 def test_unreachable_engine_is_a_clear_error():
-    from faircast_ds.vllm.transfer.server import ServedPush
+    from faircast_ds.vllm.transfer import ServedPush
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(WeightSyncError, match="did not initialize the faircast backend: .*(?i:connect|refused)"):
@@ -298,9 +298,9 @@ def test_engine_killed_mid_update_then_restarted_gets_a_dense_update(engine, tra
 # kills the engine for good.
 
 def shm_push(server, model, **kwargs):
-    from faircast_ds.vllm.transfer.shm_push import SharedMemoryPush
+    from faircast_ds.vllm.transfer import ServedPush
 
-    return SharedMemoryPush(model, server, timeout=TIMEOUT, **kwargs)
+    return ServedPush(model, server, plane="shm", timeout=TIMEOUT, **kwargs)
 
 
 def start_ranks(server, marks: Path, versions: list[int], world: int = 2, **options) -> list[subprocess.Popen]:
@@ -381,7 +381,7 @@ def test_shm_local_process_without_the_secret_is_refused_and_writes_nothing(engi
 
         intruder_model = ft.build_model()
         ft.set_version(intruder_model, 61)
-        writer = push.writer
+        writer = push.route.writer
         secret_env.setenv("FAIRCAST_DS_SYNC_SECRET", secrets.token_hex(16))
         try:
             intruder = SegmentWriter(writer.name, writer.specs, writer.slices, rank=0, world=1, session="intruder",
@@ -415,7 +415,7 @@ def test_shm_engine_killed_while_ranks_write_is_a_clear_error_and_leaves_no_segm
             paused.set()
             release.wait(WAIT)
 
-    push.pause = hold
+    push.route.pause = hold
     ft.set_version(model, 71)
     thread, box = run_in_thread(push.push, 71)
     assert paused.wait(WAIT), "the write did not start"
@@ -425,5 +425,5 @@ def test_shm_engine_killed_while_ranks_write_is_a_clear_error_and_leaves_no_segm
     thread.join(WAIT)
     assert not thread.is_alive(), "the trainer hangs on a dead engine"
     assert isinstance(box.get("error"), WeightSyncError), box
-    push.writer.close()
+    push.route.writer.close()
     assert find_segments() == [], "a staging segment outlived the engine that made it"

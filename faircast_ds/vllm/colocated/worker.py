@@ -10,45 +10,27 @@ and re-processed (on CPU: its linear weight repacked for oneDNN) once *all* of i
 arrived. Loading directly (``model.load_weights``) does not work on vLLM's CPU build, whose
 linear layers keep no usable ``.weight`` after repacking. A vLLM layer that receives only some of
 its tensors — ``q_proj`` without ``k_proj``/``v_proj`` for the fused ``qkv_proj`` — is rebuilt
-with the missing part left uninitialized, so callers send whole groups (:func:`packed_groups`).
+with the missing part left uninitialized, so callers send whole groups
+(:func:`faircast_ds.vllm.fused.packed_groups`).
 
-Reading back asks the kernels themselves: a linear layer (and the LM head) is applied to identity
-rows through its own ``quant_method``, an embedding is looked up for every id, and only tensors a
-kernel reads directly (norm weights, biases) are read as tensors. What comes back is what the
-engine computes with, canonicalized as in :mod:`faircast_ds.vllm.bits`.
+Reading back asks the kernels themselves (:func:`faircast_ds.vllm.kernels.read_back`): a linear layer
+(and the LM head) is applied to identity rows through its own ``quant_method``, an embedding is looked
+up for every id, and only tensors a kernel reads directly (norm weights, biases) are read as tensors.
+What comes back is what the engine computes with, canonicalized as in :mod:`faircast_ds.vllm.bits`.
 """
 from __future__ import annotations
 
-import logging
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from faircast_ds.vllm.bits import canonical, digest, pack, unpack
-
-_QUIET = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
-
-
-@contextmanager
-def _quiet_reload() -> Iterator[None]:
-    """A partial reload makes vLLM warn once per layer that got no tensor ("Failed to load weights"),
-    which is what a delta update is; silence exactly those two loggers while it runs."""
-    loggers = [logging.getLogger(n) for n in _QUIET]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
+from faircast_ds.vllm.kernels import quiet_reload, read_back
 
 class FairCastWorkerExtension:
     """Methods vLLM adds to its worker when ``worker_extension_cls`` names this class
-    (``faircast_ds.vllm.worker.FairCastWorkerExtension``)."""
+    (``faircast_ds.vllm.colocated.worker.FairCastWorkerExtension``)."""
 
     # -- what the engine holds ---------------------------------------------------------------
     def _faircast_model(self) -> torch.nn.Module:
@@ -68,7 +50,7 @@ class FairCastWorkerExtension:
         come packed (:func:`faircast_ds.vllm.bits.pack`), as it must across vLLM's processes."""
         began = time.perf_counter()
         items = [(n, t if isinstance(t, torch.Tensor) else unpack(t)) for n, t in items]
-        with _quiet_reload(), torch.inference_mode():
+        with quiet_reload(), torch.inference_mode():
             self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return {"seconds": time.perf_counter() - began, "tensors": float(len(items))}
 
@@ -98,53 +80,5 @@ class FairCastWorkerExtension:
                     out[name] = f"error: {type(exc).__name__}: {exc}"
         return out
 
-    def _faircast_resolve(self, name: str) -> tuple[torch.nn.Module, str, int | None]:
-        """(vLLM module, attribute, index in its packed group or None) holding HF tensor ``name``."""
-        model = self._faircast_model()
-        path, _, attr = name.rpartition(".")
-        parent, _, leaf = path.rpartition(".")
-        try:
-            return model.get_submodule(path), attr, None
-        except AttributeError:
-            pass
-        for fused, parts in (getattr(model, "packed_modules_mapping", None) or {}).items():
-            if leaf in parts:
-                target = f"{parent}.{fused}" if parent else fused
-                try:
-                    return model.get_submodule(target), attr, list(parts).index(leaf)
-                except AttributeError:
-                    continue
-        raise KeyError(f"the vLLM model has no module for {name!r}")
-
     def _faircast_readback(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        from vllm.model_executor.layers.linear import LinearBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import (
-            ParallelLMHead,
-            VocabParallelEmbedding,
-        )
-
-        from faircast_ds.vllm.transfer.checksums import _linear_readback
-
-        module, attr, index = self._faircast_resolve(name)
-        dtype = self.model_config.dtype  # type: ignore[attr-defined]
-        if attr == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
-            full = _linear_readback(module, dtype)
-        elif attr == "weight" and isinstance(module, VocabParallelEmbedding):
-            device = module.weight.device
-            full = module(torch.arange(shape[0], device=device))
-        else:
-            full = getattr(module, attr).detach()
-            if full.dtype != dtype and full.is_floating_point():
-                full = full.to(dtype)  # e.g. a bias the CPU GEMM keeps in fp32 (exact for bf16 values)
-        if index is not None:
-            sizes = list(getattr(module, "output_sizes", []))
-            if len(sizes) <= index:
-                raise KeyError(f"{name}: cannot locate shard {index} of {type(module).__name__}")
-            start = sum(sizes[:index])
-            full = full.narrow(0, start, sizes[index])
-        if tuple(full.shape) != shape:
-            if full.dim() == len(shape) and full.shape[0] >= shape[0] and tuple(full.shape[1:]) == shape[1:]:
-                full = full[: shape[0]]  # a vocabulary padded by the engine
-            else:
-                raise ValueError(f"{name}: the engine holds {list(full.shape)}, the trainer serves {list(shape)}")
-        return full
+        return read_back(self._faircast_model(), name, shape, self.model_config.dtype)  # type: ignore[attr-defined]

@@ -1,0 +1,156 @@
+"""The engine's kernels, from inside a vLLM worker: loading HF-named tensors into them, and reading back
+the bits they compute with. Both routes (the colocated engine's worker extension and the ``faircast``
+backend of ``vllm serve``) load and read back through this module.
+
+Loading goes through vLLM's ``reload_weights(..., is_checkpoint_format=True)`` (the caller's), inside
+:func:`quiet_reload`. Reading back asks the kernels themselves: a linear layer (and the LM head) is
+applied to identity rows through its own ``quant_method`` (:func:`linear_readback`; on CPU the oneDNN
+kernels repack their weights and leave ``.weight`` empty, and the LM head computes with a packed copy),
+an embedding is looked up for every id, and only tensors a kernel reads directly (norm weights, biases)
+are read as tensors. :func:`kernel_tensors` does it per vLLM parameter, :func:`read_back` per HF tensor
+(a fused part cut out of its vLLM layer, :mod:`faircast_ds.vllm.fused`). When what comes back is not
+what was served, the routes raise :class:`EngineWeightsMismatch`.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from faircast_ds.vllm import fused
+
+_QUIET = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+_PROBE_ROWS = 1024  # identity rows per kernel call when reading a linear weight back
+
+
+class EngineWeightsMismatch(RuntimeError):
+    """After a push the engine computes with bits other than the served ones (the message lists them)."""
+
+    def __init__(self, message: str, mismatched: list[str]) -> None:
+        super().__init__(message)
+        self.mismatched = mismatched
+
+
+@contextmanager
+def quiet_reload() -> Iterator[None]:
+    """A partial reload makes vLLM warn once per layer that got no tensor ("Failed to load weights"),
+    which is what a delta update is; silence exactly those two loggers while it runs."""
+    loggers = [logging.getLogger(n) for n in _QUIET]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def input_width(module: Any) -> int:
+    """The input width of a vLLM linear layer (this rank's part) or LM head."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
+
+
+def linear_readback(module: Any, dtype: torch.dtype, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight ``[out, in]`` a linear kernel computes with, read through the kernel (identity rows);
+    with ``columns``, only those input columns (``[out, len(columns)]``)."""
+    width = input_width(module)
+    device = next((t.device for t in module.parameters()), torch.device("cpu"))
+    if columns is not None:
+        probe = torch.zeros(len(columns), width, dtype=dtype, device=device)
+        probe[torch.arange(len(columns)), columns.to(device)] = 1
+        return module.quant_method.apply(module, probe).t().contiguous()
+    cols = []
+    for start in range(0, width, _PROBE_ROWS):
+        rows = min(_PROBE_ROWS, width - start)
+        eye = torch.zeros(rows, width, dtype=dtype, device=device)
+        eye[:, start:start + rows] = torch.eye(rows, dtype=dtype, device=device)
+        cols.append(module.quant_method.apply(module, eye))  # [rows, out]: W^T's rows, no bias
+    return torch.cat(cols).t().contiguous()
+
+
+def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype, columns: Callable[[str, int], Any] | None = None,
+                   names: Any = None) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(vLLM parameter name, the tensor its kernel computes with, whether only some columns were read) for
+    every parameter of ``model``. ``columns(vllm name, input width)``: the input columns to read of a
+    matrix (a linear layer or the LM head), or None to read it whole (default: every matrix whole).
+    ``names``: only these vLLM parameter names (default: every one)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    modules = dict(model.named_modules())
+    with torch.inference_mode():
+        for name, param in model.named_parameters():
+            if names is not None and name not in names:
+                continue
+            path, _, attr = name.rpartition(".")
+            module = modules.get(path)
+            # an (unsharded) vocabulary the engine padded is cut back to the checkpoint's rows
+            vocab = getattr(module, "org_vocab_size", None)
+            if attr == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
+                cols = columns(name, input_width(module)) if columns is not None else None
+                t = linear_readback(module, dtype, cols)
+                yield name, t[:vocab] if isinstance(module, ParallelLMHead) and vocab else t, cols is not None
+            elif attr == "weight" and isinstance(module, VocabParallelEmbedding):
+                yield name, module(torch.arange(vocab or param.shape[0], device=param.device)), False
+            else:
+                t = param.detach()
+                yield name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, False
+
+
+def resolve(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str, int | None]:
+    """(vLLM module, attribute, index in its fused group or None) holding HF tensor ``name``."""
+    path, _, attr = name.rpartition(".")
+    try:
+        return model.get_submodule(path), attr, None
+    except AttributeError:
+        pass
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    found = fused.part_of(name, packed)
+    if found is not None:
+        parent = fused.split(name)[0]
+        try:
+            return model.get_submodule(f"{parent}.{found[0]}" if parent else found[0]), attr, found[1]
+        except AttributeError:
+            pass
+    raise KeyError(f"the vLLM model has no module for {name!r}")
+
+
+def read_back(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """What the kernels compute with for the HF tensor ``name`` of ``shape`` (a fused part cut out of
+    its layer; a vocabulary the engine padded cut back)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    module, attr, index = resolve(model, name)
+    if attr == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
+        full = linear_readback(module, dtype)
+    elif attr == "weight" and isinstance(module, VocabParallelEmbedding):
+        device = module.weight.device
+        full = module(torch.arange(shape[0], device=device))
+    else:
+        full = getattr(module, attr).detach()
+        if full.dtype != dtype and full.is_floating_point():
+            full = full.to(dtype)  # e.g. a bias the CPU GEMM keeps in fp32 (exact for bf16 values)
+    if index is not None:
+        sizes = list(getattr(module, "output_sizes", []))
+        if len(sizes) <= index:
+            raise KeyError(f"{name}: cannot locate shard {index} of {type(module).__name__}")
+        start = sum(sizes[:index])
+        full = full.narrow(0, start, sizes[index])
+    if tuple(full.shape) != shape:
+        if full.dim() == len(shape) and full.shape[0] >= shape[0] and tuple(full.shape[1:]) == shape[1:]:
+            full = full[: shape[0]]  # a vocabulary padded by the engine
+        else:
+            raise ValueError(f"{name}: the engine holds {list(full.shape)}, the trainer serves {list(shape)}")
+    return full

@@ -1,0 +1,102 @@
+"""The trainer's one entry point into a ``vllm serve`` process with the ``faircast`` backend:
+:class:`ServedPush`, on every rank of the training job.
+
+It picks the route by ``plane`` and hands it a :class:`~faircast_ds.vllm.transfer.server.VllmServer`
+on rank 0:
+
+- ``"tcp"`` (the default; any host): :class:`~faircast_ds.vllm.transfer.tcp_route.TcpRoute`, rank 0
+  sends the served weights over the backend's authenticated channel
+  (:mod:`faircast_ds.vllm.transfer.trainer` -> :mod:`faircast_ds.export.sync`), vLLM's
+  ``/weight_checker`` verifies;
+- ``"shm"`` (the trainer and the server on one host): :class:`~faircast_ds.vllm.transfer.shm_route.ShmRoute`,
+  every rank writes its own served slices into the engine's shared staging segment
+  (:mod:`faircast_ds.vllm.transfer.shm`), the engine checks its kernels against the segment.
+
+Either way a push is dense first and after any failure, then deltas; it returns one
+:class:`~faircast_ds.export.source.ServedReport` (``stages``: seconds per stage) and raises on every
+rank when the engine does not hold the pushed bits (:class:`~faircast_ds.vllm.kernels.EngineWeightsMismatch`)
+or did not take the update (:class:`~faircast_ds.export.channel.WeightSyncError`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from faircast_ds._util.dist import rank_world
+from faircast_ds.export.channel import DEFAULT_HOST
+from faircast_ds.export.source import ServedReport
+from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
+from faircast_ds.vllm.transfer.server import VllmServer
+
+PLANES = ("tcp", "shm")
+
+
+class ServedPush:
+    """Push Fair Cast's served weights into a ``vllm serve`` process. Construct and :meth:`push` on every
+    rank (collectives under ZeRO-3); ``server`` (a :class:`VllmServer` or its URL) on rank 0, None elsewhere.
+
+    ``plane``: ``"tcp"`` or ``"shm"`` (module docstring). ``verify``: True (sampled after the first whole
+    check on TCP; sampled columns of the loaded layers on shm), ``"full"`` (every element) or False.
+    ``delta``: after an acknowledged push, carry only what changed. ``timeout`` bounds every wait, seconds.
+    TCP only: ``port``/``host`` of the engine's receiver, ``check_columns`` (columns per matrix of a
+    sampled check; 0: every check whole). shm only: ``secret`` (default: ``FAIRCAST_DS_SYNC_SECRET``)."""
+
+    def __init__(self, model: Any, server: VllmServer | str | None, *, plane: str = "tcp", verify: bool | str = True,
+                 delta: bool = True, timeout: float = 120.0, port: int = 0, host: str = DEFAULT_HOST,
+                 check_columns: int = SAMPLE_COLUMNS, secret: str | bytes | None = None) -> None:
+        if plane not in PLANES:
+            raise ValueError(f"plane must be one of {PLANES}, not {plane!r}")
+        _check_verify(verify)
+        tcp_only = [k for k, v, default in (("port", port, 0), ("host", host, DEFAULT_HOST),
+                                            ("check_columns", check_columns, SAMPLE_COLUMNS)) if v != default]
+        if plane == "shm" and tcp_only:
+            raise ValueError(f"{', '.join(tcp_only)}: options of plane 'tcp', not of the shared-memory plane")
+        if plane == "tcp" and secret is not None:
+            raise ValueError("secret: an option of plane 'shm' (the channel reads FAIRCAST_DS_SYNC_SECRET)")
+        rank, _ = rank_world()
+        if rank == 0 and server is None:
+            raise ValueError("ServedPush needs the server (or its URL) on rank 0")
+        if rank != 0:
+            server = None
+        elif not isinstance(server, VllmServer):
+            server = VllmServer(url=server)
+        self.model, self.plane = model, plane
+        if plane == "shm":
+            from faircast_ds.vllm.transfer.shm_route import ShmRoute
+
+            self.route: Any = ShmRoute(model, server, timeout=timeout, verify=verify, delta=delta, secret=secret)
+        else:
+            from faircast_ds.vllm.transfer.tcp_route import TcpRoute
+
+            self.route = TcpRoute(model, server, port=port, host=host, timeout=timeout, delta=delta, verify=verify,
+                                  check_columns=check_columns)
+
+    @property
+    def server(self) -> VllmServer | None:
+        return self.route.server
+
+    @property
+    def last_check(self) -> str | None:
+        """How the last push was verified: ``"whole"``, ``"sampled"`` or None (not checked)."""
+        return self.route.last_check
+
+    def push(self, version: int | None = None, *, verify: bool | str | None = None, kind: str = "auto") -> ServedReport:
+        """One update at ``version`` (default: the DeepSpeed engine's ``global_steps``), every rank.
+        ``kind``: ``auto`` (a delta once a push was acknowledged and ``delta`` is on), ``dense`` or ``delta``;
+        ``verify`` overrides the constructor's for this push."""
+        if verify is not None:
+            _check_verify(verify)
+        if kind not in ("auto", "dense", "delta"):
+            raise ValueError(f"kind must be 'auto', 'dense' or 'delta', not {kind!r}")
+        if version is None:
+            version = getattr(self.model, "global_steps", None)
+            if version is None:
+                raise ValueError("push(version=...) is required for a model that is not a DeepSpeed engine")
+        return self.route.push(int(version), verify=verify, kind=kind)
+
+    def close(self) -> None:
+        self.route.close()
+
+
+def _check_verify(verify: Any) -> None:
+    if not (verify is True or verify is False or verify == "full"):
+        raise ValueError(f"verify must be True, False or 'full', got {verify!r}")

@@ -1,0 +1,51 @@
+"""The trainer's one entry point, ServedPush: what it refuses before it talks to any engine (each refusal
+names the option), and that ``plane`` picks the route. No server is started: every case fails or is
+decided before the first connection."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faircast_ds.vllm.transfer import ServedPush
+
+
+def model():
+    return torch.nn.Linear(4, 4).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"plane": "nccl"}, "plane must be one of ('tcp', 'shm'), not 'nccl'"),
+    ({"plane": "shm", "check_columns": 0}, "check_columns: options of plane 'tcp'"),
+    ({"plane": "shm", "port": 29650}, "port: options of plane 'tcp'"),
+    ({"plane": "tcp", "secret": "s" * 32}, "secret: an option of plane 'shm'"),
+    ({"verify": "sampled"}, "verify must be True, False or 'full', got 'sampled'"),
+    ({"verify": 1}, "verify must be True, False or 'full', got 1"),
+])
+def test_options_that_do_not_fit_the_plane_are_refused_by_name(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        ServedPush(model(), "http://127.0.0.1:9", **kwargs)
+    assert words in str(err.value)
+
+
+def test_rank_zero_needs_the_server():
+    with pytest.raises(ValueError, match="needs the server"):
+        ServedPush(model(), None)
+
+
+@pytest.mark.parametrize("plane, route", [("tcp", "TcpRoute"), ("shm", "ShmRoute")])
+def test_the_plane_picks_the_route(plane, route, monkeypatch):
+    """The route's own constructor is reached (and its first call to the engine fails: nothing listens)."""
+    import importlib
+
+    module = importlib.import_module(f"faircast_ds.vllm.transfer.{plane}_route")
+    reached = []
+    real = getattr(module, route).__init__
+
+    def spy(self, *args, **kwargs):
+        reached.append(route)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(getattr(module, route), "__init__", spy)
+    with pytest.raises(Exception):  # noqa: B017 - whatever the refused connection raises
+        ServedPush(model(), "http://127.0.0.1:9", plane=plane, timeout=2.0)
+    assert reached == [route]
