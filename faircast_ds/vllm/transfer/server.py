@@ -71,7 +71,10 @@ class VllmServer:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: pin nothing
         self.log_path = Path(log_path) if log_path is not None else Path(f"vllm-server-{port}.log")
         self._log = open(self.log_path, "w")
-        # its own session: one process group for the server and everything vLLM spawns, killed together
+        # its own session: one process group for the server and everything vLLM spawns, killed together,
+        # tethered to this process: stopped when it dies, even by SIGKILL (a trainer rank killed for memory
+        # left its server running, and the job's retry was then killed for memory in turn)
+        cmd = [sys.executable, "-m", "faircast_ds._util.tethered", str(os.getpid()), "--", *cmd]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                      cwd=str(model_dir.parent))
         try:
