@@ -98,6 +98,10 @@ def block_bootstrap(values: Sequence[float], block: int = BLOCK, resamples: int 
     return float(x.mean()), float(lo), float(hi)
 
 
+def _pct(fraction: float) -> str:
+    return "–" if not math.isfinite(fraction) else f"{100 * fraction:.2f}%"
+
+
 def modes_of(rows: Sequence[dict], lr: float) -> list[str]:
     """The modes run at ``lr``, in the job's order (the fp32 reference first)."""
     found = {r["mode"] for r in rows if r["lr"] == lr}
@@ -170,7 +174,7 @@ def predicted_rows(rows: Sequence[dict], predictions: dict[str, dict], baseline:
     """``faircast-ds predict`` (a prediction for round-to-nearest) beside the measured changed fraction and
     lag of the ``baseline`` runs."""
     lines = ["| prediction | lr | RN changed per step: predicted mean, measured median | RN lag along drift: "
-             "predicted peak @ step, measured peak @ step | steps below half a spacing |", "|---|---|---|---|---|"]
+             "predicted peak @ step, measured peak @ step | weights stepping < half a spacing |", "|---|---|---|---|---|"]
     for label, p in predictions.items():
         lr, fig = float(p["lr"]), p
         near = [r for r in rows if r["lr"] == lr and r["mode"] == baseline]
@@ -185,8 +189,8 @@ def predicted_rows(rows: Sequence[dict], predictions: dict[str, dict], baseline:
         else:
             measured_peak = "–"
         predicted_changed = fig.get("predicted_changed_fraction_over_run", fig["predicted_changed_fraction"])
-        lines.append(f"| {label} | {lr:g} | {_fmt(100 * predicted_changed, '.2f')}%, "
-                     f"{_fmt(100 * float(np.median(changed)) if changed else math.nan, '.2f')}% | "
+        lines.append(f"| {label} | {lr:g} | {_pct(predicted_changed)}, "
+                     f"{_pct(float(np.median(changed)) if changed else math.nan)} | "
                      f"{fig['predicted_delay_steps']:.1f} @ {fig['predicted_delay_peak_step']}, {measured_peak} | "
                      f"{100 * fig['share_below_half_spacing']:.1f}% |")
     return lines

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -153,7 +154,8 @@ def checkpoint(name: str, *, root: str | os.PathLike | None = None, gguf: str | 
     target.parent.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     if verbose:
-        print(f"[faircast-ds] dequantizing {source.name} to a bf16 checkpoint in {target} (once)", flush=True)
+        print(f"[faircast-ds] dequantizing {source.name} to a bf16 checkpoint in {target} (once)", file=sys.stderr,
+              flush=True)  # stdout stays the caller's: `$(python3 -c '...print(checkpoint(...))')` is the path
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         _dequantize(model, source, scratch)

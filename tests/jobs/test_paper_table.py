@@ -74,3 +74,22 @@ def test_the_written_rows_rebuild_the_same_table(tmp_path, capsys):
     assert paper_table.main([str(tmp_path / "one" / "steps.csv"), "--out", str(tmp_path / "two")]) == 0
     assert capsys.readouterr().out == first
     assert (tmp_path / "two" / "steps.csv").read_bytes() == (tmp_path / "one" / "steps.csv").read_bytes()
+
+
+PREDICTIONS = ["start lr 1e-5=docs/pretrained/predict-start-lr1e-5.json",
+               "start lr 1e-6=docs/pretrained/predict-start-lr1e-6.json"]
+
+
+def test_the_committed_table_rebuilds_from_the_committed_rows(tmp_path, capsys):
+    """docs/pretrained/table.md is what the documented command prints from the committed rows and predictions."""
+    from conftest import ROOT
+
+    committed = ROOT / "docs" / "pretrained"
+    argv = [str(committed / "steps.csv"), *[p.replace("docs/", f"{ROOT}/docs/", 1) for p in PREDICTIONS]]
+    argv = [argv[0]] + [x for p in argv[1:] for x in ("--predict", p)] + ["--out", str(tmp_path)]
+    assert paper_table.main(argv) == 0
+    assert capsys.readouterr().out == (committed / "table.md").read_text()
+    assert (tmp_path / "steps.csv").read_bytes() == (committed / "steps.csv").read_bytes()
+    doc = (ROOT / "docs" / "pretrained.md").read_text()
+    assert " ".join(f'--predict "{p}"' for p in PREDICTIONS) in doc  # the documented command is this one
+    assert (committed / "table.md").read_text().split("\n\n", 1)[1].strip() in doc  # and the page shows its table
