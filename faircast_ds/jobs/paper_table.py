@@ -118,6 +118,23 @@ def _series(rows, lr, mode, seed, key):
     return [r["step"] for r in mine], [r[key] for r in mine]
 
 
+def lags_by_step(rows: Sequence[dict]) -> dict[int, list[float]]:
+    """The finite lags along the drift of ``rows``, by step (one per seed)."""
+    out: dict[int, list[float]] = {}
+    for r in rows:
+        if math.isfinite(r["lag_drift_steps"]):
+            out.setdefault(r["step"], []).append(r["lag_drift_steps"])
+    return out
+
+
+def lag_peak(by_step: dict[int, list[float]]) -> str:
+    """The largest mean-over-seeds lag and its step, as the table prints it."""
+    if not by_step:
+        return "–"
+    step = max(by_step, key=lambda s: float(np.mean(by_step[s])))
+    return f"{np.mean(by_step[step]):.1f} @ {step}"
+
+
 def measured_rows(rows: Sequence[dict]) -> list[str]:
     """Per learning rate and mode: the paper's figures measured."""
     lines = ["| lr | mode | seeds × steps | changed per step: median (steps ≥ 2), first 10 | lag along drift: "
@@ -130,16 +147,9 @@ def measured_rows(rows: Sequence[dict]) -> list[str]:
             counts = [sum(1 for r in mine if r["seed"] == s) for s in seeds]
             changed = [r["changed_fraction"] for r in mine if r["step"] >= 2]
             first10 = [r["changed_fraction"] for r in mine if r["step"] <= 10]
-            lag_by_step: dict[int, list[float]] = {}
-            for r in mine:
-                if math.isfinite(r["lag_drift_steps"]):
-                    lag_by_step.setdefault(r["step"], []).append(r["lag_drift_steps"])
+            lag_by_step = lags_by_step(mine)
             lag_mean = float(np.mean([v for vs in lag_by_step.values() for v in vs])) if lag_by_step else math.nan
-            if lag_by_step:
-                peak_step = max(lag_by_step, key=lambda s: float(np.mean(lag_by_step[s])))
-                peak = f"{np.mean(lag_by_step[peak_step]):.1f} @ {peak_step}"
-            else:
-                peak = "–"
+            peak = lag_peak(lag_by_step)
             kl = [r["kl_master"] for r in mine if math.isfinite(r["kl_master"])]
             rewards = [v for s in seeds for v in _series(rows, lr, mode, s, "reward")[1]]
             m, lo, hi = block_bootstrap(rewards)
@@ -179,15 +189,8 @@ def predicted_rows(rows: Sequence[dict], predictions: dict[str, dict], baseline:
         lr, fig = float(p["lr"]), p
         near = [r for r in rows if r["lr"] == lr and r["mode"] == baseline]
         changed = [r["changed_fraction"] for r in near if r["step"] >= 2]
-        lag_by_step: dict[int, list[float]] = {}
-        for r in near:
-            if math.isfinite(r["lag_drift_steps"]):
-                lag_by_step.setdefault(r["step"], []).append(r["lag_drift_steps"])
-        if lag_by_step:
-            s = max(lag_by_step, key=lambda k: float(np.mean(lag_by_step[k])))
-            measured_peak = f"{np.mean(lag_by_step[s]):.1f} @ {s} (of {max(lag_by_step)})"
-        else:
-            measured_peak = "–"
+        lag_by_step = lags_by_step(near)
+        measured_peak = lag_peak(lag_by_step) + (f" (of {max(lag_by_step)})" if lag_by_step else "")
         predicted_changed = fig.get("predicted_changed_fraction_over_run", fig["predicted_changed_fraction"])
         lines.append(f"| {label} | {lr:g} | {_pct(predicted_changed)}, "
                      f"{_pct(float(np.median(changed)) if changed else math.nan)} | "

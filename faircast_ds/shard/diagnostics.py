@@ -139,6 +139,9 @@ class Diagnostics:
                     index, history = torch.cat([saved[name][0], index]), torch.cat([saved[name][1], history], dim=1)
                 saved[name] = (index, history)
                 at += count
+        for name, (index, history) in saved.items():  # sorted once per parameter, looked up per slice
+            order = torch.argsort(index)
+            saved[name] = (index[order], history[:, order])
         tracked = {}
         for key, master, _, slices in flat_groups:
             self._track(key, slices, master.device, min(firsts))
@@ -147,12 +150,11 @@ class Diagnostics:
                 have = saved.get(name)
                 if have is None:
                     return f"the checkpoint's diagnostics sample lacks {name}"
-                order = torch.argsort(have[0])
-                sorted_index = have[0][order]
+                sorted_index, sorted_history = have
                 where = torch.searchsorted(sorted_index, index).clamp(max=max(sorted_index.numel() - 1, 0))
                 if sorted_index.numel() == 0 or not torch.equal(sorted_index[where], index):
                     return f"the checkpoint's diagnostics sample lacks elements of {name}"
-                history[:, cols] = have[1][:, order[where]]
+                history[:, cols] = sorted_history[:, where]
             tracked[key] = history.to(self._history[key].device)
         self._history.update(tracked)
         return None
