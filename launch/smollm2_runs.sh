@@ -2,12 +2,12 @@
 # The long runs of docs/pretrained.md (issue 34 item 3) on SmolLM2-135M-Instruct, one after another, each
 # resuming from its own checkpoints: running this script again (or after a crash or a kill) continues where
 # the runs stopped. Per-step CSVs: <out>/<name>/steps.csv.
-#   nice -n 15 bash launch/smollm2_runs.sh [OUT]        # OUT defaults to /work/smollm2-runs
+#   nice -n 15 bash launch/smollm2_runs.sh [OUT]        # OUT defaults to runs/smollm2 (in the repository, ignored)
 # On a shared machine the runs volunteer to be killed first when memory runs out (oom_score_adj 1000), and
 # each job is retried (up to RETRIES times) from its newest checkpoint after such a kill.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-/work/smollm2-runs}"
+out="${1:-runs/smollm2}"
 retries="${RETRIES:-5}"
 mkdir -p "$out"
 echo 1000 > /proc/self/oom_score_adj 2>/dev/null || true

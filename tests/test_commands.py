@@ -53,6 +53,8 @@ COVERAGE: list[tuple[str, str, str]] = [
      "tests/vllm/transfer/test_vllm_faults.py::test_dense_then_delta_serve_the_trainers_bits"),
     (r"^(nice -n 10 |OMP_NUM_THREADS=\d+ )?python3? benchmarks/", "long", "the benchmark script itself (benchmarks/, docs/performance.md)"),
     (r"^FAIRCAST_SOAK_RESTARTS=", "long", "the long soak: tests/system/test_soak.py with its documented settings"),
+    (r"^(nice -n \d+ )?bash launch/smollm2_runs\.sh", "long",
+     "the real model's long runs (docs/pretrained.md); tests/jobs/test_job_pretrained.py runs the same job for a few steps"),
     (r"^python3 -m pytest -q -p no:cacheprovider tests/config/test_config\.py", "quick",
      "test_config_and_check_commands_run"),
     (r"^python3 -m pytest -q -p no:cacheprovider (tests/\S+\.py)$", "suite", "a file of the suite: .ci/run runs it"),
@@ -166,7 +168,7 @@ def test_quick_variants_keep_the_command_and_cut_its_length():
 
 
 def main_job_variants() -> list[str]:
-    return sorted({quick_main_variant(c) for c in documented_commands() if rule_for(c)[1] == "quick"
+    return sorted({quick_main_variant(c) for c in documented_commands() if (rule_for(c) or ("", "", ""))[1] == "quick"
                    and re.search(r"^(JOB=staleness )?(bash launch/setup\.sh && )?bash launch/main\.sh( |$)", c)})
 
 
