@@ -30,7 +30,5 @@ run lr1e-5-seed0 --lr 1e-5 --steps 100 --seed-list 0 --modes nearest,dither
 run lr1e-6-seed0 --lr 1e-6 --steps 50 --seed-list 0 --modes nearest,dither
 # the second seed at lr 1e-5
 run lr1e-5-seed1 --lr 1e-5 --steps 100 --seed-list 1 --modes nearest,dither
-# the fp32 reference with HF rollouts: --engine vllm refuses fp32 today (the first push's /weight_checker
-# disagrees in every tensor of a float32 engine, docs/pretrained.md), so its rollouts are not on the same
-# random numbers as the runs above
-run lr1e-5-fp32-hf --lr 1e-5 --steps 100 --seed-list 0 --modes fp32 --engine hf
+# the fp32 reference, on the same rollout random numbers (its own float32 `vllm serve` engine)
+run lr1e-5-fp32 --lr 1e-5 --steps 100 --seed-list 0 --modes fp32

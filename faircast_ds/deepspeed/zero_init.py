@@ -20,9 +20,20 @@ class ZeroInit:
         self.ds_config = ds_config
 
     def building(self, dtype: torch.dtype) -> Any:
+        """``zero.Init`` building parameters in ``dtype``. The dtype comes from the config when the config
+        implies it: on an accelerator without fp16 (the CPU accelerator), DeepSpeed 0.16-0.19 ignore an
+        explicit ``dtype=`` and build bf16 (``dtype or fp16 if fp16 supported else bf16`` binds as
+        ``(dtype or fp16) if ... else bf16``), so an fp32 model asked for there came out bf16. Whatever
+        DeepSpeed settles on is checked: a model built in another dtype than asked is refused."""
         import deepspeed
 
-        return deepspeed.zero.Init(config_dict_or_path=self.ds_config, dtype=dtype)
+        implied = config_dtype(self.ds_config)
+        init = deepspeed.zero.Init(config_dict_or_path=self.ds_config, dtype=None if implied == dtype else dtype)
+        if init.dtype != dtype:
+            raise RuntimeError(f"deepspeed.zero.Init would build {init.dtype} parameters where {dtype} was asked "
+                               f"(the DeepSpeed config implies {implied}); give a config whose bf16/fp16 "
+                               f"sections match the dtype")
+        return init
 
     @contextlib.contextmanager
     def modifying(self, param: torch.nn.Parameter) -> Iterator[None]:
@@ -30,6 +41,19 @@ class ZeroInit:
 
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             yield
+
+
+def config_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    """The parameter dtype a DeepSpeed config trains in: bf16, fp16, or fp32 when neither is enabled."""
+    def enabled(key: str) -> bool:
+        section = ds_config.get(key) or {}
+        return bool(section.get("enabled", False)) if isinstance(section, dict) else False
+
+    if enabled("bf16") or enabled("bfloat16"):
+        return torch.bfloat16
+    if enabled("fp16") or enabled("float16"):
+        return torch.float16
+    return torch.float32
 
 
 def is_zero3(ds_config: dict[str, Any] | None) -> bool:

@@ -303,14 +303,7 @@ def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
     # steps start at 1, so step 0's draw is never trained on); the fp32 reference serves its master
     master_view = MasterView(engine, cfg, seed) if fair_cast is not None and (cfg.eval_every or cfg.kl_master_every) \
         else None
-    engine_name = cfg.rollout_engine
-    if reference and cfg.model and engine_name == "vllm":
-        # a float32 `vllm serve` engine fails its first verified push of the pretrained model (every tensor's
-        # /weight_checker checksum differs; docs/pretrained.md): the fp32 reference samples through HF
-        engine_name = "hf"
-        if rank == 0:
-            print("[grpo] fp32 reference: rollouts from the trainer (HF), not vLLM (docs/pretrained.md)", flush=True)
-    source = rollouts.make(engine_name, sample=rollout, ds_engine=engine, view=view, fp32=reference,
+    source = rollouts.make(cfg.rollout_engine, sample=rollout, ds_engine=engine, view=view, fp32=reference,
                           seed=seed, max_len=cfg.prompt_len + cfg.gen_len + 8, run_dir=os.path.join(cfg.out, cfg.name))
     return Run(mode=mode, seed=seed, cfg=cfg, engine=engine, optimizer=opt, fair_cast=fair_cast, view=view,
                sync_meter=DeltaSyncBytes(view) if view is not None and fair_cast is not None else None,

@@ -1,0 +1,63 @@
+"""``ZeroInit`` builds parameters in the dtype asked for, or refuses (a real ``deepspeed.zero.Init``, one rank).
+
+DeepSpeed 0.16-0.19 on the CPU accelerator ignore ``zero.Init(dtype=torch.float32)`` and build bf16; the fp32
+reference of the pretrained job was built bf16 that way (and then trained its bf16 parameters directly).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, cpu_env, free_port
+
+WORKER = r'''
+import json, os, sys, torch
+import deepspeed
+deepspeed.init_distributed("gloo")
+from faircast_ds.deepspeed.zero_init import ZeroInit
+out = {}
+for name, cfg, dtype in json.loads(sys.argv[1]):
+    dtype = getattr(torch, dtype)
+    try:
+        with ZeroInit(cfg).building(dtype):
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        out[name] = sorted({str(p.ds_tensor.dtype) for p in model.parameters()} |
+                           {str(p.dtype) for p in model.parameters()})
+    except RuntimeError as exc:
+        out[name] = "refused: " + str(exc)
+print("RESULT " + json.dumps(out))
+'''
+
+ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    cases = [
+        ("fp32 from an fp32 config", ZERO3, "float32"),
+        ("bf16 from a bf16 config", {**ZERO3, "bf16": {"enabled": True}}, "bfloat16"),
+        ("fp32 from a bf16 config", {**ZERO3, "bf16": {"enabled": True}}, "float32"),
+    ]
+    env = cpu_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(cases)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_an_fp32_model_is_built_fp32_on_the_cpu_accelerator(built):
+    assert built["fp32 from an fp32 config"] == ["torch.float32"]
+
+
+def test_a_bf16_model_is_built_bf16(built):
+    assert built["bf16 from a bf16 config"] == ["torch.bfloat16"]
+
+
+def test_a_dtype_the_config_contradicts_is_refused_by_name(built):
+    result = built["fp32 from a bf16 config"]
+    assert isinstance(result, str) and result.startswith("refused: ") and "torch.float32" in result \
+        and "torch.bfloat16" in result, result
