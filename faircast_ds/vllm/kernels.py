@@ -74,11 +74,14 @@ def linear_readback(module: Any, dtype: torch.dtype, columns: torch.Tensor | Non
 
 
 def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype, columns: Callable[[str, int], Any] | None = None,
-                   names: Any = None) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """(vLLM parameter name, the tensor its kernel computes with, whether only some columns were read) for
-    every parameter of ``model``. ``columns(vllm name, input width)``: the input columns to read of a
-    matrix (a linear layer or the LM head), or None to read it whole (default: every matrix whole).
-    ``names``: only these vLLM parameter names (default: every one)."""
+                   names: Any = None, *, rows: Callable[[str, int, int], Any] | None = None,
+                   ) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """(vLLM parameter name, the tensor its kernel computes with, what was sampled: False when read whole,
+    True when only some columns were, ``"rows"`` when only some embedding rows were) for every parameter of
+    ``model``. ``columns(vllm name, input width)``: the input columns to read of a matrix (a linear layer or
+    the LM head), or None to read it whole (default: every matrix whole). ``rows(vllm name, rows, width)``:
+    the ids to look up of the token embedding, or None for every id (default). ``names``: only these vLLM
+    parameter names (default: every one)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
@@ -99,7 +102,12 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype, columns: Callable
                 t = linear_readback(module, dtype, cols)
                 yield name, t[:vocab] if isinstance(module, ParallelLMHead) and vocab else t, cols is not None
             elif attr == "weight" and isinstance(module, VocabParallelEmbedding):
-                yield name, module(torch.arange(vocab or param.shape[0], device=param.device)), False
+                count = vocab or param.shape[0]
+                ids = rows(name, count, module.embedding_dim) if rows is not None else None
+                if ids is None:
+                    yield name, module(torch.arange(count, device=param.device)), False
+                else:
+                    yield name, module(ids.to(param.device)), "rows"
             else:
                 t = param.detach()
                 yield name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, False

@@ -19,8 +19,10 @@ params`` FLOPs: about 1.7 TFLOP for Qwen3-0.6B, seconds on a CPU and more than t
 A sampled checksum reads ``k`` input columns of every matrix instead (``k`` identity rows, exact
 bits; :func:`sample_columns`): evenly spaced, from an offset hashed from the layer's name and the
 weight version it was loaded at, so the columns move with every update of the layer. Its digest
-is ``cols<k>@v<version>:<sha256>``, never equal to a whole tensor's. Vectors (norms, biases) and the
-embedding (a lookup of every id) are always hashed whole. The engine side computes a sampled check
+is ``cols<k>@v<version>:<sha256>``, never equal to a whole tensor's. The embedding is sampled by rows
+the same way (:func:`sample_rows`: the ids looked up, evenly spaced from a hashed offset, as many as make the
+same share of its elements as ``k`` columns are of a matrix of its width; ``rows<n>@v<version>:<sha256>``).
+Vectors (norms, biases) are always hashed whole. The engine side computes a sampled check
 only when the ``faircast`` backend's last update asked for one (``check_columns``), once; vLLM's own
 ``/weight_checker`` calls are whole otherwise.
 """
@@ -72,9 +74,27 @@ def sample_columns(name: str, width: int, k: int, version: int) -> torch.Tensor:
     return torch.arange(k, dtype=torch.long) * stride + offset
 
 
-def sampled_digest(columns: torch.Tensor, k: int, version: int) -> str:
-    """The digest of a matrix's sampled columns (``[out, k]``, as read): tagged with k and the version."""
-    return f"cols{int(k)}@v{int(version)}:" + checksum(columns)
+def sampled_digest(columns: torch.Tensor, k: int, version: int, what: str = "cols") -> str:
+    """The digest of a matrix's sampled columns (``[out, k]``, as read; ``what="rows"``: an embedding's
+    sampled rows, ``[n, width]``): tagged with what was sampled, how many and the version."""
+    return f"{what}{int(k)}@v{int(version)}:" + checksum(columns)
+
+
+def embedding_rows(count: int, width: int, k: int) -> int:
+    """How many of an embedding's ``count`` rows of ``width`` a sampled check reads for ``k`` columns per
+    matrix: the same share of its elements as ``k`` columns are of a matrix ``width`` wide (at least one)."""
+    return max(1, min(int(count), -(-int(k) * int(count) // max(1, int(width)))))
+
+
+def sample_rows(name: str, count: int, width: int, k: int, version: int) -> torch.Tensor:
+    """The rows (ids) of the embedding vLLM calls ``name`` that a sampled check at ``k`` columns per matrix
+    looks up at weight ``version``: :func:`sample_columns` over the rows, :func:`embedding_rows` of them."""
+    return sample_columns(name, count, embedding_rows(count, width, k), version)
+
+
+def is_embedding(vllm_name: str, tensor: torch.Tensor) -> bool:
+    """Whether the trainer side samples this tensor by rows: the token embedding (what the engine looks up)."""
+    return tensor.dim() == 2 and vllm_name.endswith("embed_tokens.weight")
 
 
 def is_matrix(vllm_name: str, tensor: torch.Tensor) -> bool:
@@ -103,11 +123,18 @@ class ChecksumCollector:
         return t.index_select(1, sample_columns(key, t.shape[1], k, version))
 
     def _finish(self, key: str, whole: torch.Tensor | None, cols: torch.Tensor | None, matrix: bool) -> None:
-        if whole is not None:
+        if whole is not None and self.whole:
             self.full[self.prefix + key] = checksum(whole)
         if self.sample is not None:
-            self.sampled[self.prefix + key] = (sampled_digest(cols, *self.sample) if matrix
-                                               else checksum(whole if whole is not None else cols))
+            t = whole if whole is not None else cols
+            if matrix:
+                self.sampled[self.prefix + key] = sampled_digest(cols, *self.sample)
+            elif is_embedding(key, t):
+                k, version = self.sample
+                rows = sample_rows(key, t.shape[0], t.shape[1], k, version)
+                self.sampled[self.prefix + key] = sampled_digest(t.index_select(0, rows), len(rows), version, "rows")
+            else:
+                self.sampled[self.prefix + key] = checksum(t)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().cpu()
@@ -162,13 +189,22 @@ def kernel_items(model: torch.nn.Module, dtype: torch.dtype, sample: Any = None,
     """(vLLM parameter name, the tensor its kernel computes with) for every parameter of ``model``
     (:func:`faircast_ds.vllm.kernels.kernel_tensors`); with ``sample`` (``(k, version_of)``: columns per
     matrix and each vLLM name's loaded version, or None where unknown), a matrix's item is its sampled
-    digest instead (:func:`sample_columns`). ``names``: only these vLLM parameter names."""
+    digest instead (:func:`sample_columns`), and so is the embedding's (:func:`sample_rows`). ``names``: only
+    these vLLM parameter names."""
     def columns(name: str, width: int) -> torch.Tensor | None:
         version = sample[1](name) if sample is not None else None
         return None if version is None else sample_columns(name, width, sample[0], version)
 
-    for name, t, sampled in kernel_tensors(model, dtype, columns if sample is not None else None, names):
-        yield name, sampled_digest(t, sample[0], sample[1](name)) if sampled else t
+    def rows(name: str, count: int, width: int) -> torch.Tensor | None:
+        version = sample[1](name) if sample is not None else None
+        return None if version is None else sample_rows(name, count, width, sample[0], version)
+
+    for name, t, sampled in kernel_tensors(model, dtype, columns if sample is not None else None, names,
+                                           rows=rows if sample is not None else None):
+        if sampled == "rows":
+            yield name, sampled_digest(t, t.shape[0], sample[1](name), "rows")
+        else:
+            yield name, sampled_digest(t, sample[0], sample[1](name)) if sampled else t
 
 
 def kernel_checksums(worker: Any) -> dict[str, str]:
@@ -205,7 +241,7 @@ def plane_check(model: torch.nn.Module, dtype: torch.dtype, staged: list[tuple[s
     """After a load from the shared-memory plane's segment: the vLLM names among the loaded layers whose
     kernels compute with other bits than ``staged`` (HF-named tensors of the segment, whole fused
     groups). ``columns`` > 0 reads that many input columns of each matrix (at ``version``'s sample),
-    0 reads every element; vectors and the embedding are read whole."""
+    0 reads every element; the embedding is read at its sampled rows (every row for 0); vectors whole."""
     sample = (columns, int(version)) if columns else None
     expected = served_checksums(staged, prefix="", sample=sample)
     got = {name: t if isinstance(t, str) else checksum(t.cpu())

@@ -56,11 +56,27 @@ def test_sampled_digests_match_the_oracle_fused_layers_included():
     assert got[PREFIX + key] == "cols4@v7:" + oracle_digest(qkv, oracle_columns(key, 16, 4, 7))
     key = "model.layers.0.mlp.down_proj.weight"
     assert got[PREFIX + key] == "cols4@v7:" + oracle_digest(w[key], oracle_columns(key, 48, 4, 7))
-    # the embedding and vectors stay whole
-    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"):
-        t = w[key].reshape(1, -1) if w[key].dim() == 1 else w[key]
-        assert got[PREFIX + key] == oracle_digest(t, list(range(t.shape[1])))
+    # the embedding by rows: 4 columns of 16 are a quarter, so ceil(50 / 4) = 13 of its 50 rows
+    key = "model.embed_tokens.weight"
+    rows = oracle_columns(key, 50, 13, 7)
+    assert got[PREFIX + key] == "rows13@v7:" + oracle_digest(w[key][rows], list(range(16)))
+    # vectors stay whole
+    key = "model.layers.0.input_layernorm.weight"
+    assert got[PREFIX + key] == oracle_digest(w[key].reshape(1, -1), list(range(16)))
     assert len(got) == 5
+
+
+def test_an_embedding_row_is_seen_only_when_sampled():
+    w = weights()
+    key = "model.embed_tokens.weight"
+    rows = oracle_columns(key, 50, 13, 7)
+    base = served_checksums(w.items(), sample=(4, 7))[PREFIX + key]
+    for row, seen in ((rows[3], True), (next(r for r in range(50) if r not in rows), False)):
+        changed = dict(w)
+        changed[key] = w[key].clone()
+        changed[key][row, 5] += 0.25
+        assert (served_checksums(changed.items(), sample=(4, 7))[PREFIX + key] != base) == seen
+        assert served_checksums(changed.items())[PREFIX + key] != served_checksums(w.items())[PREFIX + key]
 
 
 def test_a_collector_gives_whole_and_sampled_checksums_from_one_walk():
