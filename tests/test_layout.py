@@ -113,6 +113,48 @@ def test_no_module_outside_the_integrations_imports_deepspeed_or_megatron():
     assert not offenders, "\n".join(offenders)
 
 
+def integration_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Lines of ``source`` that import an integration (faircast_ds.deepspeed, faircast_ds.megatron): import
+    statements at any level of the file, relative ones resolved, and ``importlib.import_module`` /
+    ``__import__`` of a literal name."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        targets = imported(node, module, is_package)
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and (
+                    getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None) in (
+                        "import_module", "__import__")):
+            targets = [node.args[0].value]
+        hits += [f"{node.lineno}: {t}" for t in targets if within(t, INTEGRATIONS)]
+    return sorted(set(hits))
+
+
+def test_the_integration_import_scan_finds_one():
+    source = ("import torch\nfrom faircast_ds.export.served import ParamSpec\n"
+              "def f():\n    from faircast_ds.deepspeed import reader\n"
+              "def g():\n    import importlib\n    return importlib.import_module('faircast_ds.megatron.reader')\n"
+              "from ..deepspeed.params import full_shape\n")
+    assert integration_imports(source, "faircast_ds.export.source") == [
+        "4: faircast_ds.deepspeed", "4: faircast_ds.deepspeed.reader", "7: faircast_ds.megatron.reader",
+        "8: faircast_ds.deepspeed.params", "8: faircast_ds.deepspeed.params.full_shape"]
+    assert integration_imports("from faircast_ds.export import source\n", "faircast_ds.export.hf") == []
+
+
+def test_export_imports_no_integration():
+    """export/ is handed each integration's served-weight reader (``faircast_ds.export.source.provide``, called
+    by the attach): it never imports faircast_ds.deepspeed or faircast_ds.megatron, at any level of a file,
+    through a lazy public name or by importlib, so nothing there depends on an integration or its import order."""
+    offenders = []
+    for name, path in modules().items():
+        if not within(name, ("faircast_ds.export",)):
+            continue
+        offenders += [f"{path.relative_to(ROOT)}:{hit}"
+                      for hit in integration_imports(path.read_text(), name, path.name == "__init__.py")]
+        if path.name == "__init__.py":
+            offenders += [f"{path.relative_to(ROOT)}: lazy {t}" for t in lazy_targets(path) if within(t, INTEGRATIONS)]
+    assert not offenders, "\n".join(offenders)
+
+
 def test_nothing_but_megatron_compat_reads_the_megatron_release():
     """Megatron's release check lives in faircast_ds/megatron/compat.py, as DeepSpeed's does in its compat."""
     offenders = [str(path.relative_to(ROOT)) for name, path in modules().items()

@@ -1,7 +1,8 @@
 """The runtime route: Fair Cast on an unmodified DeepSpeed, config -> caster -> adapter -> shard.
 
-``install()`` wraps ``DeepSpeedEngine.__init__`` so that every engine whose config has a
-``fair_cast`` section is attached as it is built, on the runtime route (the interpreter-start hook
+``install()`` wraps ``DeepSpeedEngine.__init__`` so that every engine is handed to ``attach`` as it is
+built (export gets each one's served-weight reader, ``faircast_ds.deepspeed.reader``); one whose config
+has a ``fair_cast`` section is attached, on the runtime route (the interpreter-start hook
 calls it for you). ``attach(engine, route="auto")`` attaches one engine explicitly, on either route
 (the hook route's own half is ``faircast_ds.deepspeed.hook``). The adapter replaces the optimizer's
 refresh sites; ``wire_engine`` registers periodic diagnostics, Fair Cast's checkpoint state
@@ -20,16 +21,14 @@ from faircast_ds.config.section import FairCastConfig
 from faircast_ds.config.source import Source
 from faircast_ds.deepspeed.adapters import make_adapter
 from faircast_ds.deepspeed.adapters.registry import stand_in, will_train
+from faircast_ds.deepspeed import reader as served_reader
 from faircast_ds.deepspeed.engine_hooks import EngineHooks
-from faircast_ds.deepspeed.params import ZERO3
 from faircast_ds.deepspeed.support import check_supported, engine_config, raw_config
-from faircast_ds.shard import partitioned, routes
+from faircast_ds.shard import routes
 from faircast_ds.shard.caster import ShardCaster
 from faircast_ds.shard.handle import ATTR, FairCast, build, get_fair_cast, resolve
 
 ROUTE = routes.DEEPSPEED_RUNTIME
-
-partitioned.register(ZERO3)  # the core's export reads ZeRO-3 parameters through it
 
 __all__ = ["FairCast", "attach", "get_fair_cast", "install"]
 
@@ -60,12 +59,15 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | No
     engine a route already serves (e.g. attached as it was built, by ``install()``) gets that route's
     handle back, whatever ``route`` says.
     Returns None when there is no section or it says ``enabled: false``, and for an engine without a
-    training optimizer (a reference or evaluation copy: rank 0 says so in one line). Raises
+    training optimizer (a reference or evaluation copy: rank 0 says so in one line). Every engine, with
+    Fair Cast or without, gets its served-weight reader handed to export first
+    (:func:`faircast_ds.deepspeed.reader.provide`: export reads a ZeRO-3 engine through it). Raises
     FairCastConfigError for a malformed section and UnsupportedSetupError for a setup we cannot route
     through the cast.
     """
     from faircast_ds.deepspeed import hook
 
+    served_reader.provide(engine)  # export reads this engine's served weights through DeepSpeed's reader
     existing = get_fair_cast(engine)
     if existing is not None:
         return existing

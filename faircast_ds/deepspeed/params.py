@@ -46,21 +46,3 @@ def gathered(param: torch.nn.Parameter) -> Iterator[torch.Tensor]:
             yield param.data
     else:
         yield param.data
-
-
-class Zero3Layout:
-    """ZeRO-3's partitioned parameters as the core reads them (:class:`faircast_ds.shard.partitioned.Layout`)."""
-
-    name = "deepspeed-zero3"
-
-    def owns(self, param: torch.nn.Parameter) -> bool:
-        return is_partitioned(param)
-
-    def full_shape(self, param: torch.nn.Parameter) -> tuple[int, ...]:
-        return full_shape(param)
-
-    def gathered(self, param: torch.nn.Parameter) -> contextlib.AbstractContextManager[torch.Tensor]:
-        return gathered(param)
-
-
-ZERO3 = Zero3Layout()

@@ -4,7 +4,9 @@
   parameter's served bf16 bits once (dense) or only the parameters changed since the last
   acknowledged version (delta), with one :class:`ServedReport` type for every route.
   :func:`served_weights` is its per-parameter primitive (a collective under ZeRO-3);
-  :func:`served_specs` lists names, shapes and dtypes without gathering.
+  :func:`served_specs` lists names, shapes and dtypes without gathering. Each reads the model
+  through the reader its integration handed over (:func:`provide`, :func:`reader_of`; a model no
+  integration attached is read as a plain module).
 - :func:`save_hf` writes a Hugging Face directory (safetensors + config) atomically.
 - :class:`WeightSender` / :class:`WeightReceiver` push the weights to a separate inference process
   over an authenticated TCP channel of their own, dense or as sparse deltas, all-or-nothing.
@@ -23,12 +25,7 @@ from faircast_ds.export.channel import (
                                         WeightSyncError,
 )
 from faircast_ds.export.hf import ExportError, ExportResult, save_hf
-from faircast_ds.export.served import (
-                                        ParamSpec,
-                                        local_served_slices,
-                                        served_specs,
-                                        served_weights,
-)
+from faircast_ds.export.served import ParamSpec
 from faircast_ds.export.source import (
                                         ModelReader,
                                         ServedItem,
@@ -36,6 +33,11 @@ from faircast_ds.export.source import (
                                         ServedReport,
                                         ServedSource,
                                         Walk,
+                                        local_served_slices,
+                                        provide,
+                                        reader_of,
+                                        served_specs,
+                                        served_weights,
 )
 from faircast_ds.export.sync import (
                                         SyncAborted,
@@ -46,4 +48,4 @@ from faircast_ds.export.sync import (
 __all__ = ["AcceptTimeout", "AtomicDirectory", "AuthenticationError", "ChannelError", "ProtocolError", "Refused", "DEFAULT_HOST", "ExportError", "ExportResult", "ModelReader", "ParamSpec", "ServedItem",
            "ServedReader", "ServedReport", "ServedSource", "Walk",
            "SyncAborted", "WeightReceiver", "WeightSender", "WeightSyncError", "local_served_slices",
-           "save_hf", "served_specs", "served_weights"]
+           "provide", "reader_of", "save_hf", "served_specs", "served_weights"]

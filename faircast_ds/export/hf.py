@@ -25,8 +25,8 @@ from faircast_ds.export.safetensors_stream import (
     plan_shards,
     shard_file_names,
 )
-from faircast_ds.export.served import fair_cast_of, module_of
-from faircast_ds.export.source import ServedSource
+from faircast_ds.export.served import module_of
+from faircast_ds.export.source import ServedSource, fair_cast_summary
 
 MANIFEST = "faircast_export.json"
 EXPORT_FORMAT = "faircast-ds-export/1"
@@ -53,13 +53,6 @@ def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
             if buf is not None and name not in m._non_persistent_buffers_set:
                 out.append((f"{prefix}.{name}" if prefix else name, buf))
     return out
-
-
-def fair_cast_summary(model: Any) -> dict[str, Any] | None:
-    fc = fair_cast_of(model)
-    if fc is None:
-        return None
-    return {"mode": fc.config.mode, "seed": fc.config.seed, "step": fc.caster.step}
 
 
 def _write_config(module: torch.nn.Module, directory: Path, dtype: torch.dtype) -> None:
@@ -127,7 +120,8 @@ def save_hf(model: Any, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2
     the previous complete export, or this complete export, whenever the writer stops. ``version``
     defaults to the engine's ``global_steps``. Raises :class:`ExportError` on every rank if rank 0
     failed; nothing is published then. ``source``: the served-weight source to read (default: the
-    model's own, :class:`~faircast_ds.export.source.ServedSource`; another framework passes its reader's).
+    model's own, read by the reader its integration provided, :func:`~faircast_ds.export.source.reader_of`;
+    a reader given directly: ``ServedSource(reader=...)``).
     """
     module = module_of(model)
     if version is None:
@@ -163,7 +157,7 @@ def save_hf(model: Any, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2
             writer.finish()
             dtypes = [s.dtype for s in specs]
             _write_config(module, staging.path, max(dtypes, key=dtypes.count) if dtypes else torch.bfloat16)
-            manifest = {"format": EXPORT_FORMAT, "version": version, "fair_cast": fair_cast_summary(model),
+            manifest = {"format": EXPORT_FORMAT, "version": version, "fair_cast": fair_cast_summary(source.reader),
                         "tensors": len(entries), "parameters": len(specs), "files": writer.written}
             (staging.path / MANIFEST).write_text(json.dumps(manifest, indent=1))
             staging.commit()

@@ -2,7 +2,7 @@
 
 The safetensors format is an 8-byte little-endian header length, a JSON header giving each
 tensor's dtype, shape and byte range, then the raw little-endian bytes. Shapes and dtypes are known
-before any data is read (:func:`faircast_ds.export.served.served_specs`), so the header is written
+before any data is read (:func:`faircast_ds.export.source.served_specs`), so the header is written
 first and the data streamed after it: the writer never holds more than the tensor it is handed.
 """
 from __future__ import annotations

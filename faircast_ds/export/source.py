@@ -23,16 +23,19 @@ Acknowledge and abort::
     # or walk.abort() / nothing: the next walk is relative to the last acknowledged version
     source.require_dense()                      # a new engine or a reconnect: the next walk is dense
 
-Where the parameters live is a :class:`ServedReader`'s business: :class:`ModelReader` reads a
-DeepSpeed engine or a plain module (ZeRO-3 through :mod:`faircast_ds.shard.partitioned`); another
-framework (Megatron) supplies its own reader. No framework and no engine is imported here.
+Where the parameters live is a :class:`ServedReader`'s business, and the integration that attached to
+a model hands export its reader: :func:`provide` (DeepSpeed's attach provides
+``faircast_ds.deepspeed.reader.DeepSpeedReader`` for every engine it sees, ZeRO-0/1/2/3; Megatron's attach
+its HF-named ``MegatronHFReader``). :func:`reader_of` is the one lookup; a model no integration
+provided a reader for is read as a plain module (:class:`ModelReader`). No framework, no integration
+and no engine is imported here, and nothing depends on what was imported before.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,11 +46,9 @@ from faircast_ds.export.served import (
     LocalSlice,
     ParamSpec,
     checked,
-    local_served_slices,
+    even_slices,
     module_of,
-    served_specs,
 )
-from faircast_ds.shard import partitioned
 
 DENSE, DELTA = "dense", "delta"
 _WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -97,6 +98,9 @@ class ServedReader(Protocol):
     - :meth:`full`: parameter ``index`` in full, in its served dtype, for the duration (a collective
       over :attr:`group` where :meth:`is_gathered` says so).
     - :attr:`group`: the process group the walk's own collectives run on (None: the default group).
+
+    Optional: ``fair_cast_summary()``, the Fair Cast settings an export records (``mode``, ``seed``,
+    ``step``), or None (:func:`fair_cast_summary`).
     """
 
     specs: list[ParamSpec]
@@ -109,30 +113,94 @@ class ServedReader(Protocol):
     def is_gathered(self, index: int) -> bool: ...
 
 
+ReaderFactory = Callable[[Any], ServedReader]
+READER_ATTR = "_faircast_served_reader"  # where provide() keeps a model's reader (on the model: nothing leaks)
+
+
+def provide(model: Any, reader: ServedReader | ReaderFactory) -> None:
+    """An integration hands export the reader of ``model``'s served weights (the engine or module a
+    consumer will give :class:`ServedSource`, :func:`~faircast_ds.export.hf.save_hf`, a push). ``reader``:
+    a :class:`ServedReader`, or a callable that makes one from the model it is asked about (called for
+    each source, so each reads the model as it is then). Local; a second call replaces the first. Kept
+    on the model itself, so it goes with the model."""
+    setattr(model, READER_ATTR, reader)
+
+
+def provided(model: Any) -> ServedReader | ReaderFactory | None:
+    """What an integration provided for ``model`` (:func:`provide`), or None."""
+    return getattr(model, READER_ATTR, None)
+
+
+def reader_of(model: Any) -> ServedReader:
+    """The reader of ``model``'s served weights: the one its integration provided, else a plain
+    module's (:class:`ModelReader`). Local: no collective."""
+    given = provided(model)
+    if given is None:
+        return ModelReader(model)
+    return given(model) if callable(given) else given
+
+
+def fair_cast_summary(reader: ServedReader) -> dict[str, Any] | None:
+    """The Fair Cast settings an export records, as the reader reports them (None: none attached)."""
+    summary = getattr(reader, "fair_cast_summary", None)
+    return summary() if summary is not None else None
+
+
 class ModelReader:
-    """A DeepSpeed engine's (any ZeRO stage, BF16_Optimizer) or a plain module's served weights."""
+    """A plain module's served weights: the reader of a model no integration provided one for (an fp32
+    reference, a module Fair Cast never attached to). Every rank holds every parameter; each rank's
+    pieces are an even split of each one (:func:`~faircast_ds.export.served.even_slices`). A parameter
+    with no elements on this rank (a framework's partitioned one) is refused."""
 
     group = None
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.specs = served_specs(model)
-        self._params = [p for _, p in module_of(model).named_parameters()]
+        named = list(module_of(model).named_parameters())
+        self._params = [checked(name, p) for name, p in named]
+        self.specs = [ParamSpec(name, tuple(int(d) for d in p.shape), p.dtype) for name, p in named]
 
     def local_slices(self) -> list[LocalSlice]:
-        return local_served_slices(self.model)
+        rank, world = rank_world()
+        return even_slices(((s.name, p) for s, p in zip(self.specs, self._params)), rank, world)
 
     def is_gathered(self, index: int) -> bool:
-        return partitioned.is_partitioned(self._params[index])
+        return False
 
     @contextlib.contextmanager
     def full(self, index: int) -> Iterator[torch.Tensor]:
-        p = self._params[index]
-        if partitioned.is_partitioned(p):
-            with partitioned.gathered(p) as full:
-                yield full
-        else:
-            yield checked(self.specs[index].name, p).data
+        yield self._params[index].data
+
+
+def served_specs(model: Any) -> list[ParamSpec]:
+    """Every served parameter's name, full shape and dtype, in the reader's order (``named_parameters()``
+    for DeepSpeed and a plain module). Local: no collective, no gather."""
+    return list(reader_of(model).specs)
+
+
+def local_served_slices(model: Any) -> list[LocalSlice]:
+    """This rank's own pieces of the served parameters, read in place (no gather, no copy): over all
+    ranks they cover every served element exactly once. Raises ValueError where the reader cannot
+    read them (ZeRO-3 without Fair Cast)."""
+    return reader_of(model).local_slices()
+
+
+@torch.no_grad()
+def served_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every served parameter, in the reader's order, exactly as the
+    trainer's forward sees it (bf16 under DeepSpeed's bf16 mode).
+
+    A collective where the reader gathers (ZeRO-3): call it on every rank and consume the iterator to
+    the end on every rank. Each parameter is gathered on its own, in its served dtype, and released
+    before the next one, so no rank holds more than one gathered parameter at a time. The yielded
+    tensor is the parameter's own storage, not a copy: it is valid until the iterator advances and must
+    not be modified. ``model`` is a DeepSpeed engine, a module, or whatever an integration provided a
+    reader for.
+    """
+    reader = reader_of(model)
+    for index, spec in enumerate(reader.specs):
+        with reader.full(index) as full:
+            yield spec.name, full
 
 
 @dataclass
@@ -157,8 +225,8 @@ class ServedItem:
 class ServedSource:
     """The served weights of one model as walks, with the last acknowledged version's baseline.
 
-    Construct on every rank with a DeepSpeed engine, a module, or ``reader=`` (another framework's
-    :class:`ServedReader`). ``delta=False`` never keeps a baseline (every walk is dense). Every walk is a
+    Construct on every rank with a model (read by the reader its integration provided, :func:`reader_of`)
+    or ``reader=`` (a :class:`ServedReader` given directly). ``delta=False`` never keeps a baseline (every walk is dense). Every walk is a
     collective of :attr:`reader`'s group: start it and consume it to the end on every rank. The
     acknowledged version is one engine's: give each engine route its own source (they may share a
     reader).
@@ -168,7 +236,7 @@ class ServedSource:
         if (model is None) == (reader is None):
             raise ValueError("ServedSource takes a model or reader=, exactly one")
         self.model = model
-        self.reader: ServedReader = reader if reader is not None else ModelReader(model)
+        self.reader: ServedReader = reader if reader is not None else reader_of(model)
         self.specs: list[ParamSpec] = list(self.reader.specs)
         self.index = {s.name: i for i, s in enumerate(self.specs)}
         self.numel = sum(s.numel for s in self.specs)

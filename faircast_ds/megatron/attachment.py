@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.megatron import guard
+from faircast_ds.megatron import reader as served_reader
 from faircast_ds.megatron.adapters import (
     MegatronAdapter,
     distributed_optimizers,
@@ -21,12 +22,19 @@ from faircast_ds.shard.handle import FairCast, build, get_fair_cast, resolve
 
 
 def attach(optimizer: Any, config: FairCastConfig | Mapping[str, Any], *,
-           route: routes.Choice = "auto") -> FairCast | None:
+           route: routes.Choice = "auto", family: str | None = None) -> FairCast | None:
     """Serve ``optimizer``'s bf16 parameters by Fair Cast (a DistributedOptimizer or a ChainedOptimizer of them).
+
+    First, enabled or not, export is handed the served weights' HF-named reader under the optimizer and
+    each of its model chunks (:func:`faircast_ds.megatron.reader.provide`; ``family``: ``llama`` or
+    ``qwen3``, by default Qwen3 where the config has query/key norms), so ``save_hf(chunk, ...)`` and the
+    vLLM push read them without naming the reader.
 
     Returns None when the config says ``enabled: false``. Raises FairCastConfigError for a malformed
     config and UnsupportedSetupError for a setup whose served copy we do not route.
     """
+    chunks = list({id(c): c for opt in distributed_optimizers(optimizer) for c in getattr(opt, "model_chunks", ())}.values())
+    served_reader.provide(optimizer, chunks, family=family)  # export reads the served weights through it
     config = resolve(config)
     if config is None:
         return None

@@ -19,6 +19,9 @@ push, the HF export) reads a Megatron trainer's served bf16 bits under HF names:
 
 Every walk is dense (``local_slices`` raises: a rank's pieces are in Megatron's layout, not the HF
 tensors'). Nothing here changes a served bit: the pieces are views and copies of the served tensors.
+
+Megatron's attach hands it to export (:func:`provide`, under the optimizer and each model chunk), so
+``ServedSource(model)`` / ``save_hf(model, ...)`` on a chunk read it without naming it.
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from faircast_ds.export import source as export_source
 from faircast_ds.export.served import LocalSlice, ParamSpec
 from faircast_ds.megatron.layout import global_names, split_of, tp_group_of
+from faircast_ds.shard.handle import get_fair_cast
 
 FAMILIES = ("llama", "qwen3")
 
@@ -145,11 +150,14 @@ def _order(name: str) -> tuple:
 class MegatronHFReader:
     """A Megatron GPT model's served parameters under HF names, every stage's, on every rank (see the
     module docstring). ``chunks``: this rank's model chunks (the DDP-wrapped modules); ``config``: its
-    ``TransformerConfig``. Construct on every rank (one ``all_gather_object`` of the stages' names)."""
+    ``TransformerConfig``. Construct on every rank (one ``all_gather_object`` of the stages' names).
+    ``fair_cast``: the handle attached to the chunks' optimizer, for what an export records."""
 
     group = None  # the walk's own collectives: the default group (every rank takes part in every parameter)
 
-    def __init__(self, chunks: Iterable[torch.nn.Module], config: Any, family: str = "qwen3") -> None:
+    def __init__(self, chunks: Iterable[torch.nn.Module], config: Any, family: str = "qwen3", *,
+                 fair_cast: Any = None) -> None:
+        self.fair_cast = fair_cast
         if family not in FAMILIES:
             raise ValueError(f"unknown model family {family!r}: one of {', '.join(FAMILIES)}")
         from megatron.core import parallel_state as ps
@@ -219,3 +227,33 @@ class MegatronHFReader:
         yield self._cached[1][j][1]
         if j == len(self._cached[1]) - 1:
             self._cached = None
+
+    def fair_cast_summary(self) -> dict[str, Any] | None:
+        """The Fair Cast settings an export records (None: built without the handle)."""
+        if self.fair_cast is None:
+            return None
+        config = self.fair_cast.config
+        return {"mode": config.mode, "seed": config.seed,
+                "step": max((a.caster.step for a in self.fair_cast.adapters), default=0)}
+
+
+def family_of(config: Any) -> str:
+    """The HF family a ``TransformerConfig`` reads as: Qwen3 with query/key norms, else Llama."""
+    return "qwen3" if getattr(config, "qk_layernorm", False) else "llama"
+
+
+def provide(optimizer: Any, chunks: Iterable[torch.nn.Module], *, family: str | None = None) -> None:
+    """Hand export the reader of ``chunks`` (this rank's model chunks) under ``optimizer`` and under each
+    chunk (what a consumer holds): a :class:`MegatronHFReader` made when a source asks (a collective:
+    every rank asks alike), with the Fair Cast attached to ``optimizer`` then, if any. ``family``:
+    default from the chunks' config (:func:`family_of`)."""
+    chunks = list(chunks)
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}: one of {', '.join(FAMILIES)}")
+
+    def make(_model: Any) -> MegatronHFReader:
+        config = chunks[0].config
+        return MegatronHFReader(chunks, config, family or family_of(config), fair_cast=get_fair_cast(optimizer))
+
+    for owner in (optimizer, *chunks):
+        export_source.provide(owner, make)

@@ -1,6 +1,6 @@
 """A Qwen3-shaped Megatron-Core GPT model (local spec: RMSNorm, GQA fused QKV with query/key norms, SwiGLU,
 no biases, untied embeddings) under tensor parallel 2 with Fair Cast, its served weights read under HF names
-through the one served-weight source (``ServedSource(reader=faircast_ds.megatron.reader.MegatronHFReader)``),
+through the one served-weight source (``ServedSource(model)``: the ``MegatronHFReader`` the attach provided),
 for tests/megatron/test_megatron_hf.py. ``LAYOUTS``: ``tp,pp`` pairs separated by ``;`` (the world is their product).
 
 Per layout: the fp32 main params are set from full masters (the layout worker's: split by ``torch.chunk``),
@@ -155,8 +155,9 @@ def run_layout(tp: int, pp: int) -> dict:
     config, model, optimizer, fc = build(tp, pp)
     layouts.set_masters(model, optimizer, 1, tp, tp_rank, pp_rank)
     layouts.serve(optimizer)
-    reader = MegatronHFReader([model], config, family="qwen3")
-    source = ServedSource(reader=reader, delta=False)
+    # the reader Megatron's attach handed export under the model chunk (faircast_ds.export.source.provide)
+    source = ServedSource(model, delta=False)
+    assert isinstance(source.reader, MegatronHFReader) and source.reader.family == "qwen3", type(source.reader)
     walked, raw = {}, {}
     for item in source.walk("dense"):
         raw[item.name] = item.tensor.clone()

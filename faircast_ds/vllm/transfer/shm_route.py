@@ -32,8 +32,7 @@ from faircast_ds._util.dist import collective_device, first_failure, from_rank0,
 from faircast_ds.export import delta as delta_encoding
 from faircast_ds.export.channel import WeightSyncError
 from faircast_ds.export.plane import PlaneError
-from faircast_ds.export.served import local_served_slices, served_specs
-from faircast_ds.export.source import ServedReport
+from faircast_ds.export.source import ServedReport, reader_of
 from faircast_ds.export.stages import Stages
 from faircast_ds.vllm.kernels import EngineWeightsMismatch
 from faircast_ds.vllm.transfer.shm import SegmentWriter, socket_name
@@ -55,11 +54,12 @@ class ShmRoute:
         self.model, self.verify, self.delta, self.timeout = model, verify, delta, float(timeout)
         self.rank, self.world = rank_world()
         self.server = server
-        self.specs = served_specs(model)
+        reader = reader_of(model)  # the reader the model's integration provided (ZeRO-3: its adapter's shard)
+        self.specs = list(reader.specs)
         index = {s.name: i for i, s in enumerate(self.specs)}
         self.numel = sum(s.numel for s in self.specs)
         try:
-            local = local_served_slices(model)
+            local = reader.local_slices()
         except ValueError as exc:
             raise ValueError(f"the shared-memory plane writes each rank's own served slices: {exc}") from None
         self.slices = [(index[s.name], s.start, s.values) for s in local]

@@ -125,7 +125,7 @@ class TcpRoute:
             if not sampled and not dense and self._whole is None:
                 # a whole check of a delta, but the layers it did not show were last sent unverified or
                 # sampled: one more walk (a collective under ZeRO-3, every rank alike)
-                from faircast_ds.export.served import served_weights
+                from faircast_ds.export.source import served_weights
 
                 everything = served_checksums(served_weights(self.model))
                 stages.add("trainer.checksums", time.perf_counter() - t_sums)
