@@ -56,16 +56,33 @@ def best(numel: int, nnz: int, element_size: int) -> int:
     return min((DENSE, COO, BITMAP), key=lambda e: encoded_bytes(e, numel, nnz, element_size))
 
 
+def mask_to_bitmap(mask: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """A bool (or 0/1) mask as the protocol's little-endian bitmap (uint8): ``width`` bytes, zero-padded
+    (default: ``ceil(len / 8)``). At most one byte per element of scratch, no index list."""
+    flat = mask.reshape(-1)
+    width = (flat.numel() + 7) // 8 if width is None else int(width)
+    if width * 8 < flat.numel():
+        raise ValueError(f"a bitmap of {width} bytes cannot hold {flat.numel()} elements")
+    padded = torch.zeros(width * 8, dtype=torch.uint8, device=flat.device)
+    padded[:flat.numel()] = flat.to(torch.uint8)
+    return (padded.view(-1, 8) * _WEIGHTS.to(flat.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def bitmap_to_mask(bitmap: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` bits of a little-endian bitmap as a bool mask (no check of the bits past it)."""
+    return (bitmap.reshape(-1, 1) & _WEIGHTS.to(bitmap.device)).ne(0).view(-1)[:length]
+
+
 def pack_bits(indices: torch.Tensor, numel: int) -> torch.Tensor:
     """A little-endian bitmap (uint8) with the given element indices set."""
-    mask = torch.zeros((numel + 7) // 8 * 8, dtype=torch.uint8)
-    mask[indices] = 1
-    return (mask.view(-1, 8) * _WEIGHTS).sum(dim=1, dtype=torch.uint8)
+    mask = torch.zeros(numel, dtype=torch.bool)
+    mask[indices] = True
+    return mask_to_bitmap(mask)
 
 
 def unpack_bits(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
     """Sorted indices of the set bits; raises ValueError if a bit past ``numel`` is set."""
-    bits = (bitmap.view(-1, 1) & _WEIGHTS).ne(0).view(-1)
+    bits = bitmap_to_mask(bitmap, bitmap.numel() * 8)
     if bits.numel() != (numel + 7) // 8 * 8:
         raise ValueError(f"bitmap of {bitmap.numel()} bytes for {numel} elements")
     if bool(bits[numel:].any()):
@@ -106,7 +123,7 @@ def same_bits(target: torch.Tensor, encoding: int, first: torch.Tensor | None, v
     if encoding == COO:
         return torch.equal(flat[first.to(target.device)], values)
     if encoding == BITMAP:
-        mask = (first.view(-1, 1) & _WEIGHTS).ne(0).view(-1)[:flat.numel()]
+        mask = bitmap_to_mask(first, flat.numel())
         return torch.equal(flat[mask.to(target.device)], values)
     return torch.equal(flat, values.view(-1))
 
@@ -115,5 +132,5 @@ def apply_bitmap(target: torch.Tensor, bitmap: torch.Tensor, values: torch.Tenso
     """Write bit patterns ``values`` at the set bits of ``bitmap`` of ``target``, in index order (in place,
     on the target's device; a bool mask of one byte per element is the only scratch)."""
     flat = bits_view(target)
-    mask = (bitmap.view(-1, 1) & _WEIGHTS).ne(0).view(-1)[:flat.numel()]
+    mask = bitmap_to_mask(bitmap, flat.numel())
     flat.masked_scatter_(mask.to(target.device), values.to(target.device))

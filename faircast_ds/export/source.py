@@ -51,7 +51,6 @@ from faircast_ds.export.served import (
 )
 
 DENSE, DELTA = "dense", "delta"
-_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -318,14 +317,14 @@ class ServedSource:
         lengths = [sum(n for i, _, n in rank_slices if i == index) for rank_slices in layout]
         width = (max(lengths) + 7) // 8
         device = collective_device()
-        packed = _pack(local, width).to(device)
+        packed = delta_encoding.mask_to_bitmap(local.cpu(), width).to(device)
         parts = [torch.empty_like(packed) for _ in range(self.world)] if self.rank == 0 else None
         dist.gather(packed, parts, dst=_global_rank0(self.reader.group), group=self.reader.group)
         if self.rank != 0:
             return None
         full = torch.zeros(numel, dtype=torch.bool)
         for rank_slices, part, length in zip(layout, parts, lengths):
-            bits = _unpack(part.cpu(), length)
+            bits = delta_encoding.bitmap_to_mask(part.cpu(), length)
             cursor = 0
             for i, start, n in rank_slices:
                 if i == index:
@@ -455,17 +454,6 @@ class Walk:
 
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _pack(mask: torch.Tensor, width: int) -> torch.Tensor:
-    """A bool mask as ``width`` little-endian bitmap bytes (zero-padded)."""
-    padded = torch.zeros(width * 8, dtype=torch.uint8)
-    padded[:mask.numel()] = mask.to(torch.uint8)
-    return (padded.view(-1, 8) * _WEIGHTS).sum(dim=1, dtype=torch.uint8)
-
-
-def _unpack(bitmap: torch.Tensor, length: int) -> torch.Tensor:
-    return (bitmap.view(-1, 1) & _WEIGHTS).ne(0).view(-1)[:length]
 
 
 def _readable(reader: ServedReader) -> bool:

@@ -306,7 +306,7 @@ class WeightSender:
             if encoding == delta_encoding.COO:
                 first = item.mask.nonzero().view(-1).to(delta_encoding.index_dtype(item.spec.numel))
             else:
-                first = _bitmap(item.mask)
+                first = delta_encoding.mask_to_bitmap(item.mask)
             values = bits[item.mask]
             self.stages.add("trainer.encode", time.perf_counter() - t0)
             failure = self._send(failure, item.index, encoding, item.changed, [first, values])
@@ -322,16 +322,6 @@ class WeightSender:
             self.channel.close()
         self.channel = None
         self.source.require_dense()
-
-
-def _bitmap(mask: torch.Tensor) -> torch.Tensor:
-    """A bool mask as the protocol's little-endian bitmap (uint8), in 8-element chunks (no int64
-    index list: at most one byte per element of scratch)."""
-    padded = mask if mask.numel() % 8 == 0 else torch.cat([mask, mask.new_zeros(8 - mask.numel() % 8)])
-    return (padded.view(-1, 8).to(torch.uint8) * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
-
-
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def _json_limit(specs: list[ParamSpec]) -> int:

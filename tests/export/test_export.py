@@ -125,6 +125,23 @@ def test_sparse_encodings_round_trip(density):
     assert chosen == (delta.BITMAP if idx.numel() * 4 > (numel + 7) // 8 else delta.COO)
 
 
+@pytest.mark.parametrize("numel,width", [(1, None), (8, None), (13, None), (10_003, None), (13, 4), (0, 2)])
+def test_the_one_bitmap_codec_matches_numpys_little_endian_packbits(numel, width):
+    import numpy as np
+
+    mask = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < 0.3
+    want = np.packbits(mask.numpy().astype(np.uint8), bitorder="little")  # the oracle: numpy, not our code
+    if width is not None:
+        want = np.concatenate([want, np.zeros(width - want.size, dtype=np.uint8)])
+    got = delta.mask_to_bitmap(mask, width)
+    assert got.dtype == torch.uint8 and got.numpy().tobytes() == want.tobytes()
+    assert torch.equal(delta.bitmap_to_mask(got, numel), mask)
+    if numel:
+        assert torch.equal(delta.pack_bits(mask.nonzero().view(-1), numel), got[:(numel + 7) // 8])
+    with pytest.raises(ValueError, match="cannot hold"):
+        delta.mask_to_bitmap(torch.ones(17, dtype=torch.bool), 2)
+
+
 def test_malformed_indices_are_rejected():
     with pytest.raises(ValueError, match="out of range"):
         delta.check_indices(torch.tensor([1, 10]), 10)
