@@ -201,6 +201,10 @@ def predicted_rows(rows: Sequence[dict], predictions: dict[str, dict], baseline:
 
 def table(rows: Sequence[dict], predictions: dict[str, dict]) -> str:
     parts = [f"The paper: {PAPER}.", "", *measured_rows(rows), "", *paired_rows(rows)]
+    for mode in ("dither", "nearest"):  # against the fp32 reference, where one ran on the same seeds
+        against = paired_rows(rows, mode, "fp32")
+        if len(against) > 2:
+            parts += ["", *against]
     if predictions:
         parts += ["", *predicted_rows(rows, predictions)]
     return "\n".join(parts) + "\n"

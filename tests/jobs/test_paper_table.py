@@ -59,6 +59,21 @@ def test_the_table_reads_runs_of_two_rates(tmp_path, capsys):
     assert (tmp_path / "out" / "table.md").read_text() == text
 
 
+def test_each_mode_is_paired_with_the_fp32_reference_where_it_ran(tmp_path, capsys):
+    write_run(tmp_path / "a", 1e-5, rows("nearest", 0, lambda s: 0.2) + rows("dither", 0, lambda s: 0.7)
+              + rows("nearest", 1, lambda s: 0.3) + rows("dither", 1, lambda s: 0.5))
+    write_run(tmp_path / "f", 1e-5, rows("fp32", 0, lambda s: 0.6, changed=0.99))  # seed 0 only
+    assert paper_table.main([str(tmp_path / "a"), str(tmp_path / "f")]) == 0
+    text = capsys.readouterr().out
+    assert "| lr | pairs (seed, step) | dither − fp32 reward [95% block CI] | reading |" in text
+    assert "| 1e-05 | 40 | +0.100 [+0.100, +0.100] | dither ahead |" in text  # seed 0's 40 steps: 0.7 − 0.6
+    assert "| 1e-05 | 40 | -0.400 [-0.400, -0.400] | fp32 ahead |" in text  # nearest: 0.2 − 0.6
+    assert "| 1e-05 | 80 | +0.350 [" in text  # dither − nearest over both seeds: 0.5 and 0.2
+    write_run(tmp_path / "g", 1e-6, rows("nearest", 0, lambda s: 0.2) + rows("dither", 0, lambda s: 0.7))
+    assert paper_table.main([str(tmp_path / "g")]) == 0
+    assert "fp32 reward" not in capsys.readouterr().out  # no reference, no table against it
+
+
 def test_what_is_not_a_run_is_named(tmp_path, capsys):
     assert paper_table.main([str(tmp_path)]) == 2
     assert "not a job's run directory" in capsys.readouterr().err
