@@ -66,9 +66,7 @@ class DeepSpeedReader:
     def fair_cast_summary(self) -> dict[str, Any] | None:
         """The Fair Cast settings an export records (None: no Fair Cast on this engine)."""
         fair_cast = get_fair_cast(self.model)
-        if fair_cast is None:
-            return None
-        return {"mode": fair_cast.config.mode, "seed": fair_cast.config.seed, "step": fair_cast.caster.step}
+        return fair_cast.summary() if fair_cast is not None else None
 
 
 def provide(engine: Any) -> None:

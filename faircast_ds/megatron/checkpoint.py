@@ -120,8 +120,7 @@ def sharded_state_dict(fair_cast: FairCast, model_sharded_state_dict: Any = None
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     cfg = fair_cast.config
-    state: dict[str, Any] = {"format": FORMAT, "mode": cfg.mode, "seed": cfg.seed,
-                             "step": max((a.caster.step for a in fair_cast.adapters), default=0)}
+    state: dict[str, Any] = {"format": FORMAT, **fair_cast.summary()}
     if not cfg.spec.residual:
         return state
     residual = {}

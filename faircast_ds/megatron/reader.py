@@ -230,11 +230,7 @@ class MegatronHFReader:
 
     def fair_cast_summary(self) -> dict[str, Any] | None:
         """The Fair Cast settings an export records (None: built without the handle)."""
-        if self.fair_cast is None:
-            return None
-        config = self.fair_cast.config
-        return {"mode": config.mode, "seed": config.seed,
-                "step": max((a.caster.step for a in self.fair_cast.adapters), default=0)}
+        return self.fair_cast.summary() if self.fair_cast is not None else None
 
 
 def family_of(config: Any) -> str:

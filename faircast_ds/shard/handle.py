@@ -50,12 +50,20 @@ class FairCast:
     def local_numel(self) -> int:
         return sum(a.local_numel() for a in self.adapters)
 
+    @property
+    def step(self) -> int:
+        """The step of the last cast, over every adapter (0 before the first)."""
+        return max((a.caster.step for a in self.adapters), default=0)
+
+    def summary(self) -> dict[str, Any]:
+        """What an export records of the Fair Cast that served its bits: mode, seed and step."""
+        return {"mode": self.config.mode, "seed": self.config.seed, "step": self.step}
+
     def stats(self) -> dict[str, float]:
         """The last cast's counts, summed over all ranks (a collective: call it on every rank)."""
         changed, numel = dist.all_reduce_sum([float(sum(a.caster.last.changed for a in self.adapters)),
                                               float(sum(a.caster.last.numel for a in self.adapters))])
-        step = max((a.caster.step for a in self.adapters), default=0)
-        return {"step": step, "changed": changed, "numel": numel,
+        return {"step": self.step, "changed": changed, "numel": numel,
                 "changed_fraction": changed / numel if numel else 0.0}
 
     def report(self) -> dict[str, float]:

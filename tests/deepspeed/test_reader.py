@@ -13,7 +13,8 @@ from stand_ins import TwoGroups
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.export.source import ModelReader, ServedSource, reader_of, served_specs
 from faircast_ds.shard.caster import ShardCaster
-from faircast_ds.shard.handle import ATTR
+from faircast_ds.shard import routes
+from faircast_ds.shard.handle import ATTR, FairCast
 
 SHAPES = {"w": (6, 4), "b": (6,)}
 
@@ -64,9 +65,9 @@ def test_with_fair_cast_a_ranks_pieces_are_its_adapters_shard():
 
     engine = Engine()
     provide(engine)
-    adapter = TwoGroups(ShardCaster(FairCastConfig.from_section({"mode": "stochastic", "seed": 3})))
-    setattr(engine, ATTR, SimpleNamespace(adapter=adapter, caster=adapter.caster,
-                                          config=SimpleNamespace(mode="stochastic", seed=3)))
+    config = FairCastConfig.from_section({"mode": "stochastic", "seed": 3})
+    adapter = TwoGroups(ShardCaster(config))
+    setattr(engine, ATTR, FairCast(config=config, adapters=[adapter], route=routes.DEEPSPEED_RUNTIME))
     reader = reader_of(engine)
     assert isinstance(reader, DeepSpeedReader)
     slices = reader.local_slices()
