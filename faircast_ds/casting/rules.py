@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 
 from faircast_ds.casting.bits import bf16_bits
+from faircast_ds.casting.kernels.operands import check_marks
+from faircast_ds.casting.marks import or_mask
 from faircast_ds.casting.modes import CastRule, ModeSpec, registered, spec
 from faircast_ds.casting.noise import noise16, noise16_at
 from faircast_ds.casting.runs import Runs
@@ -99,7 +101,9 @@ def cast_into(out: torch.Tensor,
               name: str,
               start: int = 0,
               residual: torch.Tensor | None = None,
-              runs: Runs | None = None) -> tuple[int, int]:
+              runs: Runs | None = None,
+              marks: torch.Tensor | None = None,
+              mark_base: int = 0) -> tuple[int, int]:
     """Write :func:`cast` of ``x`` into the 1-D bf16 buffer ``out`` in place.
 
     Returns ``(changed, nonfinite)``: how many elements' bits differ from what ``out`` held before,
@@ -110,14 +114,19 @@ def cast_into(out: torch.Tensor,
     ``runs`` (:class:`faircast_ds.casting.runs.Runs`): ``x`` holds these runs of the parameter, not the contiguous
     run from ``start`` (which is then ignored); the fused kernels cast them in one call, the eager path
     keys the noise by :meth:`Runs.indices`, as :func:`cast` with ``index``.
+    ``marks`` (:mod:`faircast_ds.casting.marks`): a change-mark bitmap ORed with 1 at bit ``mark_base + i``
+    for every element ``i`` whose bits changed.
     """
     return cast_into_with(CastRule.of(mode, seed), out, x, step=step, name=name, start=start, residual=residual,
-                          runs=runs)
+                          runs=runs, marks=marks, mark_base=mark_base)
 
 
 def cast_into_with(rule: CastRule, out: torch.Tensor, x: torch.Tensor, *, step: int, name: str, start: int = 0,
-                   residual: torch.Tensor | None = None, runs: Runs | None = None) -> tuple[int, int]:
-    """:func:`cast_into` under a run's :class:`~faircast_ds.casting.modes.CastRule`."""
+                   residual: torch.Tensor | None = None, runs: Runs | None = None,
+                   marks: torch.Tensor | None = None, mark_base: int = 0) -> tuple[int, int]:
+    """:func:`cast_into` under a run's :class:`~faircast_ds.casting.modes.CastRule`. ``marks``: change
+    marks (:mod:`faircast_ds.casting.marks`): bit ``mark_base + i`` is ORed with 1 wherever element ``i``'s
+    bits changed (every path: the kernels in their pass, the eager path from its comparison)."""
     _check_inputs(x, rule.spec, residual)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != x.shape:
         got = f"{out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
@@ -129,14 +138,20 @@ def cast_into_with(rule: CastRule, out: torch.Tensor, x: torch.Tensor, *, step: 
             raise ValueError(f"runs cover {runs.numel} elements, x has {x.numel()}")
         if not rule.spec.uses_noise:
             runs = None  # a mode without noise: the index does not enter the result
+    if marks is not None:
+        check_marks(marks, mark_base, out.numel(), out.device)
     from faircast_ds.casting import kernels  # deferred: the kernels are optional and may build on first use
 
-    counts = kernels.fused_cast_into(out, x, rule, step=step, name=name, start=start, residual=residual, runs=runs)
+    counts = kernels.fused_cast_into(out, x, rule, step=step, name=name, start=start, residual=residual, runs=runs,
+                                     marks=marks, mark_base=mark_base)
     if counts is not None:
         return counts
     index = runs.indices(x.device) if runs is not None else None
     served = cast_with(rule, x, step=step, name=name, start=start, residual=residual, index=index).to(out.device)
-    changed = int((bf16_bits(out) != bf16_bits(served)).sum())
+    differ = bf16_bits(out) != bf16_bits(served)
+    changed = int(differ.sum())
+    if marks is not None and changed:
+        or_mask(marks, mark_base, differ)
     nonfinite = int((~torch.isfinite(served)).sum())
     out.copy_(served)
     return changed, nonfinite

@@ -237,6 +237,7 @@ def register(engine: Any, fair_cast: FairCast, hooks: Any) -> None:
         # a load reproduces the saved served copy as it was, non-finite weights (a save after a failed
         # step) included: the next step's cast raises on them again
         guard = fair_cast.extras.get("guard")
+        fair_cast.served_rewritten()  # whatever the load writes, the next delta push is dense
         with fair_cast.caster.unchecked() as caster:
             try:
                 # the restore below casts (or restores) every flat group: DeepSpeed's load sites leave their

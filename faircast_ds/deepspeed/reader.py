@@ -63,6 +63,12 @@ class DeepSpeedReader:
         with ds_params.gathered(self._params[index]) as full:
             yield full
 
+    def change_marks(self) -> Any:
+        """The casts' change marks over this rank's served shard (``FairCast.change_marks``), or None
+        without Fair Cast: what a delta push reads instead of a copy of the bits it sent."""
+        fair_cast = get_fair_cast(self.model)
+        return fair_cast.change_marks() if fair_cast is not None else None
+
     def fair_cast_summary(self) -> dict[str, Any] | None:
         """The Fair Cast settings an export records (None: no Fair Cast on this engine)."""
         fair_cast = get_fair_cast(self.model)

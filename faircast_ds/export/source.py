@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from faircast_ds._util.dist import collective_device, rank_world
 from faircast_ds.export import delta as delta_encoding
+from faircast_ds.export.tracking import BaselineTracker, MarksTracker, tracker_for
 from faircast_ds.export.served import (
     LocalSlice,
     ParamSpec,
@@ -80,6 +81,8 @@ class ServedReport:
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (faircast_ds.export.stages)
     http_calls: int = 0  # HTTP round trips to the engine during the update
     collectives: int = 0  # collectives of the training job during the update (walk gathers not counted)
+    tracking: str | None = None  # how deltas find changes: "marks" (the cast's, 1 bit/element), "baseline" (a copy)
+    tracking_bytes: int = 0  # this rank's memory for that between pushes
 
     def __post_init__(self) -> None:
         if self.elements is None:
@@ -94,6 +97,9 @@ class ServedReader(Protocol):
       cover every element exactly once. ``start`` is the piece's offset in the flattened tensor
       :meth:`full` yields (a piece that is not contiguous there is listed as several slices). Raises
       ValueError when this rank's pieces cannot be read (no delta is possible then).
+    - ``change_marks()`` (optional): the cast's change marks over this rank's pieces
+      (:class:`faircast_ds.casting.marks.MarkSet`), or None; deltas read them instead of keeping a copy
+      of the acknowledged bits (:mod:`faircast_ds.export.tracking`).
     - :meth:`full`: parameter ``index`` in full, in its served dtype, for the duration (a collective
       over :attr:`group` where :meth:`is_gathered` says so).
     - :attr:`group`: the process group the walk's own collectives run on (None: the default group).
@@ -241,14 +247,23 @@ class ServedSource:
         self.numel = sum(s.numel for s in self.specs)
         self.rank, self.world = _group_rank_world(self.reader.group)
         self.can_delta = delta and _readable(self.reader)
-        self.acknowledged: int | None = None  # the version the baseline holds; None: the next walk is dense
-        self._baseline: list[torch.Tensor] | None = None  # this rank's bits of that version, per local slice
+        self.acknowledged: int | None = None  # the version the engine acknowledged; None: the next walk is dense
+        self._tracker: MarksTracker | BaselineTracker | None = None  # what changed since (made at the first acknowledge)
         self._layout: list[list[tuple[int, int, int]]] | None = None  # per rank: (param index, start, numel)
         self.walks = 0
 
     @property
     def params_total(self) -> int:
         return len(self.specs)
+
+    @property
+    def tracking(self) -> str | None:
+        """How deltas find changes: ``"marks"``, ``"baseline"``, or None before the first acknowledge."""
+        return self._tracker.kind if self._tracker is not None else None
+
+    @property
+    def tracking_bytes(self) -> int:
+        return self._tracker.nbytes if self._tracker is not None else 0
 
     def require_dense(self) -> None:
         """Forget the acknowledged version (a new engine, a reconnect): the next walk is dense. Local."""
@@ -280,8 +295,8 @@ class ServedSource:
         """Per parameter, how many of its elements changed since the baseline, over all ranks: the
         walk's one collective (an all-reduce of one int64 per parameter)."""
         counts = torch.zeros(len(self.specs), dtype=torch.int64)
-        for s, base in zip(slices, self._baseline):
-            counts[self.index[s.name]] += int((delta_encoding.bits_view(s.values) != base).sum())
+        for s, n in zip(slices, self._tracker.counts([s.values for s in slices])):
+            counts[self.index[s.name]] += n
         if self.world > 1:
             device = collective_device()
             reduced = counts.to(device)
@@ -306,8 +321,7 @@ class ServedSource:
         bitmap of its own pieces; None off rank 0). Rank 0 holds one bool per element of the parameter
         and the ranks' bitmaps (1 bit per element), nothing larger."""
         layout = self._rank_layout(slices)
-        mine = [torch.ne(delta_encoding.bits_view(s.values), base)
-                for s, base in zip(slices, self._baseline) if s.name == self.specs[index].name]
+        mine = [self._tracker.mask(k, s.values) for k, s in enumerate(slices) if s.name == self.specs[index].name]
         local = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.bool)
         if self.world == 1:
             full = torch.zeros(numel, dtype=torch.bool)
@@ -337,11 +351,10 @@ class ServedSource:
             self.acknowledged = None
             return
         slices = self._slices()
-        if self._baseline is None or len(self._baseline) != len(slices):
-            self._baseline = [delta_encoding.bits_view(s.values).clone() for s in slices]
-        else:  # copy in place: no second copy of the shard
-            for base, s in zip(self._baseline, slices):
-                base.copy_(delta_encoding.bits_view(s.values))
+        values = [s.values for s in slices]
+        if self._tracker is None:
+            self._tracker = tracker_for(self.reader, values)
+        self._tracker.acknowledge(values)
         self.acknowledged = walk.version if walk.version is not None else walk.serial
 
 
@@ -449,7 +462,8 @@ class Walk:
         return ServedReport(version=self.version, kind=self.kind, params=self.params if params is None else params,
                             changed=self.changed, numel=self.source.numel, bytes=bytes, seconds=self.seconds,
                             elements=self.elements if elements is None else elements,
-                            params_total=self.source.params_total, gathers=self.gathers, **engine)
+                            params_total=self.source.params_total, gathers=self.gathers,
+                            tracking=self.source.tracking, tracking_bytes=self.source.tracking_bytes, **engine)
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -202,6 +202,7 @@ def load_state_dict(fair_cast: FairCast, state: Mapping[str, Any] | None, *, ste
 
 
 def _set(fair_cast: FairCast, step: int, *, clear: bool) -> None:
+    fair_cast.served_rewritten()  # Megatron's load wrote the bf16 weights: the next delta push is dense
     for adapter in fair_cast.adapters:
         if clear:
             adapter.caster.residuals.clear()

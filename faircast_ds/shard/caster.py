@@ -16,6 +16,7 @@ from typing import Hashable, Protocol, Sequence
 
 import torch
 
+from faircast_ds.casting.marks import ChangeMarks
 from faircast_ds.casting.modes import CastRule
 from faircast_ds.casting.rules import cast_into_with
 from faircast_ds.casting.runs import Runs
@@ -182,6 +183,7 @@ class ShardCaster:
     suppressed: NonFiniteWeightError | None = None  # the first one noted while unchecked
     _pending: NonFiniteWeightError | None = field(default=None, repr=False)
     rule: CastRule = field(init=False, repr=False)  # what every slice is cast with: the mode's spec and the seed
+    marks: ChangeMarks | None = field(default=None, repr=False)  # change marks, once track_changes() was called
 
     def __post_init__(self) -> None:
         self.rule = self.config.rule
@@ -195,6 +197,14 @@ class ShardCaster:
             yield self
         finally:
             self.checking = before
+
+    def track_changes(self) -> ChangeMarks:
+        """From now on every cast marks the elements whose served bits it changed (1 bit per element,
+        :mod:`faircast_ds.casting.marks`): what a delta push reads instead of a copy of the bits it sent.
+        The marks start all set (nothing acknowledged yet). Idempotent."""
+        if self.marks is None:
+            self.marks = ChangeMarks()
+        return self.marks
 
     def begin_step(self) -> int:
         """Advance the noise step; call once per optimizer step, before its first flat group."""
@@ -233,10 +243,11 @@ class ShardCaster:
         residual = self.residual_for(key, master)
         last_served = previous if previous is not None else served
         self._pending = None
+        marks = self.marks.for_cast(key, served.detach().view(-1), master.device) if self.marks is not None else None
         if self.force_staging or last_served.device != master.device:
-            self._cast_staged(key, master, served, slices, previous, staging, residual)
+            self._cast_staged(key, master, served, slices, previous, staging, residual, marks)
         else:
-            self._cast_direct(master, served, slices, previous, residual)
+            self._cast_direct(master, served, slices, previous, residual, marks)
         self.cast_keys.add(key)
         self.last.seconds += time.perf_counter() - started
         error, self._pending = self._pending, None
@@ -249,12 +260,16 @@ class ShardCaster:
             self.suppressed = self.suppressed or error
 
     def restored(self, key: Hashable, served: torch.Tensor, slices: Sequence[ShardSlice]) -> None:
-        """Tell the observers that a restore wrote the served shard of ``key`` itself."""
+        """Tell the observers that a restore wrote the served shard of ``key`` itself (its change marks,
+        if kept, count every element as changed)."""
+        if self.marks is not None:
+            self.marks.mark_all(key)
         for observer in self.observers:
             observer.on_restored(key, served, slices)
 
     def _cast_direct(self, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
-                     previous: torch.Tensor | None, residual: torch.Tensor | None) -> None:
+                     previous: torch.Tensor | None, residual: torch.Tensor | None,
+                     marks: torch.Tensor | None = None) -> None:
         for s in slices:
             src = master.narrow(0, s.offset, s.numel)
             dst = served.narrow(0, s.offset, s.numel)
@@ -265,20 +280,21 @@ class ShardCaster:
             # cast into the buffer that holds the last served bits (on the master's device), so the change
             # count comes for free
             target = previous.narrow(0, s.offset, s.numel) if previous is not None else dst.data
-            changed, nonfinite = self._cast_slice(target, src, s, res)
+            changed, nonfinite = self._cast_slice(target, src, s, res, marks)
             if previous is not None:
                 dst.data.copy_(target)
             self._count(changed, nonfinite, target, src, s)
 
     def _cast_slice(self, out: torch.Tensor, src: torch.Tensor, s: ShardSlice,
-                    residual: torch.Tensor | None) -> tuple[int, int]:
+                    residual: torch.Tensor | None, marks: torch.Tensor | None = None) -> tuple[int, int]:
         """One parameter slice into ``out``, one ``cast_into`` call: a contiguous run of the parameter from
         ``start``, or a slice with runs (its noise keyed by each element's own index in the parameter; a mode
-        that draws no noise ignores them)."""
+        that draws no noise ignores them). ``marks``: the flat shard's change marks (the slice's first
+        element at bit ``s.offset``)."""
         rule = self.rule
         runs = s.run_table if rule.spec.uses_noise else None
         return cast_into_with(rule, out, src, step=self.step, name=s.name, start=s.start, residual=residual,
-                              runs=runs)
+                              runs=runs, marks=marks, mark_base=s.offset)
 
     def _count(self, changed: int, nonfinite: int, out: torch.Tensor, src: torch.Tensor, s: ShardSlice) -> None:
         self.last.changed += changed
@@ -313,7 +329,7 @@ class ShardCaster:
 
     def _cast_staged(self, key: Hashable, master: torch.Tensor, served: torch.Tensor, slices: Sequence[ShardSlice],
                      previous: torch.Tensor | None, staging: torch.Tensor | None,
-                     residual: torch.Tensor | None) -> None:
+                     residual: torch.Tensor | None, marks: torch.Tensor | None = None) -> None:
         """The fused kernel on the master's device into a staging buffer there, then one copy of the
         whole flat shard to the served (and previous) buffer. The staging buffer first receives the
         last served bits, so the kernel counts the changes as the direct path does."""
@@ -328,7 +344,7 @@ class ShardCaster:
                 out.copy_(src)
                 continue
             res = residual.narrow(0, s.offset, s.numel) if residual is not None else None
-            changed, nonfinite = self._cast_slice(out, src, s, res)
+            changed, nonfinite = self._cast_slice(out, src, s, res, marks)
             self._count(changed, nonfinite, out, src, s)
         if last_served.data_ptr() != stage.data_ptr():
             last_served.copy_(stage)  # the one copy to the device

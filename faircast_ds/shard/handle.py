@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from faircast_ds._util import dist
+from faircast_ds.casting.marks import MarkSet
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.shard.adapter import Adapter, UnsupportedSetupError
 from faircast_ds.shard.caster import ShardCaster
@@ -58,6 +59,29 @@ class FairCast:
     def summary(self) -> dict[str, Any]:
         """What an export records of the Fair Cast that served its bits: mode, seed and step."""
         return {"mode": self.config.mode, "seed": self.config.seed, "step": self.step}
+
+    def change_marks(self) -> MarkSet:
+        """The casts' change marks over every adapter's served shard (1 bit per element, set where a cast
+        wrote other bits; :mod:`faircast_ds.casting.marks`), turned on at the first call: what a delta
+        push reads instead of a copy of the bits it sent. Every flat shard is registered now, marked
+        changed, so a reader finds its slices before the next cast."""
+        marks = self.extras.get("change_marks")
+        if marks is None:
+            parts = []
+            for adapter in self.adapters:
+                part = adapter.caster.track_changes()
+                for key, master, served, _ in adapter.flat_groups():
+                    part.for_cast(key, served.detach().view(-1), master.device)
+                parts.append(part)
+            marks = self.extras["change_marks"] = MarkSet(parts)
+        return marks
+
+    def served_rewritten(self) -> None:
+        """Something other than the cast wrote served bits (a checkpoint load): every element counts
+        as changed for the next delta (which is therefore dense)."""
+        marks = self.extras.get("change_marks")
+        if marks is not None:
+            marks.invalidate()
 
     def stats(self) -> dict[str, float]:
         """The last cast's counts, summed over all ranks (a collective: call it on every rank)."""

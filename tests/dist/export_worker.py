@@ -199,6 +199,7 @@ def sync_session(stage: str, mode: str, port: int, steps: int, lr: float) -> dic
         updates.append({"version": report.version, "kind": report.kind, "bytes": report.bytes,
                         "changed": report.changed, "elements": report.elements, "params": report.params,
                         "numel": report.numel, "gathers": report.gathers,
+                        "tracking": report.tracking, "tracking_bytes": report.tracking_bytes,
                         "seconds": report.seconds, "digest": bits_digest(now),
                         "cast_changed": stats["changed"] if stats else None,
                         "walked": walked, "oracle_changed": oracle,

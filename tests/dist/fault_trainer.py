@@ -54,6 +54,52 @@ def set_version(model: torch.nn.Module, version: int) -> None:
             p.copy_(w.to(p.dtype))
 
 
+def version_masters(version: int) -> dict[str, torch.Tensor]:
+    """The fp32 weights of ``version`` (what :func:`set_version` rounds to bf16)."""
+    fresh = dict(build_model().named_parameters())
+    out = {}
+    for name, p in fresh.items():
+        w = p.detach().float()
+        if version and (f"layers.{version % 2}.mlp." in name or name == "model.norm.weight"):
+            idx = torch.arange(w.numel(), dtype=torch.float32).reshape(w.shape)
+            w = w + 0.02 * version * torch.sin(0.7 * idx + version)
+        out[name] = w
+    return out
+
+
+class CastTrainer:
+    """The plain module's served weights written by Fair Cast's own caster (mode ``nearest``: the same
+    bits as :func:`set_version`), one flat shard per parameter, with a reader that offers the casts'
+    change marks: a delta push then reads the marks instead of keeping a copy of the bits it sent."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from faircast_ds.casting.marks import MarkSet
+        from faircast_ds.config.section import FairCastConfig
+        from faircast_ds.export.source import ModelReader, provide
+        from faircast_ds.shard.caster import ShardCaster, ShardSlice
+
+        self.model = model
+        self.caster = ShardCaster(FairCastConfig(mode="nearest", seed=0))
+        self.marks = MarkSet([self.caster.track_changes()])
+        self.params = dict(model.named_parameters())
+        self.slices = {n: [ShardSlice(n, 0, p.numel(), 0)] for n, p in self.params.items()}
+        for name, p in self.params.items():  # registered before the first cast, as FairCast.change_marks does
+            self.caster.marks.for_cast(name, p.data.view(-1), p.device)
+        trainer = self
+
+        class Reader(ModelReader):
+            def change_marks(self):
+                return trainer.marks
+
+        provide(model, Reader(model))
+
+    def set_version(self, version: int) -> None:
+        self.caster.begin_step()
+        for name, w in version_masters(version).items():
+            p = self.params[name]
+            self.caster.cast_flat(name, w.reshape(-1), p.data.view(-1), self.slices[name])
+
+
 def canonical_bits(t: torch.Tensor) -> torch.Tensor:
     """int16 bits, ±0 and subnormals as +0 (the CPU kernels flush them)."""
     bits = t.detach().contiguous().reshape(-1).view(torch.int16)

@@ -151,6 +151,18 @@ def test_delta_carries_exactly_the_changed_elements(run, mode):
 
 
 @pytest.mark.parametrize("session", SESSIONS)
+def test_deltas_read_the_casts_change_marks(run, session):
+    """With Fair Cast attached the delta's changes come from the casts' change marks, 1 bit per shard
+    element on each rank, not from a 2-byte copy of the bits sent (the counts themselves are checked
+    against consecutive snapshots by the test below)."""
+    for rank in run["ranks"]:
+        for u in rank["sync"][session]["updates"][1:]:
+            assert u["tracking"] == "marks", u
+            # this rank's half of the model at 1 bit per element, each flat shard's bitmap in whole words
+            assert 0 < u["tracking_bytes"] <= TOTAL // 2 // 8 + 4 * 64, u
+
+
+@pytest.mark.parametrize("session", SESSIONS)
 def test_one_walk_per_sync_gathers_each_sent_parameter_once_and_only_what_changed(run, session):
     """Per sync, ZeRO-3 gathers (bf16 all-gathers traced below the product) = the parameters the walk
     sent that ZeRO-3 did not hold in full: every one for a dense sync, only the changed ones for a

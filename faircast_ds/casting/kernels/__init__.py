@@ -71,14 +71,17 @@ def backend_for(device: torch.device) -> str:
 
 
 def fused_cast_into(out: torch.Tensor, x: torch.Tensor, rule: CastRule, *, step: int, name: str,
-                    start: int, residual: torch.Tensor | None, runs=None) -> tuple[int, int] | None:
+                    start: int, residual: torch.Tensor | None, runs=None, marks: torch.Tensor | None = None,
+                    mark_base: int = 0) -> tuple[int, int] | None:
     """Cast with the fast path for the tensors' device; None when the eager path must do it (also for a
     mode the kernels have no code for, unless a kernel is forced: then that kernel refuses it by name).
 
     Inputs are those already checked by ``rules.cast_into`` (``runs``: a ``faircast_ds.casting.runs.Runs``
-    of ``x.numel()`` elements, given only for a mode that draws noise).
+    of ``x.numel()`` elements, given only for a mode that draws noise; ``marks``/``mark_base``: the change
+    marks, :mod:`faircast_ds.casting.marks`).
     """
-    devices = {out.device, x.device} | ({residual.device} if residual is not None else set())
+    devices = {out.device, x.device} | ({residual.device} if residual is not None else set()) | \
+        ({marks.device} if marks is not None else set())
     if len(devices) != 1:
         return None  # e.g. an fp32 master on CPU cast into a GPU buffer: eager cast, then copy
     backend = backend_for(x.device)
@@ -90,10 +93,12 @@ def fused_cast_into(out: torch.Tensor, x: torch.Tensor, rule: CastRule, *, step:
     if backend == "cpp":
         from faircast_ds.casting.kernels import cpu
 
-        return cpu.cast_into(out, x, rule.mode, key=key, start=start, residual=residual, runs=runs)
+        return cpu.cast_into(out, x, rule.mode, key=key, start=start, residual=residual, runs=runs, marks=marks,
+                             mark_base=mark_base)
     from faircast_ds.casting.kernels import triton_cast
 
-    return triton_cast.cast_into(out, x, rule.mode, key=key, start=start, residual=residual, runs=runs)
+    return triton_cast.cast_into(out, x, rule.mode, key=key, start=start, residual=residual, runs=runs, marks=marks,
+                                 mark_base=mark_base)
 
 
 def prepare(device: torch.device | str = "cpu") -> str:

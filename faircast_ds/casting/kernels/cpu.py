@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 
 from faircast_ds.casting.kernels.nan import torch_nan16
-from faircast_ds.casting.kernels.operands import contiguous, write_back
+from faircast_ds.casting.kernels.operands import check_marks, contiguous, write_back
 from faircast_ds.casting.modes import kernel_code
 
 SOURCE = Path(__file__).with_name("fused_cast.cpp")
@@ -128,12 +128,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start: int,
-              residual: torch.Tensor | None, arch: str = "native", runs=None) -> tuple[int, int]:
+              residual: torch.Tensor | None, arch: str = "native", runs=None,
+              marks: torch.Tensor | None = None, mark_base: int = 0) -> tuple[int, int]:
     """Run the fused kernel on CPU tensors already checked by ``casts.cast_into``.
 
     Non-contiguous operands go through contiguous copies (1-D narrow views at any offset are
     contiguous and need none). ``runs`` (a ``faircast_ds.casting.runs.Runs`` covering ``x``): the elements'
-    parameter indices, in place of ``start``; one call casts them all. Returns (changed, nonfinite).
+    parameter indices, in place of ``start``; one call casts them all. ``marks``: change marks (a uint8
+    bitmap on the CPU, :mod:`faircast_ds.casting.marks`) the kernel ORs a 1 into at bit ``mark_base + i``
+    for every element ``i`` whose bits it changed. Returns (changed, nonfinite).
     """
     module = load(arch)
     pairs = [(out, x)] + ([(out, residual), (x, residual)] if residual is not None else [])
@@ -141,16 +144,20 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start:
         raise ValueError("cast_into: the output, the input and the residual must not share memory")
     if out.numel() == 0:
         return 0, 0
+    marks_ptr = 0
+    if marks is not None:
+        check_marks(marks, mark_base, out.numel(), out.device)
+        marks_ptr = marks.data_ptr()
     dst, src, res = contiguous(out, x, residual)
     res_ptr = res.data_ptr() if res is not None else 0
     if runs is not None:
         offsets, starts = runs.on("cpu")
         changed, nonfinite = module.cast_runs_into(
             kernel_code(mode, "cpp"), dst.data_ptr(), src.data_ptr(), res_ptr, src.numel(), offsets.data_ptr(),
-            starts.data_ptr(), starts.numel(), key, torch_nan16(out.device))
+            starts.data_ptr(), starts.numel(), key, torch_nan16(out.device), marks_ptr, mark_base)
     else:
         changed, nonfinite = module.cast_into(
             kernel_code(mode, "cpp"), dst.data_ptr(), src.data_ptr(), res_ptr, src.numel(), start, key,
-            torch_nan16(out.device))
+            torch_nan16(out.device), marks_ptr, mark_base)
     write_back(out, dst, residual, res)
     return changed, nonfinite

@@ -235,16 +235,90 @@ struct ErrorFeedback {
   }
 };
 
+// Change marks (faircast_ds/casting/marks.py): a 1 ORed into the little-endian bitmap at every element
+// whose bits the cast changed; never a 0. One Marker per thread: it gathers a vector's changed lanes
+// into the current 64-bit word of the bitmap and writes the word when the thread moves past it. A
+// word wholly inside the thread's span [lo, hi) of bits is its own: a plain OR. A word at the span's
+// edge may be shared with the thread next door: its bytes are ORed atomically, one by one (and only
+// the bytes of the bitmap: its length is whole 32-bit words, not 64).
+class Marker {
+ public:
+  Marker(uint8_t* marks, int64_t lo, int64_t hi) : marks_(marks), lo_(lo), hi_(hi) {}
+  ~Marker() { flush(); }
+
+  // Lanes i < valid of one vector, the first at bit `pos`.
+  [[gnu::always_inline]] void add(int64_t pos, const u16v& old16, const u16v& new16, int valid) {
+    static_assert(kLanes <= 64, "a vector's lanes fit one 64-bit word");
+    uint64_t m;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m256i a, b;  // 16 lanes of 16 bits: one mask compare
+    std::memcpy(&a, &old16, sizeof a);
+    std::memcpy(&b, &new16, sizeof b);
+    m = _mm256_cmpneq_epu16_mask(a, b);
+#elif defined(__AVX2__)
+    static_assert(kLanes == 8);
+    __m128i a, b;  // 8 lanes of 16 bits: compare, narrow to bytes, one bit per lane
+    std::memcpy(&a, &old16, sizeof a);
+    std::memcpy(&b, &new16, sizeof b);
+    const __m128i eq = _mm_cmpeq_epi16(a, b);
+    m = ~static_cast<uint64_t>(_mm_movemask_epi8(_mm_packs_epi16(eq, eq))) & 0xFFu;
+#else
+    m = 0;
+    for (int i = 0; i < kLanes; ++i) m |= static_cast<uint64_t>(old16[i] != new16[i]) << i;
+#endif
+    if (valid < kLanes) m &= (uint64_t{1} << valid) - 1;
+    // no early return on m == 0: at a few percent changed, about half the vectors hold a change, and
+    // a branch on that mispredicts; ORing a zero costs nothing
+    const int64_t w = pos >> 6;
+    const int sh = static_cast<int>(pos & 63);
+    put(w, m << sh);
+    if (sh + kLanes > 64) put(w + 1, m >> (64 - sh));  // the vector crosses into the next word
+  }
+
+  void flush() {
+    if (acc_ == 0) return;
+    const int64_t first = word_ << 6;
+    uint8_t* p = marks_ + (word_ << 3);
+    if (first >= lo_ && first + 64 <= hi_) {  // wholly this thread's
+      uint64_t v;
+      std::memcpy(&v, p, sizeof v);
+      v |= acc_;
+      std::memcpy(p, &v, sizeof v);
+    } else {
+      for (uint64_t m = acc_; m; m >>= 8, ++p) {
+        const uint8_t byte = static_cast<uint8_t>(m & 0xFFu);
+        if (byte) __atomic_fetch_or(p, byte, __ATOMIC_RELAXED);
+      }
+    }
+    acc_ = 0;
+  }
+
+ private:
+  [[gnu::always_inline]] void put(int64_t w, uint64_t bits) {
+    if (w != word_) {
+      flush();
+      word_ = w;
+    }
+    acc_ |= bits;
+  }
+
+  uint8_t* marks_;
+  int64_t lo_, hi_;
+  int64_t word_ = -1;
+  uint64_t acc_ = 0;
+};
+
 // One block of n contiguous elements. Full vectors straight from memory; the rest through a
-// zero-padded copy of one vector.
+// zero-padded copy of one vector. `marks` (may be null): the change marks, element 0 of the block
+// at bit `mark_pos`.
 template <class Op>
 void run_block(const Op& op, const float* x, uint16_t* out, float* res, int64_t n, uint32_t index_lo,
-               int64_t& changed, int64_t& nonfinite) {
+               int64_t& changed, int64_t& nonfinite, Marker* marks, int64_t mark_pos) {
   Counts c;
   u32v index = splat(index_lo);
   for (int i = 0; i < kLanes; ++i) index[i] += static_cast<uint32_t>(i);
   int64_t k = 0;
-  auto step = [&](const float* xp, uint16_t* op16, float* rp) {
+  auto step = [&](const float* xp, uint16_t* op16, float* rp, int valid) {
     const u32v b = load<u32v>(xp);
     const u16v old16 = load<u16v>(op16);
     u32v o;
@@ -260,10 +334,11 @@ void run_block(const Op& op, const float* x, uint16_t* out, float* res, int64_t 
     }
     const u16v o16 = __builtin_convertvector(o, u16v);
     c.add(old16, o16, rare);
+    if (marks) marks->add(mark_pos + k, old16, o16, valid);
     store(op16, o16);
     index += static_cast<uint32_t>(kLanes);
   };
-  for (; k + kLanes <= n; k += kLanes) step(x + k, out + k, res ? res + k : nullptr);
+  for (; k + kLanes <= n; k += kLanes) step(x + k, out + k, res ? res + k : nullptr, kLanes);
   if (k < n) {
     alignas(64) float xb[kLanes] = {};
     alignas(64) float rb[kLanes] = {};
@@ -272,7 +347,7 @@ void run_block(const Op& op, const float* x, uint16_t* out, float* res, int64_t 
     std::memcpy(xb, x + k, m * sizeof(float));
     std::memcpy(ob, out + k, m * sizeof(uint16_t));
     if (res) std::memcpy(rb, res + k, m * sizeof(float));
-    step(xb, ob, rb);
+    step(xb, ob, rb, static_cast<int>(m));
     std::memcpy(out + k, ob, m * sizeof(uint16_t));
     if (res) std::memcpy(res + k, rb, m * sizeof(float));
   }
@@ -281,23 +356,24 @@ void run_block(const Op& op, const float* x, uint16_t* out, float* res, int64_t 
 
 // Casts elements [p, p + m) of the shard, whose parameter indices are [index, index + m), cut into
 // blocks that never cross a multiple of kBlock in the index (see Noise).
+// `marks` (may be null): the change marks, shard element 0 at bit `mark_base`.
 void cast_span(int64_t mode, uint16_t* out, const float* x, float* res, int64_t p, int64_t m, uint64_t index,
-               uint32_t key, uint32_t nan16, int64_t& ch, int64_t& nf) {
+               uint32_t key, uint32_t nan16, int64_t& ch, int64_t& nf, Marker* marks, int64_t mark_base) {
   while (m > 0) {
     const uint64_t lo = index & 0xFFFFFFFFu;
     const int64_t b = std::min<int64_t>(m, kBlock - static_cast<int64_t>(index % kBlock));
     float* r = res ? res + p : nullptr;
     switch (mode) {
       case kNearest:
-        run_block(Nearest{nan16}, x + p, out + p, r, b, 0, ch, nf);
+        run_block(Nearest{nan16}, x + p, out + p, r, b, 0, ch, nf, marks, mark_base + p);
         break;
       case kStochastic:
       case kDither:
         run_block(Noise{key ^ ((static_cast<uint32_t>(lo) ^ key) >> 16), static_cast<uint32_t>(index >> 32)},
-                  x + p, out + p, r, b, static_cast<uint32_t>(lo), ch, nf);
+                  x + p, out + p, r, b, static_cast<uint32_t>(lo), ch, nf, marks, mark_base + p);
         break;
       case kErrorFeedback:
-        run_block(ErrorFeedback{nan16}, x + p, out + p, r, b, 0, ch, nf);
+        run_block(ErrorFeedback{nan16}, x + p, out + p, r, b, 0, ch, nf, marks, mark_base + p);
         break;
     }
     p += b;
@@ -314,18 +390,22 @@ void check_mode(int64_t mode, uintptr_t res_ptr) {
 // Casts elements [0, n) of a contiguous shard holding indices [start, start + n) of one parameter.
 // Pointers come from tensors the Python side has checked (dtype, length, contiguity, device).
 pybind11::tuple cast_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr, uintptr_t res_ptr, int64_t n,
-                          int64_t start, int64_t key, int64_t nan16) {
+                          int64_t start, int64_t key, int64_t nan16, uintptr_t marks_ptr, int64_t mark_base) {
   check_mode(mode, res_ptr);
   auto* out = reinterpret_cast<uint16_t*>(out_ptr);
   const auto* x = reinterpret_cast<const float*>(x_ptr);
   auto* res = mode == kErrorFeedback ? reinterpret_cast<float*>(res_ptr) : nullptr;
+  auto* marks = reinterpret_cast<uint8_t*>(marks_ptr);
   std::atomic<int64_t> changed{0}, nonfinite{0};
   {
     pybind11::gil_scoped_release no_gil;
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
       int64_t ch = 0, nf = 0;
+      Marker marker(marks, mark_base + begin, mark_base + end);
       cast_span(mode, out, x, res, begin, end - begin, static_cast<uint64_t>(start + begin),
-                static_cast<uint32_t>(key), static_cast<uint32_t>(nan16), ch, nf);
+                static_cast<uint32_t>(key), static_cast<uint32_t>(nan16), ch, nf, marks ? &marker : nullptr,
+                mark_base);
+      marker.flush();
       changed += ch;
       nonfinite += nf;
     });
@@ -340,7 +420,7 @@ pybind11::tuple cast_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr, uint
 // finds the run its first element is in, then walks the runs.
 pybind11::tuple cast_runs_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr, uintptr_t res_ptr, int64_t n,
                                uintptr_t offsets_ptr, uintptr_t starts_ptr, int64_t nruns, int64_t key,
-                               int64_t nan16) {
+                               int64_t nan16, uintptr_t marks_ptr, int64_t mark_base) {
   check_mode(mode, res_ptr);
   if (nruns < 1) throw std::invalid_argument("cast_runs_into needs at least one run");
   auto* out = reinterpret_cast<uint16_t*>(out_ptr);
@@ -348,18 +428,21 @@ pybind11::tuple cast_runs_into(int64_t mode, uintptr_t out_ptr, uintptr_t x_ptr,
   auto* res = mode == kErrorFeedback ? reinterpret_cast<float*>(res_ptr) : nullptr;
   const auto* offsets = reinterpret_cast<const int64_t*>(offsets_ptr);
   const auto* starts = reinterpret_cast<const int64_t*>(starts_ptr);
+  auto* marks = reinterpret_cast<uint8_t*>(marks_ptr);
   if (offsets[0] != 0 || offsets[nruns] != n) throw std::invalid_argument("the runs do not cover the shard");
   std::atomic<int64_t> changed{0}, nonfinite{0};
   {
     pybind11::gil_scoped_release no_gil;
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
       int64_t ch = 0, nf = 0;
+      Marker marker(marks, mark_base + begin, mark_base + end);
       // the last run starting at or before `begin` (a non-empty one: it reaches past `begin`)
       int64_t r = std::upper_bound(offsets, offsets + nruns + 1, begin) - offsets - 1;
       for (int64_t p = begin; p < end; ++r) {
         const int64_t stop = std::min(offsets[r + 1], end);
         cast_span(mode, out, x, res, p, stop - p, static_cast<uint64_t>(starts[r] + (p - offsets[r])),
-                  static_cast<uint32_t>(key), static_cast<uint32_t>(nan16), ch, nf);
+                  static_cast<uint32_t>(key), static_cast<uint32_t>(nan16), ch, nf, marks ? &marker : nullptr,
+                  mark_base);
         p = std::max(p, stop);
       }
       changed += ch;

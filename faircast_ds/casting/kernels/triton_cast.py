@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from faircast_ds.casting.kernels.nan import torch_nan16
-from faircast_ds.casting.kernels.operands import contiguous, write_back
+from faircast_ds.casting.kernels.operands import check_marks, contiguous, write_back
 from faircast_ds.casting.modes import kernel_code
 
 BLOCK = 4096
@@ -57,10 +57,11 @@ def fsub(a, b, USE_PTX: tl.constexpr):
     else:
         return a - b
 
-@triton.jit(do_not_specialize=["n", "start", "key", "nruns", "steps"])
+@triton.jit(do_not_specialize=["n", "start", "key", "nruns", "steps", "mark_base"])
 def cast_kernel(x_ptr, res_ptr, out_ptr, partial_ptr, n, start, key, offsets_ptr, starts_ptr, nruns, steps,
+                marks_ptr, mark_base,
                 MODE: tl.constexpr, NAN16: tl.constexpr, COUNT_CHANGED: tl.constexpr,
-                USE_PTX: tl.constexpr, RUNS: tl.constexpr, BLOCK: tl.constexpr):
+                USE_PTX: tl.constexpr, RUNS: tl.constexpr, MARKS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -116,6 +117,10 @@ def cast_kernel(x_ptr, res_ptr, out_ptr, partial_ptr, n, start, key, offsets_ptr
     if COUNT_CHANGED:  # the old bits, read before this program overwrites them
         old = tl.load(out_ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
         changed = tl.sum(((old != o) & mask).to(tl.int32), axis=0)
+        if MARKS:  # change marks: bit mark_base + i of the 32-bit words at marks_ptr, ORed atomically
+            pos = offs + mark_base
+            bit = tl.full([BLOCK], 1, tl.int32) << (pos & 31).to(tl.int32)
+            tl.atomic_or(marks_ptr + (pos >> 5), bit, mask=(old != o) & mask)
     else:
         changed = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
     tl.store(out_ptr + offs, o.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
@@ -129,13 +134,21 @@ def _use_ptx() -> bool:
 
 
 def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start: int,
-              residual: torch.Tensor | None, count_changed: bool = True, runs=None) -> tuple[int, int]:
+              residual: torch.Tensor | None, count_changed: bool = True, runs=None,
+              marks: torch.Tensor | None = None, mark_base: int = 0) -> tuple[int, int]:
     """Run the Triton kernel on CUDA tensors already checked by ``casts.cast_into``.
 
     Returns (changed, nonfinite); with ``count_changed=False`` the old output is not read (2 bytes
     less per element) and ``changed`` is reported as -1. ``runs`` (a ``faircast_ds.casting.runs.Runs`` covering
     ``x``): the elements' parameter indices, in place of ``start``; one launch casts them all.
+    ``marks``: change marks (a uint8 bitmap of whole 32-bit words on the device,
+    :mod:`faircast_ds.casting.marks`) ORed with a 1 at bit ``mark_base + i`` for every element ``i``
+    whose bits changed (needs ``count_changed``).
     """
+    if marks is not None:
+        if not count_changed:
+            raise ValueError("change marks need the old bits: count_changed=True")
+        check_marks(marks, mark_base, x.numel(), x.device)
     n = x.numel()
     if n == 0:
         return 0, 0
@@ -153,8 +166,9 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, mode: str, *, key: int, start:
     cast_kernel[(grid,)](
         src.view(torch.int32), (res if res is not None else src).view(torch.int32), dst.view(torch.int16), partial,
         n, start, key_i32, offsets, starts, nruns, steps,
+        marks.view(torch.int32) if marks is not None else partial, mark_base,
         MODE=kernel_code(mode, "triton"), NAN16=torch_nan16(x.device), COUNT_CHANGED=count_changed, USE_PTX=_use_ptx(),
-        RUNS=runs is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        RUNS=runs is not None, MARKS=marks is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
     write_back(out, dst, residual, res)
     changed, nonfinite = partial.sum(0, dtype=torch.int64).tolist()
     return (changed if count_changed else -1), nonfinite

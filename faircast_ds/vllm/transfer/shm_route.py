@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from faircast_ds._util.dist import collective_device, first_failure, from_rank0, rank_world
-from faircast_ds.export import delta as delta_encoding
 from faircast_ds.export.channel import WeightSyncError
 from faircast_ds.export.plane import PlaneError
 from faircast_ds.export.source import ServedReport, reader_of
 from faircast_ds.export.stages import Stages
+from faircast_ds.export.tracking import tracker_for
 from faircast_ds.vllm.kernels import EngineWeightsMismatch
 from faircast_ds.vllm.transfer.shm import SegmentWriter, socket_name
 
@@ -46,8 +46,10 @@ class ShmRoute:
     """The trainer's end of the shared-memory plane (see the module docstring); ``server`` a
     :class:`~faircast_ds.vllm.transfer.server.VllmServer` on rank 0, None elsewhere. ``verify``: True (the
     loaded layers' kernels against the segment on sampled columns), ``"full"`` (every element) or
-    False. ``delta``: after an acknowledged push, carry only the parameters whose bits changed (each
-    rank keeps its slices' bits of the acknowledged version: 2 bytes per shard element)."""
+    False. ``delta``: after an acknowledged push, carry only the parameters whose bits changed, read
+    from the cast's change marks where the model's reader offers them (1 bit per shard element,
+    ``tracking == "marks"``), else from a copy of the acknowledged bits (2 bytes per element,
+    ``"baseline"``; :mod:`faircast_ds.export.tracking`)."""
 
     def __init__(self, model: Any, server: Any, *, timeout: float = 120.0, verify: bool | str = True,
                  delta: bool = True, secret: str | bytes | None = None) -> None:
@@ -82,7 +84,7 @@ class ShmRoute:
             self.writer.close()
             raise WeightSyncError(f"joining the engine's shared-memory plane failed: {error}")
         self.acknowledged: int | None = None  # the version the engine serves from this trainer
-        self._baseline: list[torch.Tensor] | None = None  # per slice: its bits at that version
+        self.tracker = tracker_for(reader, [v for _, _, v in self.slices]) if delta else None
         self.pause: Callable[[int], None] | None = None  # tests: called after each slice written
         self.pushes = 0
         self.committed_bytes = 0
@@ -101,8 +103,8 @@ class ShmRoute:
         if use_delta:
             with stages("trainer.diff"):
                 counts = torch.zeros(len(self.specs), dtype=torch.int64)
-                for (i, _, values), base in zip(self.slices, self._baseline):
-                    counts[i] += int((delta_encoding.bits_view(values) != base).sum())
+                for (i, _, _), n in zip(self.slices, self.tracker.counts([v for _, _, v in self.slices])):
+                    counts[i] += n
             if self.world > 1:
                 collectives += 1
                 with stages("trainer.collectives"):
@@ -165,7 +167,8 @@ class ShmRoute:
                             changed=changed, numel=self.numel, bytes=written, seconds=seconds,
                             elements=carried, params_total=len(self.specs), gathers=0,
                             verified=(True if verify and params else None), stages=stages.as_dict(),
-                            http_calls=http, collectives=collectives)
+                            http_calls=http, collectives=collectives, tracking=self.tracking,
+                            tracking_bytes=self.tracker.nbytes if self.tracker is not None else 0)
 
     def _commit_and_load(self, version: int, params: set[int] | None, verify: bool | str,
                          stages: Stages) -> str | None:
@@ -196,15 +199,19 @@ class ShmRoute:
         return None
 
     def _remember(self, params: set[int], dense: bool) -> None:
-        """Each rank keeps its slices' bits of the acknowledged version (what the next delta diffs)."""
-        if self._baseline is None or dense:
-            self._baseline = [delta_encoding.bits_view(v).clone() for _, _, v in self.slices]
-            return
-        for (i, _, values), base in zip(self.slices, self._baseline):
-            if i in params:
-                base.copy_(delta_encoding.bits_view(values))
+        """The engine serves these bits now: what the next delta is measured from (the marks cleared,
+        or the baseline copied: all of it after a dense push, the carried parameters' after a delta)."""
+        positions = None if dense else {k for k, (i, _, _) in enumerate(self.slices) if i in params}
+        self.tracker.acknowledge([v for _, _, v in self.slices], positions)
+
+    @property
+    def tracking(self) -> str | None:
+        """How a delta finds what changed: ``"marks"``, ``"baseline"``, or None (``delta=False``)."""
+        return self.tracker.kind if self.tracker is not None else None
 
     def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
         self.writer.close()
         if self.server is not None:
             try:

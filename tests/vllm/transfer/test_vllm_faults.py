@@ -341,6 +341,48 @@ def test_shm_dense_delta_and_a_push_that_changes_nothing(engine):
         push.close()
 
 
+def test_shm_delta_from_the_casts_change_marks(engine):
+    """Served weights written by Fair Cast's caster, whose reader offers the change marks: a delta reads
+    them (1 bit per element kept, no copy of the bits sent), carries exactly the parameters whose bits
+    moved, and the engine serves the trainer's bits after each push (checksums from the module's own
+    bits, no Fair Cast code); a push that changes nothing costs one round trip; a second route on the
+    same marks keeps its own baseline instead."""
+    server = engine["server"]
+    model = ft.build_model()
+    trainer = ft.CastTrainer(model)
+    numel = sum(p.numel() for p in model.parameters())
+    push = shm_push(server, model)
+    try:
+        assert push.route.tracking == "marks"
+        trainer.set_version(60)
+        assert push.push(60).kind == "dense"
+        assert_serves(server, 60, model)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer.set_version(61)
+        moved = sum(not torch.equal(p.view(torch.int16), before[n].view(torch.int16)) for n, p in model.named_parameters())
+        report = push.push(61)
+        assert report.kind == "delta" and report.params == moved and 0 < moved < report.params_total
+        assert report.tracking == "marks" and report.tracking_bytes * 8 <= numel + 32 * report.params_total
+        assert_serves(server, 61, model)
+        trainer.set_version(61)  # cast again: the same bits, nothing marked
+        nothing = push.push(62)
+        assert nothing.params == 0 and nothing.http_calls == 1
+        assert_serves(server, 62, model)
+        from faircast_ds.export.source import ServedSource
+
+        other = ServedSource(model)  # another consumer of the same reader
+        walk = other.walk()
+        for _ in walk:
+            pass
+        walk.acknowledge()
+        assert other.tracking == "baseline"  # the marks serve the shm route; this one keeps a copy
+        trainer.set_version(63)
+        assert push.push(63).kind == "delta"
+        assert_serves(server, 63, model)
+    finally:
+        push.close()
+
+
 def test_shm_rank_killed_mid_write_leaves_the_previous_version_and_the_next_push_is_dense(engine, tmp_path):
     server = engine["server"]
     marks = tmp_path / "marks"
