@@ -38,15 +38,11 @@ class BaselineTracker:
         return torch.ne(delta_encoding.bits_view(values), base)
 
     def acknowledge(self, values: Sequence[torch.Tensor], positions: set[int] | None = None) -> None:
-        """The engine now serves ``values``' bits (of ``positions`` only, the others unchanged)."""
-        if self._baseline is None or len(self._baseline) != len(values) or positions is None:
-            if self._baseline is not None and len(self._baseline) == len(values):
-                for base, v in zip(self._baseline, values):  # in place: no second copy of the shard
-                    base.copy_(delta_encoding.bits_view(v))
-            else:
-                self._baseline = [delta_encoding.bits_view(v).clone() for v in values]
+        """The engine now serves ``values``' bits (those of ``positions`` only, the others unchanged)."""
+        if self._baseline is None or len(self._baseline) != len(values):
+            self._baseline = [delta_encoding.bits_view(v).clone() for v in values]
             return
-        for p in positions:
+        for p in range(len(values)) if positions is None else positions:  # in place: no second copy
             self._baseline[p].copy_(delta_encoding.bits_view(values[p]))
 
     def _require(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
