@@ -17,9 +17,9 @@ import time
 
 import torch
 
+from faircast_ds.casting.marks import MarkSet
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.export.tracking import BaselineTracker, MarksTracker
-from faircast_ds.casting.marks import MarkSet
 from faircast_ds.shard.caster import ShardCaster, ShardSlice
 
 
@@ -71,8 +71,8 @@ def main() -> None:
     ack_marks = best(lambda: tracker.acknowledge(views))
     print(f"shard of {n:,} elements in {k} slices, dither, {changed / n:.2%} of the elements changed per step "
           f"(torch threads {torch.get_num_threads()})")
-    print(f"| | kept copy (2 B/element) | change marks (1 bit/element) | marks / copy |")
-    print(f"|---|---|---|---|")
+    print("| | kept copy (2 B/element) | change marks (1 bit/element) | marks / copy |")
+    print("|---|---|---|---|")
     print(f"| cast (the kernel; marks: it also marks) | {t_plain * 1e3:.1f} ms | {t_marked * 1e3:.1f} ms | "
           f"{t_marked / t_plain:.3f} |")
     print(f"| what changed, per slice (a delta's diff) | {count_copy * 1e3:.1f} ms | {count_marks * 1e3:.1f} ms | "

@@ -21,8 +21,8 @@ from faircast_ds.casting import marks as M
 from faircast_ds.casting.modes import MODES
 from faircast_ds.casting.rules import cast_into
 from faircast_ds.casting.runs import Runs
-from faircast_ds.shard.caster import ShardCaster, ShardSlice
 from faircast_ds.config.section import FairCastConfig
+from faircast_ds.shard.caster import ShardCaster, ShardSlice
 
 try:
     import triton  # noqa: F401
@@ -213,9 +213,10 @@ def test_triton_kernel_marks_in_the_cpu_interpreter(tmp_path):
 def test_every_vector_width_of_the_cpu_kernel_marks_alike():
     """The AVX-512 (native here), AVX2 and portable builds each compute the changed lanes their own way
     (a mask compare; compare, narrow and movemask; a loop): each against the bits."""
+    from test_kernels import narrower_builds_here
+
     from faircast_ds.casting import modes
     from faircast_ds.casting.kernels import cpu
-    from test_kernels import narrower_builds_here
 
     if not cpu.available():
         pytest.skip(f"fused CPU kernel unavailable: {cpu.unavailable_reason()}")
