@@ -85,8 +85,11 @@ class Diagnostics:
         self._history[key][step % self.config.horizon] = master.detach().view(-1)[self._positions[key]]
 
     def _track(self, key: Hashable, slices: Sequence[ShardSlice], device: torch.device, first: int) -> None:
-        self._slices[key] = [s for s in slices if not s.is_padding]
-        self._positions[key] = self._sample_positions(slices).to(device)
+        kept = [s for s in slices if not s.is_padding]
+        same = key in self._positions and self._slices.get(key) == kept and self._positions[key].device == device
+        self._slices[key] = kept
+        if not same:  # the sample of a flat group depends only on its slices: a reload keeps it (no rehash)
+            self._positions[key] = self._sample_positions(slices).to(device)
         self._history[key] = torch.full((self.config.horizon, self._positions[key].numel()), float("nan"),
                                         device=device)
         self._first[key] = first

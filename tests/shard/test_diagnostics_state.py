@@ -117,3 +117,30 @@ def test_what_cannot_be_restored_is_named():
     part = Diagnostics(CFG, sum(PARAMS.values()))
     run(part, layout([[("a.w", 0, 3000)]]), range(1, 3))
     assert "lacks b.w" in diag.restore_checkpoint_state([part.checkpoint_state()], flat(ONE, 2))
+
+
+def test_a_reload_in_the_same_process_keeps_the_sample_without_rehashing(monkeypatch):
+    """An observer that already tracks a flat group keeps its sample when a load restores the history
+    (the sample depends only on the slices): no element is hashed again, and the figures are those of an
+    observer restored fresh. A group whose slices changed is sampled again."""
+    from faircast_ds.shard import diagnostics
+
+    live = Diagnostics(CFG, sum(PARAMS.values()))
+    run(live, ONE, range(1, 6))
+    state = live.checkpoint_state()
+    hashed = []
+    original = diagnostics.sampled_indices
+    monkeypatch.setattr(diagnostics, "sampled_indices", lambda part, *a, **k: hashed.append(part.name) or original(part, *a, **k))
+    assert live.restore_checkpoint_state([state], flat(ONE, 5)) is None
+    assert hashed == []  # the same slices: the sample kept
+    fresh = Diagnostics(CFG, sum(PARAMS.values()))
+    assert fresh.restore_checkpoint_state([state], flat(ONE, 5)) is None
+    assert sorted(hashed) == sorted(s.name for _, slices in ONE for s in slices if not s.is_padding)
+    for d in (live, fresh):
+        run(d, ONE, range(5, 9))
+    want, got = figures(fresh, ONE, 8), figures(live, ONE, 8)
+    for k, v in want.items():
+        assert math.isclose(got[k], v, rel_tol=1e-9, abs_tol=1e-12), (k, got[k], v)
+    hashed.clear()
+    assert live.restore_checkpoint_state([state], flat(OTHER, 5)) is None  # another layout: sampled again
+    assert hashed
