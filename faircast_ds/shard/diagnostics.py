@@ -21,7 +21,7 @@ The caster's observer: it sees every cast (``on_cast``); ``compute`` is a collec
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -84,12 +84,20 @@ class Diagnostics:
             self._track(key, slices, master.device, step)
         self._history[key][step % self.config.horizon] = master.detach().view(-1)[self._positions[key]]
 
-    def _track(self, key: Hashable, slices: Sequence[ShardSlice], device: torch.device, first: int) -> None:
+    def _track(self, key: Hashable, slices: Sequence[ShardSlice], device: torch.device, first: int,
+               known: Callable[[ShardSlice], torch.Tensor] | None = None) -> None:
+        """Start recording flat group ``key``. ``known``: the sample's indices within a slice, read from a
+        checkpoint drawn with this run's threshold (no element hashed); None: hash the slices."""
         kept = [s for s in slices if not s.is_padding]
         same = key in self._positions and self._slices.get(key) == kept and self._positions[key].device == device
         self._slices[key] = kept
         if not same:  # the sample of a flat group depends only on its slices: a reload keeps it (no rehash)
-            self._positions[key] = self._sample_positions(slices).to(device)
+            if known is not None:
+                picked = [s.offset + known(s) for s in kept]
+                positions = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.int64)
+            else:
+                positions = self._sample_positions(slices)
+            self._positions[key] = positions.to(device)
         self._history[key] = torch.full((self.config.horizon, self._positions[key].numel()), float("nan"),
                                         device=device)
         self._first[key] = first
@@ -116,8 +124,9 @@ class Diagnostics:
                 counts.append(int(index.numel()))
                 indices.append(index)
                 columns.append(history.index_select(1, cols))
+        covered = [(s.name, s.start, s.numel) for slices in self._slices.values() for s in slices]
         return {"horizon": self.config.horizon, "first": min(self._first.values(), default=None),
-                "names": names, "counts": counts,
+                "threshold": self._threshold, "covered": covered, "names": names, "counts": counts,
                 "index": torch.cat(indices) if indices else torch.zeros(0, dtype=torch.int64),
                 "history": torch.cat(columns, dim=1) if columns else torch.zeros(self.config.horizon, 0)}
 
@@ -145,9 +154,11 @@ class Diagnostics:
         for name, (index, history) in saved.items():  # sorted once per parameter, looked up per slice
             order = torch.argsort(index)
             saved[name] = (index[order], history[:, order])
+        flat_groups = list(flat_groups)
+        known = self._known_sample(states, saved, [s for _, _, _, slices in flat_groups for s in slices])
         tracked = {}
         for key, master, _, slices in flat_groups:
-            self._track(key, slices, master.device, min(firsts))
+            self._track(key, slices, master.device, min(firsts), known)
             history = torch.full_like(self._history[key], float("nan")).cpu()
             for name, index, cols in self._sample_names(key):
                 have = saved.get(name)
@@ -161,6 +172,35 @@ class Diagnostics:
             tracked[key] = history.to(self._history[key].device)
         self._history.update(tracked)
         return None
+
+    def _known_sample(self, states: Sequence[dict[str, Any]], saved: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                      slices: Sequence[ShardSlice]) -> Callable[[ShardSlice], torch.Tensor] | None:
+        """The sample's indices within a slice as the checkpoint names them, when that is the sample this run
+        would draw: every rank file drew it with this run's threshold (the hash is the same for any sharding)
+        and the files together covered each of ``slices`` whole. Else None (hash again): a checkpoint from
+        before these fields, another model size or sample, or a rank file missing."""
+        if any(int(st.get("threshold", -1)) != self._threshold or "covered" not in st for st in states):
+            return None
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for st in states:
+            for name, start, numel in st["covered"]:
+                ranges.setdefault(name, []).append((int(start), int(start) + int(numel)))
+        for s in slices:
+            if s.is_padding:
+                continue
+            reach = s.start  # the end of the covered prefix of [start, start + numel)
+            for lo, hi in sorted(ranges.get(s.name, ())):
+                if lo <= reach < hi:
+                    reach = hi
+            if reach < s.start + s.numel:
+                return None
+        empty = torch.zeros(0, dtype=torch.int64)
+
+        def known(s: ShardSlice) -> torch.Tensor:
+            index = saved.get(s.name, (empty, None))[0]
+            lo, hi = torch.searchsorted(index, torch.tensor([s.start, s.start + s.numel])).tolist()
+            return index[lo:hi] - s.start
+        return known
 
     def on_restored(self, key: Hashable, served: torch.Tensor, slices: Sequence[ShardSlice]) -> None:
         """A restore wrote the served shard: the figures read it at the next ``compute``; nothing to record."""

@@ -134,7 +134,8 @@ def test_a_reload_in_the_same_process_keeps_the_sample_without_rehashing(monkeyp
     assert live.restore_checkpoint_state([state], flat(ONE, 5)) is None
     assert hashed == []  # the same slices: the sample kept
     fresh = Diagnostics(CFG, sum(PARAMS.values()))
-    assert fresh.restore_checkpoint_state([state], flat(ONE, 5)) is None
+    older = {k: v for k, v in state.items() if k not in ("threshold", "covered")}  # a checkpoint before those fields
+    assert fresh.restore_checkpoint_state([older], flat(ONE, 5)) is None
     assert sorted(hashed) == sorted(s.name for _, slices in ONE for s in slices if not s.is_padding)
     for d in (live, fresh):
         run(d, ONE, range(5, 9))
@@ -142,5 +143,47 @@ def test_a_reload_in_the_same_process_keeps_the_sample_without_rehashing(monkeyp
     for k, v in want.items():
         assert math.isclose(got[k], v, rel_tol=1e-9, abs_tol=1e-12), (k, got[k], v)
     hashed.clear()
-    assert live.restore_checkpoint_state([state], flat(OTHER, 5)) is None  # another layout: sampled again
+    assert live.restore_checkpoint_state([older], flat(OTHER, 5)) is None  # another layout: sampled again
+    assert hashed
+
+
+@pytest.mark.parametrize("saved_under", ["one", "other"])
+def test_a_fresh_process_reads_its_sample_from_the_checkpoint_without_hashing(monkeypatch, saved_under):
+    """A resumed process (a fresh observer) takes the sample's elements from the checkpoint when every
+    rank file drew them with its own threshold and together covered its slices: no element hashed, and
+    the sample, the history and the figures are those of an observer that hashed. The oracle hashes with
+    ``sampled_indices`` itself. Another sample size, or rank files that miss a slice, hash again."""
+    from faircast_ds.shard import diagnostics
+
+    groups = {"one": ONE, "other": OTHER}[saved_under]
+    half = [layout([[("a.w", 0, 1700)], [("c.b", 0, 50)]]), layout([[("a.w", 1700, 1300), ("b.w", 0, 1200)]])]
+    ranks = [Diagnostics(CFG, sum(PARAMS.values())) for _ in half]
+    for d, g in zip(ranks, half):
+        run(d, g, range(1, 6))
+    states = [d.checkpoint_state() for d in ranks]
+    hashing = Diagnostics(CFG, sum(PARAMS.values()))
+    assert hashing.restore_checkpoint_state([{k: v for k, v in st.items() if k != "threshold"} for st in states],
+                                            flat(groups, 5)) is None
+    hashed = []
+    original = diagnostics.sampled_indices
+    monkeypatch.setattr(diagnostics, "sampled_indices", lambda part, *a, **k: hashed.append(part.name) or original(part, *a, **k))
+    fresh = Diagnostics(CFG, sum(PARAMS.values()))
+    assert fresh.restore_checkpoint_state(states, flat(groups, 5)) is None
+    assert hashed == []
+    for key, slices in groups:
+        want = torch.cat([s.offset + original(s, hashing._threshold) for s in slices if not s.is_padding])
+        assert torch.equal(fresh._positions[key], want) and want.numel() > 0
+        assert torch.equal(fresh._history[key].nan_to_num(), hashing._history[key].nan_to_num())
+    for d in (fresh, hashing):
+        run(d, groups, range(5, 9))
+    want, got = figures(hashing, groups, 8), figures(fresh, groups, 8)
+    for k, v in want.items():
+        assert math.isclose(got[k], v, rel_tol=1e-9, abs_tol=1e-12), (k, got[k], v)
+
+    other_size = Diagnostics(DiagnosticsConfig(every=1, sample=1000, horizon=16), sum(PARAMS.values()))
+    assert other_size.restore_checkpoint_state(states, flat(groups, 5)) is not None or hashed  # drawn again
+    assert hashed
+    hashed.clear()
+    lacking = Diagnostics(CFG, sum(PARAMS.values()))
+    assert "lacks" in lacking.restore_checkpoint_state(states[1:], flat(groups, 5))  # a.w's head missing: hashed
     assert hashed
