@@ -1,7 +1,7 @@
 """Where a DeepSpeed ``load_checkpoint`` spends its time, Fair Cast against plain, stage by stage, in one run.
 
     python benchmarks/load_breakdown.py [--model qwen3-0.6b] [--layers 1] [--stages 3 2]
-                                        [--configs plain dither error_feedback] [--loads 3] [--out DIR]
+                                        [--configs plain dither error_feedback] [--loads 3] [--fresh] [--out DIR]
 
 For each ZeRO stage and configuration, one ``deepspeed --num_gpus 2`` launch on CPU ranks (gloo) builds the
 real architecture at ``--layers`` (the shipped DeepSpeed config of ``faircast-ds bench --model``), takes two
@@ -17,6 +17,10 @@ wrapped around the functions that do them (inclusive times; the larger rank's; m
 - ``casts``: every ``ShardCaster.cast_flat`` (its observers excluded); ``guard record``: the guard noting
   what the casts wrote (the block digests); ``guard check``: the guard's full comparison after the load;
   ``publish``: the adapter's all-gathers.
+
+``--fresh`` measures a resume instead: one launch trains and saves, a second launch (fresh processes, as a
+resumed job) builds the engine and loads the checkpoint ``--loads`` times; the table gives the first load
+(the resume a user pays) and the median of the later ones.
 
 The last lines give each Fair Cast configuration's total against plain's and the guard's share of its load
 (record + prepare + check). Only ratios are meant to be compared; the machine's load is printed.
@@ -71,8 +75,8 @@ class _Timers:
 
 
 def worker(argv: list[str]) -> None:
-    stem, model_name, layers, stage, config, loads = [a for a in argv if not a.startswith("--local_rank")]
-    layers, stage, loads = int(layers), int(stage), int(loads)
+    stem, model_name, layers, stage, config, loads, phase = [a for a in argv if not a.startswith("--local_rank")]
+    layers, stage, loads = int(layers), int(stage), int(loads)  # phase: all | save | resume
     import deepspeed
     import deepspeed.comm as dist
     import torch
@@ -108,15 +112,16 @@ def worker(argv: list[str]) -> None:
     if fc is not None:
         timers.patch(fc.adapter, "publish", "publish")
     vocab = real_config(model_name).vocab_size
-    for step in range(2):
-        x = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(1000 * step + rank))
-        engine.backward(engine(input_ids=x, labels=x).loss)
-        engine.step()
     ckpt = f"{stem}-ckpt"
-    engine.save_checkpoint(ckpt, tag="bench")
+    if phase != "resume":
+        for step in range(2):
+            x = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(1000 * step + rank))
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+        engine.save_checkpoint(ckpt, tag="bench")
     dist.barrier()
     rows = []
-    for _ in range(loads):
+    for _ in range(loads if phase != "save" else 0):
         timers.take()
         dist.barrier()
         profile = os.environ.get("LOAD_BREAKDOWN_PROFILE")  # a folder: cProfile each rank's loads there
@@ -140,7 +145,7 @@ def worker(argv: list[str]) -> None:
         json.dump({"rank": rank, "rows": rows, "shard_elements": shard,
                    "params": sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())}, f)
     dist.barrier()
-    if rank == 0:
+    if rank == 0 and phase != "save":
         import shutil
 
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -149,7 +154,20 @@ def worker(argv: list[str]) -> None:
     os._exit(0)  # gloo's threads can abort a process that finalizes normally
 
 
-def _launch(stem: str, args: argparse.Namespace, stage: int, config: str) -> dict[str, Any]:
+def _launch(stem: str, args: argparse.Namespace, stage: int, config: str) -> dict[str, Any] | None:
+    if not args.fresh:
+        return _launch_phase(stem, args, stage, config, "all")
+    if _launch_phase(stem, args, stage, config, "save") is None:
+        return None
+    result = _launch_phase(stem, args, stage, config, "resume")
+    if result is not None:  # the first load is the resume; the median is over the later ones
+        first, later = result["loads"][0], result["loads"][1:] or result["loads"]
+        result["median"] = dict(first)
+        result["later"] = {k: statistics.median(r[k] for r in later) for k in STAGES}
+    return result
+
+
+def _launch_phase(stem: str, args: argparse.Namespace, stage: int, config: str, phase: str) -> dict[str, Any] | None:
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -161,13 +179,18 @@ def _launch(stem: str, args: argparse.Namespace, stage: int, config: str) -> dic
         port = s.getsockname()[1]
     cmd = [runner if os.path.exists(runner) else "deepspeed", "--num_gpus", "2", "--master_port", str(port),
            os.path.abspath(__file__), "--worker", stem, args.model, str(args.layers), str(stage), config,
-           str(args.loads)]
-    log = f"{stem}.log"
+           str(args.loads), phase]
+    log = f"{stem}.{phase}.log"
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=root)
     for n in os.listdir("/dev/shm"):  # DeepSpeed's CPU all-reduce leaves its buffers behind
         if n.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in n:
             os.unlink(os.path.join("/dev/shm", n))
+    if phase == "save":
+        if proc.returncode != 0 and not os.path.isdir(f"{stem}-ckpt"):
+            print(f"  ZeRO-{stage} {config}: the saving launch exited {proc.returncode}; log {log}", flush=True)
+            return None
+        return {}
     results = []
     for r in (0, 1):
         path = f"{stem}.rank{r}.json"
@@ -196,11 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 2])
     ap.add_argument("--configs", nargs="+", default=["plain", "dither", "error_feedback"])
     ap.add_argument("--loads", type=int, default=3)
+    ap.add_argument("--fresh", action="store_true", help="time a resume: the first load in fresh processes")
     ap.add_argument("--out", default=None, help="folder for the launches' logs and JSON (default: a temporary one)")
     args = ap.parse_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="load_breakdown-")
     os.makedirs(out, exist_ok=True)
-    print(f"{args.model} --layers {args.layers}, 2 CPU ranks, median of {args.loads} loads, the larger rank's; "
+    what = (f"a resume (the first of {args.loads} loads in fresh processes; 'later': the median of the rest)"
+            if args.fresh else f"median of {args.loads} loads")
+    print(f"{args.model} --layers {args.layers}, 2 CPU ranks, {what}, the larger rank's; "
           f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}; logs in {out}", flush=True)
     for stage in args.stages:
         figures = {}
@@ -214,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         shard = next((f["shard_elements"] for f in figures.values() if f["shard_elements"]), None)
         done = [c for c in args.configs if c in figures]
         print(f"\nZeRO-{stage}: {figures[done[0]]['params']:,} parameters, {shard or 0:,} shard elements "
-              f"per rank; seconds (median over loads)")
+              f"per rank; seconds ({'the first load in fresh processes' if args.fresh else 'median over loads'})")
         print(f"{'stage':<18}" + "".join(f"{c:>16}" for c in done))
         for k in STAGES:
             print(f"{k:<18}" + "".join(f"{figures[c]['median'][k]:>16.3f}" for c in done))
+        if args.fresh:
+            print(f"{'later loads':<18}" + "".join(f"{figures[c]['later']['total']:>16.3f}" for c in done))
         if "plain" in figures:
             plain = figures["plain"]["median"]["total"]
             for c in done:
@@ -225,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 m = figures[c]["median"]
                 guard = m["guard prepare"] + m["guard record"] + m["guard check"]
-                print(f"{c}: load {m['total'] / plain:.2f}x plain (goal <= 1.2); the guard "
+                print(f"{c}: {'resume' if args.fresh else 'load'} {m['total'] / plain:.2f}x plain (goal <= 1.2); the guard "
                       f"{guard:.3f} s = {guard / m['total']:.1%} of the load (goal <= 10%)")
     print(f"\nload average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0
