@@ -1,9 +1,9 @@
 """Push times into a separate vLLM engine process, on the same model: the `faircast` weight-transfer backend
-into `vllm serve` (faircast_ds.vllm.transfer: vLLM's HTTP routes + the authenticated channel + vLLM's
-/weight_checker) against the route it replaces, faircast_ds.vllm.remote (its own engine server and control
+into `vllm serve` (faircast_ds.vllm.transfer: vLLM's HTTP routes + the authenticated channel or the data
+plane, the engine's check inside finish) against the route it replaces, faircast_ds.vllm.remote (its own engine server and control
 protocol; only in commits before its removal), when that module is importable.
 
-    python benchmarks/vllm_push.py [--hidden 256 --layers 4 --vocab 2048 --repeats 3 --planes tcp shm]
+    python benchmarks/vllm_push.py [--hidden 256 --layers 4 --vocab 2048 --repeats 3 --planes tcp shm net]
 
 Prints one line per route and update kind (dense; a delta of 4 changed elements; a push with nothing
 changed): median seconds of the whole push (verification included), bytes on the channel, HTTP calls and
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--planes", nargs="+", choices=("tcp", "shm"), default=["tcp", "shm"],
+    ap.add_argument("--planes", nargs="+", choices=("tcp", "shm", "net"), default=["tcp", "shm"],
                     help="the faircast backend's data planes to time, one after the other on one server")
     ap.add_argument("--skip-remote", action="store_true", help="do not try the removed faircast_ds.vllm.remote")
     args = ap.parse_args()
@@ -96,6 +96,10 @@ def main() -> None:
         if "shm" in args.planes:
             push = ServedPush(model, server, plane="shm")
             report("faircast backend, shared memory", timed(push.push, model, args.repeats), numel)
+            push.close()
+        if "net" in args.planes:
+            push = ServedPush(model, server, plane="net")
+            report("faircast backend, net plane (loopback)", timed(push.push, model, args.repeats), numel)
             push.close()
     if args.skip_remote:
         return

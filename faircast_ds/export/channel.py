@@ -368,6 +368,16 @@ class Channel:
         self._recv_frame(TENSOR, exact=nbytes, alloc=alloc, timeout=timeout)
         return out[0]
 
+    def recv_into(self, view: memoryview, timeout: float | None = None) -> None:
+        """A TENSOR frame of exactly ``view.nbytes`` bytes, read straight into ``view`` (no allocation:
+        e.g. a staging segment's bytes). Its tag is checked after the bytes land: on a forged or cut
+        frame ``view`` holds unauthenticated bytes and the caller must treat it as dirty."""
+        if view.nbytes > self.limits.max_frame:
+            error = ProtocolError(f"a frame of {view.nbytes} bytes is larger than anything this end accepts")
+            self.close(reason=str(error))
+            raise error
+        self._recv_frame(TENSOR, exact=view.nbytes, alloc=lambda n: view, timeout=timeout)
+
     def recv_json(self, timeout: float | None = None, limit: int | None = None) -> dict[str, Any]:
         """The next JSON frame, which must hold one JSON object."""
         body = self._recv_frame(JSON, limit=self.limits.max_json if limit is None else limit, timeout=timeout)

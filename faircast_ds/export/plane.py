@@ -4,7 +4,7 @@ and the engine's ledger that turns the ranks' reports into one all-or-nothing co
 
 Nothing here moves bytes or knows a socket. A transport supplies a :class:`Segment` (bytes the engine
 owns and the trainer ranks may write): :class:`HostSegment` is the CPU one (a ``memfd`` mapped in both
-processes, :mod:`faircast_ds.vllm.transfer.shm`); a GPU transport (CUDA IPC buckets on one node) would
+processes, :mod:`faircast_ds.vllm.transfer.segment`); a GPU transport (CUDA IPC buckets on one node) would
 supply the same four operations on device memory. The tests drive the ledger, the layout and the
 digests through :class:`HostSegment` alone.
 

@@ -6,8 +6,8 @@ starts on loopback (:class:`faircast_ds.vllm.transfer.server.VllmServer`, its ow
 killed at the end), which receives Fair Cast's served weights after every optimizer step through
 vLLM's weight-transfer API and the ``faircast`` backend
 (:class:`~faircast_ds.vllm.transfer.served_push.ServedPush`: vLLM's ``HTTPVLLMWeightSyncClient``, the
-authenticated channel, dense then deltas; then vLLM's ``/weight_checker`` compared with the served
-bits). vLLM's sampler draws with one seed per rollout, a
+authenticated channel, dense then deltas; the engine reads the loaded layers back through its kernels
+inside the finish call). vLLM's sampler draws with one seed per rollout, a
 function of (seed, step, rank, index), so modes are still compared on common random numbers.
 The loss stays on the trainer's served copy. Per step the vLLM source reports the check, the push
 time and size, and the trainer-vs-engine log-prob gap on the step's own rollouts: the trainer as it

@@ -8,7 +8,7 @@ built), ZeRO-3 on 2 CPU ranks, one launch. Each rank writes what it checked to O
   round to nearest even from the fp32 bits; dither's from tests/dist/realsize_worker.py), no product code;
 - rank 0 starts ``vllm serve`` (VllmServer) on the cached checkpoint, given as a path RELATIVE to the
   working directory, while the ranks train; after the dither steps every rank pushes the served weights
-  (ServedPush: dense, checked whole by vLLM's /weight_checker); rank 0 then asks /weight_checker for its
+  (ServedPush: dense, ``verify="full"``: the engine reads every loaded kernel back inside finish); rank 0 then asks /weight_checker for its
   checksums and compares them with SHA-256 digests it computes here of the gathered served bits;
 - one greedy generation through the chat template from the pushed weights (the prompt's ids recorded).
 """
@@ -89,7 +89,7 @@ def log(rank: int, text: str, began: float) -> None:
 
 
 def main() -> None:
-    from faircast_ds.vllm.transfer import ServedPush, VllmServer
+    from faircast_ds.vllm.transfer import VllmServer
 
     out = os.environ["OUT_DIR"]
     deepspeed.init_distributed(dist_backend="gloo")
@@ -166,7 +166,7 @@ def push_and_generate(engine, tok, rank: int, server_box: dict, starter, result:
     server = server_box.get("server")
     t0 = time.perf_counter()
     push = ServedPush(engine, server)
-    report = push.push(kind="dense")
+    report = push.push(kind="dense", verify="full")
     log(rank, f"pushed: {report.kind}, verified {report.verified}", t0)
     out = {"kind": report.kind, "verified": report.verified, "check": push.last_check, "params": report.params,
            "seconds": time.perf_counter() - t0}

@@ -62,8 +62,8 @@ def main() -> None:
                 x = batch(step, rank, vocab=MODEL["vocab_size"])
                 engine.backward(engine(input_ids=x, labels=x).loss)
                 engine.step()
-            r = push.push()  # version = engine.global_steps
-            check = push.last_check  # the first push is checked whole, later ones on sampled columns
+            r = push.push(verify="full" if step == 0 else None)  # version = engine.global_steps
+            check = push.last_check  # the first push read back whole, the next on sampled columns
             snap = snapshot(engine.module, step=engine.global_steps)  # every rank
             if rank == 0:
                 tokens, logps = server.generate(prompts, 8, seeds)

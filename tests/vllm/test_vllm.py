@@ -249,7 +249,7 @@ def test_vllm_serve_takes_dense_then_delta_updates_from_a_zero3_trainer(serve):
     dense, delta = serve["push0"]["report"], serve["push1"]["report"]
     assert dense["kind"] == "dense" and dense["version"] == 0 and dense["verified"]
     assert delta["kind"] == "delta" and delta["version"] == 1 and delta["verified"]
-    # the engine's read-back of sampled columns agreed with the trainer's (a mismatch raises in the push)
+    # the engine's read-back (whole, then sampled columns) agreed with what it received (a mismatch raises in the push)
     assert (serve["push0"]["check"], serve["push1"]["check"]) == ("whole", "sampled")
     assert 0 < delta["changed"] < dense["changed"]
     # vLLM's own weight version is the trainer's step

@@ -343,9 +343,10 @@ def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
                                      "launches whose results are already there are not repeated")
     model.add_argument("--push-modes", nargs="+", choices=MODES, default=None,
                        help="modes whose ZeRO-3 push into `vllm serve` is measured (default: dither stochastic)")
-    model.add_argument("--push-planes", nargs="+", choices=("tcp", "shm"), default=None,
-                       help="the push's data planes: tcp (the authenticated channel, default) and/or shm (one host, "
-                            "shared memory: each rank writes its own slices)")
+    model.add_argument("--push-planes", nargs="+", choices=("tcp", "shm", "net"), default=None,
+                       help="the push's data planes: tcp (the authenticated channel, default), shm (one host, "
+                            "shared memory: each rank writes its own slices), net (each rank sends its own "
+                            "slices on its own connection; loopback here)")
     model.add_argument("--push-lr", type=float, default=None,
                        help="AdamW learning rate of the steps between delta pushes (default 1e-6)")
     model.add_argument("--no-push", action="store_true", help="skip the engine push")

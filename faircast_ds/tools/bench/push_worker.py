@@ -1,7 +1,7 @@
 """The engine push of ``faircast-ds bench --model`` on the ranks of a ``deepspeed`` launch (started by
 :mod:`faircast_ds.tools.bench.model`, not by hand): the real architecture under ZeRO-3 with one Fair Cast mode
 pushes into a ``vllm serve`` process (the ``faircast`` weight-transfer backend, vLLM's HTTP routes,
-verification through vLLM's ``/weight_checker``) started on rank 0 from the model's own export.
+verification in the engine's finish: its kernels read back) started on rank 0 from the model's own export.
 
 Arguments (after the script): STEM MODEL LAYERS MODE LR. The pushes, each with its own version:
 
@@ -99,11 +99,8 @@ def main(argv: list[str]) -> None:
                                   generator=torch.Generator().manual_seed(1000 * version + rank))
                 engine.backward(engine(input_ids=x, labels=x).loss)
                 engine.step()
-            if plane == "shm":  # whole checks where the TCP plan's first and third pushes check whole
-                check = ("full" if version in (0, 2) else True) if verify else False
-                r = push.push(version=version, verify=check, kind=kind)
-            else:
-                r = push.push(version=version, verify=verify, kind=kind)
+            check = ("full" if version in (0, 2) else True) if verify else False  # the first and third: whole
+            r = push.push(version=version, verify=check, kind=kind)
             if rank == 0:
                 row = {k: getattr(r, k) for k in ("version", "kind", "params", "params_total", "changed", "numel",
                                                   "elements", "bytes", "seconds", "gathers", "verify_seconds",

@@ -22,9 +22,9 @@ weight version it was loaded at, so the columns move with every update of the la
 is ``cols<k>@v<version>:<sha256>``, never equal to a whole tensor's. The embedding is sampled by rows
 the same way (:func:`sample_rows`: the ids looked up, evenly spaced from a hashed offset, as many as make the
 same share of its elements as ``k`` columns are of a matrix of its width; ``rows<n>@v<version>:<sha256>``).
-Vectors (norms, biases) are always hashed whole. The engine side computes a sampled check
-only when the ``faircast`` backend's last update asked for one (``check_columns``), once; vLLM's own
-``/weight_checker`` calls are whole otherwise.
+Vectors (norms, biases) are always hashed whole. Sampled checks run inside the ``faircast``
+backend's ``finish_weight_update`` (:func:`staging_check`, the loaded layers against the staging copy);
+``/weight_checker`` always answers whole.
 """
 from __future__ import annotations
 
@@ -208,16 +208,12 @@ def kernel_items(model: torch.nn.Module, dtype: torch.dtype, sample: Any = None,
 
 
 def kernel_checksums(worker: Any) -> dict[str, str]:
-    """``Worker.compute_weight_checksums`` as the kernels compute: vLLM's keys, canonical kernel bits;
-    sampled for the matrices when the ``faircast`` backend's last update asked for it (once)."""
+    """``Worker.compute_weight_checksums`` as the kernels compute: vLLM's keys, canonical kernel bits
+    of every element."""
     prefix = worker._weight_checksum_prefix()
     model = worker.model_runner.get_model()
     dtype = worker.model_config.dtype
-    engine = getattr(worker, "weight_transfer_engine", None)
-    take = getattr(engine, "take_check_request", None)
-    sample = take() if callable(take) else None
-    return {prefix + name: t if isinstance(t, str) else checksum(t.cpu())
-            for name, t in kernel_items(model, dtype, sample)}
+    return {prefix + name: t if isinstance(t, str) else checksum(t.cpu()) for name, t in kernel_items(model, dtype)}
 
 
 def install_checksums() -> None:
@@ -236,11 +232,10 @@ def install_checksums() -> None:
     Worker.compute_weight_checksums = compute_weight_checksums
 
 
-def plane_check(model: torch.nn.Module, dtype: torch.dtype, staged: list[tuple[str, torch.Tensor]], columns: int,
+def staging_check(model: torch.nn.Module, dtype: torch.dtype, staged: list[tuple[str, torch.Tensor]], columns: int,
                 version: int) -> list[str]:
-    """After a load from the shared-memory plane's segment: the vLLM names among the loaded layers whose
-    kernels compute with other bits than ``staged`` (HF-named tensors of the segment, whole fused
-    groups). ``columns`` > 0 reads that many input columns of each matrix (at ``version``'s sample),
+    """After a load from the staging copy (either plane): the vLLM names among the loaded layers whose
+    kernels compute with other bits than ``staged`` (HF-named staging tensors, whole fused groups). ``columns`` > 0 reads that many input columns of each matrix (at ``version``'s sample),
     0 reads every element; the embedding is read at its sampled rows (every row for 0); vectors whole."""
     sample = (columns, int(version)) if columns else None
     expected = served_checksums(staged, prefix="", sample=sample)

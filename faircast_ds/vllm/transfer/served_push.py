@@ -6,11 +6,13 @@ on rank 0:
 
 - ``"tcp"`` (the default; any host): :class:`~faircast_ds.vllm.transfer.tcp_route.TcpRoute`, rank 0
   sends the served weights over the backend's authenticated channel
-  (:mod:`faircast_ds.vllm.transfer.trainer` -> :mod:`faircast_ds.export.sync`), vLLM's
-  ``/weight_checker`` verifies;
-- ``"shm"`` (the trainer and the server on one host): :class:`~faircast_ds.vllm.transfer.shm_route.ShmRoute`,
+  (:mod:`faircast_ds.vllm.transfer.trainer` -> :mod:`faircast_ds.export.sync`), the engine checks its
+  kernels against what it received inside ``/finish_weight_update``;
+- ``"shm"`` (the trainer and the server on one host): :class:`~faircast_ds.vllm.transfer.plane_route.PlaneRoute`,
   every rank writes its own served slices into the engine's shared staging segment
-  (:mod:`faircast_ds.vllm.transfer.shm`), the engine checks its kernels against the segment.
+  (:mod:`faircast_ds.vllm.transfer.segment`), the engine checks its kernels against the segment;
+- ``"net"`` (any host): the same route and plane, each rank sending its own slices to the engine's
+  ``host:port`` on its own authenticated connection (no gather to rank 0).
 
 Either way a push is dense first and after any failure, then deltas; it returns one
 :class:`~faircast_ds.export.source.ServedReport` (``stages``: seconds per stage) and raises on every
@@ -27,18 +29,19 @@ from faircast_ds.export.source import ServedReport
 from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
 from faircast_ds.vllm.transfer.server import VllmServer
 
-PLANES = ("tcp", "shm")
+PLANES = ("tcp", "shm", "net")
 
 
 class ServedPush:
     """Push Fair Cast's served weights into a ``vllm serve`` process. Construct and :meth:`push` on every
     rank (collectives under ZeRO-3); ``server`` (a :class:`VllmServer` or its URL) on rank 0, None elsewhere.
 
-    ``plane``: ``"tcp"`` or ``"shm"`` (module docstring). ``verify``: True (sampled after the first whole
-    check on TCP; sampled columns of the loaded layers on shm), ``"full"`` (every element) or False.
+    ``plane``: ``"tcp"`` or ``"shm"`` (module docstring). ``verify``: True (sampled columns of the loaded
+    layers, read back through their kernels in the engine's finish), ``"full"`` (every element) or False.
     ``delta``: after an acknowledged push, carry only what changed. ``timeout`` bounds every wait, seconds.
-    TCP only: ``port``/``host`` of the engine's receiver, ``check_columns`` (columns per matrix of a
-    sampled check; 0: every check whole). shm only: ``secret`` (default: ``FAIRCAST_DS_SYNC_SECRET``)."""
+    TCP and net: ``port``/``host`` where the engine listens (0: a free port of this host, for a local
+    engine). TCP only: ``check_columns`` (columns per matrix of a sampled check; 0: every check whole).
+    shm and net: ``secret`` (default: ``FAIRCAST_DS_SYNC_SECRET``)."""
 
     def __init__(self, model: Any, server: VllmServer | str | None, *, plane: str = "tcp", verify: bool | str = True,
                  delta: bool = True, timeout: float = 120.0, port: int = 0, host: str = DEFAULT_HOST,
@@ -46,12 +49,13 @@ class ServedPush:
         if plane not in PLANES:
             raise ValueError(f"plane must be one of {PLANES}, not {plane!r}")
         _check_verify(verify)
-        tcp_only = [k for k, v, default in (("port", port, 0), ("host", host, DEFAULT_HOST),
-                                            ("check_columns", check_columns, SAMPLE_COLUMNS)) if v != default]
-        if plane == "shm" and tcp_only:
-            raise ValueError(f"{', '.join(tcp_only)}: options of plane 'tcp', not of the shared-memory plane")
+        given = {k for k, v, default in (("port", port, 0), ("host", host, DEFAULT_HOST),
+                                         ("check_columns", check_columns, SAMPLE_COLUMNS)) if v != default}
+        foreign = sorted(given - {"shm": set(), "net": {"port", "host"}, "tcp": given}[plane])
+        if foreign:
+            raise ValueError(f"{', '.join(foreign)}: not an option of plane {plane!r}")
         if plane == "tcp" and secret is not None:
-            raise ValueError("secret: an option of plane 'shm' (the channel reads FAIRCAST_DS_SYNC_SECRET)")
+            raise ValueError("secret: an option of planes 'shm' and 'net' (the channel reads FAIRCAST_DS_SYNC_SECRET)")
         rank, _ = rank_world()
         if rank == 0 and server is None:
             raise ValueError("ServedPush needs the server (or its URL) on rank 0")
@@ -60,10 +64,11 @@ class ServedPush:
         elif not isinstance(server, VllmServer):
             server = VllmServer(url=server)
         self.model, self.plane = model, plane
-        if plane == "shm":
-            from faircast_ds.vllm.transfer.shm_route import ShmRoute
+        if plane in ("shm", "net"):
+            from faircast_ds.vllm.transfer.plane_route import PlaneRoute
 
-            self.route: Any = ShmRoute(model, server, timeout=timeout, verify=verify, delta=delta, secret=secret)
+            self.route: Any = PlaneRoute(model, server, plane=plane, host=host, port=port, timeout=timeout,
+                                         verify=verify, delta=delta, secret=secret)
         else:
             from faircast_ds.vllm.transfer.tcp_route import TcpRoute
 

@@ -2,10 +2,10 @@
 into a ``vllm serve`` process over the ``faircast`` backend's authenticated channel (any host).
 
 vLLM's ``HTTPVLLMWeightSyncClient`` drives the backend (:mod:`faircast_ds.vllm.transfer.trainer`: rank 0
-sends one walk of the served weights, dense then deltas); then the engine's prefix cache is reset and,
-with ``verify``, vLLM's ``/weight_checker`` is asked to compare its checksums (the bits its kernels
-compute with) with the served weights' own (:class:`~faircast_ds.vllm.transfer.checksums.ChecksumCollector`,
-taken in the same walk, without vLLM) and ``/weight_info`` to show the pushed version.
+sends one walk of the served weights, dense then deltas, while ``/update_weights`` receives it). With
+``verify`` the engine reads the loaded layers' kernels back against what it received inside
+``/finish_weight_update`` and fails that call on a difference; then the prefix cache is reset. A
+verified push is four HTTP calls: start, update, finish (load + check), reset.
 """
 from __future__ import annotations
 
@@ -13,39 +13,29 @@ import dataclasses
 import time
 from typing import Any
 
-from faircast_ds._util.dist import from_rank0, rank_world
-from faircast_ds.export.channel import DEFAULT_HOST
+from faircast_ds._util.dist import rank_world
+from faircast_ds.export.channel import DEFAULT_HOST, WeightSyncError
 from faircast_ds.export.source import ServedReport
 from faircast_ds.export.stages import Stages
-from faircast_ds.vllm.fused import packed_groups
 from faircast_ds.vllm.kernels import EngineWeightsMismatch
-from faircast_ds.vllm.transfer.checksums import (
-    SAMPLE_COLUMNS,
-    ChecksumCollector,
-    served_checksums,
-)
+from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
 from faircast_ds.vllm.transfer.server import VllmServer
 
-
-def _merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = out.get(k, 0.0) + v
-    return out
+# what the engine's finish says when its kernels disagree with the staging copy (engine.py)
+_MISMATCH = "kernels compute with other bits"
 
 
 class TcpRoute:
     """The trainer's end of the authenticated channel, on every rank (collectives under ZeRO-3);
     ``server`` a :class:`VllmServer` on rank 0, None elsewhere. Built by ``ServedPush(plane="tcp")``.
 
-    Verification (``verify=True``, the default) compares vLLM's ``/weight_checker`` checksums of the
-    bits its kernels compute with against the served weights' own, after every push. The first
-    verified push of a session (and any push after a failed or unverified one) is checked whole:
-    every element of every tensor. Later pushes check every vector and the embedding whole and
-    ``check_columns`` input columns of every matrix (64; columns that move with each update of the
-    layer, :func:`~faircast_ds.vllm.transfer.checksums.sample_columns`), because reading a whole
-    matrix back through its kernel costs more than the push (docs/vllm.md). ``push(verify="full")``
-    asks for a whole check; ``check_columns=0`` makes every check whole."""
+    Verification (``verify=True``, the default) happens in the engine's ``finish_weight_update``: the
+    layers the push loaded are read back through their kernels and compared with the staging copy the
+    authenticated channel filled, every vector and ``check_columns`` input columns of every matrix (64;
+    columns that move with each update of the layer,
+    :func:`~faircast_ds.vllm.transfer.checksums.sample_columns`; the embedding at as large a share of
+    its rows), because reading a whole matrix back through its kernel costs more than the push
+    (docs/vllm.md). ``verify="full"`` (or ``check_columns=0``) reads every element."""
 
     def __init__(self, model: Any, server: VllmServer | None, *, port: int = 0, host: str = DEFAULT_HOST,
                  timeout: float = 120.0, delta: bool = True, verify: bool | str = True,
@@ -69,111 +59,34 @@ class TcpRoute:
             FairCastTrainerInitInfo(rank=self.rank, port=port, host=host, timeout=timeout, delta=delta),
             client=client, source=model)
         self.params_total = len(self.transfer.sender.specs)
-        # verification rides on the update's own walk: a delta walk also shows the unchanged parts of a
-        # fused layer with a changed part (vLLM checksums the fused tensor), and the checksums of the
-        # layers it does not show are the last verified update's
-        names = [s.name for s in self.transfer.sender.specs]
-        self.groups = {n: g for n, g in packed_groups(names).items()
-                       if len(g) > 1}
-        # rank 0: vLLM-named checksums the engine's current weights must have, whole and sampled; None
-        # where they are not known for every layer (every rank alike: whether they are known)
-        self._whole: dict[str, str] | None = None
-        self._sampled: dict[str, str] | None = None
         self.last_check: str | None = None  # "whole" or "sampled": how the last push was verified
 
     def push(self, version: int | None = None, *, verify: bool | str | None = None, kind: str = "auto") -> ServedReport:
-        """One update (dense the first time and after any failure, then deltas), the prefix cache reset,
-        and (``verify``: True, ``"full"`` or False) vLLM's ``/weight_checker`` compared with the served bits
-        and ``/weight_info`` with ``version``; :class:`EngineWeightsMismatch` on every rank otherwise."""
+        """One update (dense the first time and after any failure, then deltas), checked in the engine's
+        finish (``verify``: True, ``"full"`` or False), then the prefix cache reset;
+        :class:`EngineWeightsMismatch` on every rank when the engine's kernels disagree."""
         verify = self.verify if verify is None else verify
         began = time.perf_counter()
-        sampled = bool(verify) and verify != "full" and self.check_columns > 0 and self._sampled is not None
-        collector = None
-        if verify and self.rank == 0:
-            # whole checksums only for a whole check; sampled ones always (cheap), for the next push
-            collector = ChecksumCollector(whole=not sampled,
-                                          sample=(self.check_columns, int(version)) if self.check_columns else None)
+        check = None if not verify else ("full" if verify == "full" or not self.check_columns else "sampled")
 
-        stages = Stages()
+        def reset(stages: Stages) -> None:  # the engine's KV blocks were computed with the old weights
+            with stages("http.reset_prefix_cache"):
+                self.server.reset_prefix_cache()
 
-        def see(item: Any) -> None:  # the tensor is valid only until the walk advances
-            if collector is not None:
-                collector.add(item.name, item.tensor)
-
+        self.last_check = None
         try:
-            sync = self.transfer.send_weights(version, kind=kind, on_param=see if verify else None,
-                                              groups=self.groups if verify else None,
-                                              check_columns=self.check_columns if sampled else 0)
-        except Exception:
-            self._whole = self._sampled = None
+            sync = self.transfer.send_weights(version, kind=kind, check=check,
+                                              check_columns=self.check_columns or SAMPLE_COLUMNS, after=reset)
+        except WeightSyncError as exc:
+            if _MISMATCH in str(exc):
+                raise EngineWeightsMismatch(str(exc), []) from None
             raise
-        version = sync.version
-        error, mismatched, verify_seconds = None, [], 0.0
-        if self.server is not None:
-            try:
-                with stages("http.reset_prefix_cache"):
-                    self.server.reset_prefix_cache()  # its KV blocks were computed with the old weights
-            except Exception as exc:  # noqa: BLE001 - reported on every rank
-                error = f"reset_prefix_cache failed: {exc}"
-        whole = sampled_now = None
-        if verify:
-            t0 = time.perf_counter()
-            if collector is not None:
-                collector.done()
-            dense = sync.kind == "dense"
-            t_sums = time.perf_counter()
-            if not sampled and not dense and self._whole is None:
-                # a whole check of a delta, but the layers it did not show were last sent unverified or
-                # sampled: one more walk (a collective under ZeRO-3, every rank alike)
-                from faircast_ds.export.source import served_weights
-
-                everything = served_checksums(served_weights(self.model))
-                stages.add("trainer.checksums", time.perf_counter() - t_sums)
-                if collector is not None:
-                    collector.full = everything
-                    dense = True  # the expected checksums now cover every layer
-            if self.rank == 0:
-                if sampled:
-                    sampled_now = {**self._sampled, **collector.sampled}
-                    expected = sampled_now
-                else:
-                    whole = collector.full if dense else {**self._whole, **collector.full}
-                    expected = whole
-                    if self.check_columns and (sync.kind == "dense" or self._sampled is not None):
-                        sampled_now = collector.sampled if sync.kind == "dense" else {**self._sampled,
-                                                                                      **collector.sampled}
-            if self.server is not None and error is None:
-                try:
-                    with stages("http.weight_checker"):  # the engine reads its kernels back here
-                        result = self.server.compare(expected)
-                    mismatched = list(result["mismatches"])
-                    with stages("http.weight_info"):
-                        served_version = self.server.weight_version()
-                    if mismatched:
-                        error = (f"after update {version} vLLM's /weight_checker disagrees with the served bits in "
-                                 f"{len(mismatched)} tensor(s) ({'sampled' if sampled else 'whole'} check): "
-                                 f"{mismatched[:5]}")
-                    elif served_version != str(version):
-                        error = f"vLLM serves weight version {served_version!r} after update {version}"
-                except Exception as exc:  # noqa: BLE001
-                    error = f"/weight_checker failed: {exc}"
-            verify_seconds = time.perf_counter() - t0
-        with stages("trainer.collectives"):
-            error, mismatched = from_rank0((error, mismatched))
-            ok = bool(verify) and error is None
-            # every rank alike: whether rank 0's checksums describe the engine's weights now
-            known_sampled = from_rank0(sampled_now is not None) if ok else False
-        collectives = sync.collectives + ((2 if ok else 1) if self.world > 1 else 0)
-        self._whole = (whole if self.rank == 0 else {}) if ok and not sampled else None
-        self._sampled = (sampled_now if self.rank == 0 else {}) if known_sampled else None
-        self.last_check = ("sampled" if sampled else "whole") if verify else None
-        if error is not None:
-            self.transfer._drop()  # the next push is dense
-            raise EngineWeightsMismatch(error, mismatched)
+        self.last_check = ("whole" if check == "full" else "sampled") if check and sync.params else None
+        # the engine's load and check are both inside the finish round trip (their split: the engine's own
+        # report, VllmServer.engine_report(): load_seconds, check_seconds)
         return dataclasses.replace(sync, params_total=self.params_total, seconds=time.perf_counter() - began,
-                                   verify_seconds=verify_seconds, verified=True if verify else None,
-                                   stages=_merged(sync.stages, stages.as_dict()),
-                                   http_calls=sync.http_calls + stages.http_calls(), collectives=collectives)
+                                   load_seconds=float((sync.stages or {}).get("http.finish", 0.0)),
+                                   verified=True if check else None)
 
     def close(self) -> None:
         self.transfer.shutdown()

@@ -25,7 +25,7 @@ import dataclasses
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar
 
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
@@ -37,6 +37,7 @@ from faircast_ds.export.channel import DEFAULT_HOST, WeightSyncError
 from faircast_ds.export.stages import Stages
 from faircast_ds.export.source import ServedReport
 from faircast_ds.export.sync import WeightSender, spec_list
+from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
@@ -101,14 +102,16 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
             raise WeightSyncError(f"the vLLM engine did not initialize the faircast backend: {error}")
         return self
 
-    def send_weights(self, version: int | None = None, *, kind: str = "auto",
-                     on_param: Callable[[Any], None] | None = None,
-                     groups: Mapping[str, Sequence[str]] | None = None, check_columns: int = 0) -> ServedReport:
+    def send_weights(self, version: int | None = None, *, kind: str = "auto", check: str | None = None,
+                     check_columns: int = SAMPLE_COLUMNS,
+                     after: Callable[[Stages], None] | None = None) -> ServedReport:
         """One update round (every rank): the served weights at ``version`` (default: the DeepSpeed
         engine's ``global_steps``) into the engine, and vLLM's weight version set to ``str(version)``.
-        ``on_param`` and ``groups`` go to :meth:`WeightSender.sync` (e.g. checksums taken in the same walk).
-        ``check_columns > 0`` asks the engine to answer the next ``/weight_checker`` checksum with that
-        many sampled columns per matrix (:mod:`faircast_ds.vllm.transfer.checksums`)."""
+        ``check`` (``"sampled"`` or ``"full"``) has the engine read the loaded layers' kernels back against
+        what it received inside ``finish_weight_update`` (``check_columns`` input columns per matrix when
+        sampled): a difference fails the update (:mod:`faircast_ds.vllm.transfer.checksums`). ``after``:
+        called on the sending rank once the engine finished (e.g. the prefix-cache reset); what it raises
+        fails the round on every rank, in the same collective as the outcome."""
         sender = self.sender
         if version is None:
             version = getattr(sender.model, "global_steps", None)
@@ -135,12 +138,12 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         if self.is_sender:
             thread = threading.Thread(target=lambda: box.update(error=_timed(
                 stages, "http.update", self.client.update_weights,
-                {"version": int(version), "check_columns": int(check_columns)})),
+                {"version": int(version), "check": check, "check_columns": int(check_columns)})),
                 daemon=True, name="faircast update_weights")
             thread.start()
         report, failure = None, None
         try:
-            report = sender.sync(version, kind=kind, on_param=on_param, groups=groups)
+            report = sender.sync(version, kind=kind)
         except WeightSyncError as exc:
             failure = str(exc)
         if self.is_sender:
@@ -153,6 +156,11 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
                 failure = _timed(stages, "http.finish", self.client.finish_weight_update, str(version))
                 if failure is not None:
                     failure = f"the engine's finish_weight_update failed: {failure}"
+            if failure is None and after is not None:
+                try:
+                    after(stages)
+                except Exception as exc:  # noqa: BLE001 - reported on every rank
+                    failure = f"{type(exc).__name__}: {exc}"
         if rank_world()[1] > 1:
             collectives += 1
         with stages("trainer.collectives"):

@@ -14,10 +14,11 @@ def model():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"plane": "nccl"}, "plane must be one of ('tcp', 'shm'), not 'nccl'"),
-    ({"plane": "shm", "check_columns": 0}, "check_columns: options of plane 'tcp'"),
-    ({"plane": "shm", "port": 29650}, "port: options of plane 'tcp'"),
-    ({"plane": "tcp", "secret": "s" * 32}, "secret: an option of plane 'shm'"),
+    ({"plane": "nccl"}, "plane must be one of ('tcp', 'shm', 'net'), not 'nccl'"),
+    ({"plane": "shm", "check_columns": 0}, "check_columns: not an option of plane 'shm'"),
+    ({"plane": "net", "check_columns": 0}, "check_columns: not an option of plane 'net'"),
+    ({"plane": "shm", "port": 29650}, "port: not an option of plane 'shm'"),
+    ({"plane": "tcp", "secret": "s" * 32}, "secret: an option of planes 'shm' and 'net'"),
     ({"verify": "sampled"}, "verify must be True, False or 'full', got 'sampled'"),
     ({"verify": 1}, "verify must be True, False or 'full', got 1"),
 ])
@@ -32,12 +33,13 @@ def test_rank_zero_needs_the_server():
         ServedPush(model(), None)
 
 
-@pytest.mark.parametrize("plane, route", [("tcp", "TcpRoute"), ("shm", "ShmRoute")])
-def test_the_plane_picks_the_route(plane, route, monkeypatch):
+@pytest.mark.parametrize("plane, module, route", [("tcp", "tcp_route", "TcpRoute"), ("shm", "plane_route", "PlaneRoute"),
+                                                  ("net", "plane_route", "PlaneRoute")])
+def test_the_plane_picks_the_route(plane, module, route, monkeypatch):
     """The route's own constructor is reached (and its first call to the engine fails: nothing listens)."""
     import importlib
 
-    module = importlib.import_module(f"faircast_ds.vllm.transfer.{plane}_route")
+    module = importlib.import_module(f"faircast_ds.vllm.transfer.{module}")
     reached = []
     real = getattr(module, route).__init__
 

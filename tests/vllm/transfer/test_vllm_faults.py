@@ -39,6 +39,7 @@ from faircast_ds.export.channel import WeightSyncError  # noqa: E402
 SECRET = secrets.token_hex(16)
 TIMEOUT = 20.0  # the trainer's bound on each wait of an update (the backend's timeout)
 WAIT = 180.0  # this module's bound on anything it waits for (a push, a process, a marker file)
+KERNEL_FAULT = Path(__file__).resolve().parent / "kernel_fault"  # the server's sitecustomize (a fault on demand)
 
 
 def generation(server) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +67,8 @@ def assert_serves(server, version: int, model, before: dict | None = None) -> di
 def connect(server, model, **kwargs):
     from faircast_ds.vllm.transfer import ServedPush
 
-    return ServedPush(model, server, timeout=TIMEOUT, verify=False, **kwargs)
+    kwargs.setdefault("verify", False)
+    return ServedPush(model, server, timeout=TIMEOUT, **kwargs)
 
 
 def run_in_thread(fn, *args):
@@ -108,14 +110,24 @@ def export(tmp_path_factory):
     return path
 
 
+def start_server(box: dict, log: str = "server.log"):
+    """The module's ``vllm serve``, its processes able to load a kernel fault on demand (kernel_fault/)."""
+    from faircast_ds.vllm.transfer.server import VllmServer
+
+    with pytest.MonkeyPatch.context() as mp:  # the server's processes only
+        mp.setenv("FAIRCAST_TEST_KERNEL_FAULT", str(box["fault"]))
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(KERNEL_FAULT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        return VllmServer(box["export"], port=box["port"], max_model_len=64,
+                          log_path=box["export"].parent / log)
+
+
 @pytest.fixture(scope="module")
 def engine(secret_env, export):
     """One ``vllm serve`` process for the module (killed with its process group at the end); the last
     test replaces it (``engine["server"]``)."""
-    from faircast_ds.vllm.transfer.server import VllmServer
 
-    box = {"port": free_port(), "export": export}
-    box["server"] = VllmServer(export, port=box["port"], max_model_len=64, log_path=export.parent / "server.log")
+    box = {"port": free_port(), "export": export, "fault": export.parent / "kernel_fault.flag"}
+    box["server"] = start_server(box)
     try:
         yield box
     finally:
@@ -258,7 +270,6 @@ def test_unreachable_engine_is_a_clear_error():
 
 def test_engine_killed_mid_update_then_restarted_gets_a_dense_update(engine, trainer):
     """Last in the module: kills the module's engine and starts another on the same port."""
-    from faircast_ds.vllm.transfer.server import VllmServer
 
     push, model = trainer
     server = engine["server"]
@@ -279,8 +290,7 @@ def test_engine_killed_mid_update_then_restarted_gets_a_dense_update(engine, tra
     assert not thread.is_alive(), "the trainer hangs on a dead engine"
     assert isinstance(box.get("error"), WeightSyncError), box
     server.close()
-    engine["server"] = server = VllmServer(engine["export"], port=engine["port"], max_model_len=64,
-                                           log_path=engine["export"].parent / "server-restarted.log")
+    engine["server"] = server = start_server(engine, "server-restarted.log")
     assert server.weight_version() != "2"
     # the old trainer's next update fails clearly (the new engine has no transfer session) ...
     ft.set_version(model, 3)
@@ -297,10 +307,10 @@ def test_engine_killed_mid_update_then_restarted_gets_a_dense_update(engine, tra
 # Same engine process as above (each push session re-initializes its transfer backend). The last test
 # kills the engine for good.
 
-def shm_push(server, model, **kwargs):
+def shm_push(server, model, plane="shm", **kwargs):
     from faircast_ds.vllm.transfer import ServedPush
 
-    return ServedPush(model, server, plane="shm", timeout=TIMEOUT, **kwargs)
+    return ServedPush(model, server, plane=plane, timeout=TIMEOUT, **kwargs)
 
 
 def start_ranks(server, marks: Path, versions: list[int], world: int = 2, **options) -> list[subprocess.Popen]:
@@ -317,10 +327,13 @@ def start_ranks(server, marks: Path, versions: list[int], world: int = 2, **opti
     return procs
 
 
-def test_shm_dense_delta_and_a_push_that_changes_nothing(engine):
+@pytest.mark.parametrize("plane", ["shm", "net"])
+def test_shm_dense_delta_and_a_push_that_changes_nothing(engine, plane):
+    """The data plane, on one host (shm) and through each rank's own TCP connection (net, here on loopback;
+    across two network namespaces: tests/vllm/transfer/test_data_plane.py)."""
     server = engine["server"]
     model = ft.build_model()
-    push = shm_push(server, model)  # verify=True: the engine checks the loaded layers' kernels against the segment
+    push = shm_push(server, model, plane)  # verify=True: the engine checks the loaded layers' kernels against the segment
     try:
         ft.set_version(model, 50)
         assert push.push(50).kind == "dense"
@@ -337,6 +350,39 @@ def test_shm_dense_delta_and_a_push_that_changes_nothing(engine):
         full = push.push(53, verify="full")  # every element of the loaded layers read back through the kernels
         assert full.kind == "delta" and full.verified
         assert_serves(server, 53, model)
+    finally:
+        push.close()
+
+
+@pytest.mark.parametrize("plane", ["tcp", "shm", "net"])
+def test_a_kernel_computing_with_other_bits_fails_the_verified_push(engine, plane):
+    """The engine's check inside finish: after a load that left one kernel with other bits than the
+    engine received (the final norm moved by 1.0 after vLLM's reload: tests/vllm/transfer/kernel_fault),
+    a verified push raises EngineWeightsMismatch naming it, on either plane; with the fault gone the next
+    push (dense) is verified and the engine serves its bits. A verified TCP push is four HTTP calls."""
+    from faircast_ds.vllm.kernels import EngineWeightsMismatch
+
+    server = engine["server"]
+    model = ft.build_model()
+    push = connect(server, model, verify=True) if plane == "tcp" else shm_push(server, model, plane)
+    base = {"tcp": 60, "shm": 70, "net": 80}[plane]
+    try:
+        ft.set_version(model, base)
+        first = push.push(base)
+        assert first.kind == "dense" and first.verified and push.last_check == "sampled"
+        if plane == "tcp":
+            assert first.http_calls == 4 and first.collectives == 0  # start, update, finish (+check), reset
+        engine["fault"].write_text("model.norm.weight")
+        try:
+            ft.set_version(model, base + 1)
+            with pytest.raises(EngineWeightsMismatch, match="model.norm.weight"):
+                push.push(base + 1)
+        finally:
+            engine["fault"].unlink()
+        ft.set_version(model, base + 2)
+        again = push.push(base + 2)
+        assert again.kind == "dense" and again.verified
+        assert_serves(server, base + 2, model)
     finally:
         push.close()
 
@@ -419,7 +465,7 @@ def test_shm_local_process_without_the_secret_is_refused_and_writes_nothing(engi
         ft.set_version(model, 60)
         push.push(60)
         before = assert_serves(server, 60, model)
-        from faircast_ds.vllm.transfer.shm import SegmentWriter
+        from faircast_ds.vllm.transfer.segment import SegmentWriter
 
         intruder_model = ft.build_model()
         ft.set_version(intruder_model, 61)
@@ -442,7 +488,7 @@ def test_shm_local_process_without_the_secret_is_refused_and_writes_nothing(engi
 
 def test_shm_engine_killed_while_ranks_write_is_a_clear_error_and_leaves_no_segment(engine):
     """Last in the module: kills the engine for good."""
-    from faircast_ds.vllm.transfer.shm import find_segments
+    from faircast_ds.vllm.transfer.segment import find_segments
 
     server = engine["server"]
     model = ft.build_model()

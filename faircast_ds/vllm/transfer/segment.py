@@ -18,6 +18,13 @@ writes, so no trainer process keeps a segment alive after the engine that made i
 
 Messages are the channel's JSON frames (authenticated, sequenced); the bulk bytes never cross a
 socket and carry no MAC: on one host the descriptor is the capability.
+
+**Across hosts** (``plane="net"``, issue 32 item 3): the same host, ledger and commit, but the host
+listens on a TCP address, the segment is the engine's own memory, and each trainer rank sends its own
+slices on its own authenticated connection — a ``piece`` message naming one of its declared slices,
+then the slice's bytes as authenticated frames of at most :data:`CHUNK_BYTES`, read by the engine
+straight into the segment at the slice's offset (no copy, no gather to rank 0; the ranks send in
+parallel). A piece that is not one of the rank's declared slices is refused and ends its connection.
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ logger = logging.getLogger("faircast_ds.vllm")
 PROTOCOL = 1
 MEMFD_NAME = "faircast-ds-staging"
 IDLE = 365 * 86400.0  # how long a connection waits for the trainer's next update (between pushes)
+CHUNK_BYTES = 8 << 20  # the net plane's frames: a slice's bytes in authenticated chunks of at most this
 
 
 def socket_name() -> str:
@@ -66,38 +74,61 @@ def _spec_list(specs: Sequence[ParamSpec]) -> list[list[Any]]:
     return [[s.name, list(s.shape), str(s.dtype)] for s in specs]
 
 
-def _limits(specs: Sequence[ParamSpec]) -> Limits:
+def _limits(specs: Sequence[ParamSpec], chunks: bool = False) -> Limits:
     import json
 
     bound = 2 * len(json.dumps(_spec_list(specs))) + 64 * len(specs) * 8 + (1 << 20)
-    return Limits(max_json=bound, max_frame=bound)
+    return Limits(max_json=bound, max_frame=max(bound, CHUNK_BYTES) if chunks else bound)
 
 
 class SegmentHost:
-    """The engine's end: a memfd staging segment for ``specs`` and the local socket ``name`` the
-    trainer ranks write through. ``timeout`` bounds the commit's wait for the ranks' reports."""
+    """The engine's end: a staging segment for ``specs`` and the socket the trainer ranks write through —
+    the local socket ``name`` (one host: a memfd segment whose descriptor the ranks map), or the TCP
+    ``address`` ``(host, port)`` (any host: the segment is this process's memory and the ranks send
+    their slices over the network; port 0 picks one, :attr:`address` says which). ``timeout`` bounds
+    the commit's wait for the ranks' reports."""
 
-    def __init__(self, specs: Sequence[ParamSpec], name: str, *, timeout: float = 120.0,
+    def __init__(self, specs: Sequence[ParamSpec], name: str | None = None, *,
+                 address: tuple[str, int] | None = None, timeout: float = 120.0,
                  secret: str | bytes | None = None, handshake_timeout: float = 10.0) -> None:
+        if (name is None) == (address is None):
+            raise ValueError("SegmentHost listens on a local socket name (one host) or a TCP address, not both")
         self._key = _require_secret(secret)
         self.specs = list(specs)
         self.layout = Layout.of(self.specs)
         self.timeout, self.handshake_timeout = float(timeout), float(handshake_timeout)
-        self.limits = _limits(self.specs)
+        self.transport = "shm" if name is not None else "net"
+        self.limits = _limits(self.specs, chunks=self.transport == "net")
         self.name = name
-        self.fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.layout.nbytes)
-            self._map = mmap.mmap(self.fd, self.layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        if self.transport == "shm":
+            self.fd: int | None = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(self.fd, self.layout.nbytes)
+                self._map = mmap.mmap(self.fd, self.layout.nbytes, mmap.MAP_SHARED,
+                                      mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.close(self.fd)
+                raise
+        else:  # the engine's own memory: nobody else maps it
+            self.fd = None
+            self._map = mmap.mmap(-1, self.layout.nbytes)
         self.segment = HostSegment(self._map, self.layout.nbytes)
         self.ledger = Ledger(self.layout, self.segment)
         self.refused = 0  # connections refused at the handshake or the hello
         self._closed = False
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(_address(name))
+        if self.transport == "shm":
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.bind(_address(name))
+            self.address: tuple[str, int] | None = None
+        else:
+            host, port = address
+            try:
+                self._sock = socket.create_server((host, int(port)), backlog=64)
+            except OSError as exc:
+                self.segment.close()
+                self._map.close()
+                raise WeightSyncError(f"the faircast weight plane cannot listen on {host}:{port}: {exc}") from None
+            self.address = (host, self._sock.getsockname()[1])
         self._sock.listen(64)
         self._sock.settimeout(0.2)
         self._threads: list[threading.Thread] = []
@@ -121,7 +152,7 @@ class SegmentHost:
                 time.sleep(0.05)
                 continue
             self._conns.add(conn)
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="faircast-ds shm rank")
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name=f"faircast-ds {self.transport} rank")
             t.start()
             self._threads.append(t)
 
@@ -129,7 +160,8 @@ class SegmentHost:
         rank = session = None
         ch: Channel | None = None
         try:
-            ch = serve_handshake(conn, self._key, timeout=self.timeout, peer="a local trainer process",
+            peer = "a local trainer process" if self.transport == "shm" else "a trainer process"
+            ch = serve_handshake(conn, self._key, timeout=self.timeout, peer=peer,
                                  limits=self.limits, handshake_timeout=self.handshake_timeout)
             hello = ch.recv_json(timeout=self.handshake_timeout)
             problem = self._check_hello(hello)
@@ -141,7 +173,7 @@ class SegmentHost:
             if problem is not None:
                 self.refused += 1
                 ch.send_json({"ok": False, "error": problem})
-                logger.warning("faircast shm plane: refused a trainer rank: %s", problem)
+                logger.warning("faircast %s plane: refused a trainer rank: %s", self.transport, problem)
                 return
             rank, session = hello["rank"], hello["session"]
             ch.send_json({"ok": True, "nbytes": self.layout.nbytes, "offsets": list(self.layout.offsets)})
@@ -152,9 +184,9 @@ class SegmentHost:
         except WeightSyncError as exc:
             if rank is None:
                 self.refused += 1
-            logger.warning("faircast shm plane: %s", exc)
+            logger.warning("faircast %s plane: %s", self.transport, exc)
         except Exception as exc:  # noqa: BLE001 - a connection's thread never takes the engine down
-            logger.exception("faircast shm plane: rank %s's connection failed: %s", rank, exc)
+            logger.exception("faircast %s plane: rank %s's connection failed: %s", self.transport, rank, exc)
         finally:
             if rank is not None:
                 self.ledger.leave(rank, session)
@@ -182,7 +214,16 @@ class SegmentHost:
                 ch.send_json({"ok": False, "error": str(exc)})
                 return True
             ch.send_json({"ok": True})
-            socket.send_fds(conn, [b"F"], [self.fd])  # the capability, on this authenticated connection only
+            if self.fd is not None:
+                socket.send_fds(conn, [b"F"], [self.fd])  # the capability, on this authenticated connection only
+        elif kind == "piece" and self.fd is None:
+            problem = self._receive_piece(ch, rank, msg)
+            if problem is not None:
+                with self.ledger.cond:
+                    self.ledger.failure = self.ledger.failure or problem
+                    self.ledger.cond.notify_all()
+                ch.close(reason=problem)
+                return False
         elif kind == "written":
             try:
                 self.ledger.written(rank, msg)
@@ -213,6 +254,22 @@ class SegmentHost:
             return False
         return True
 
+    def _receive_piece(self, ch: Channel, rank: int, msg: dict[str, Any]) -> str | None:
+        """The net plane: one of ``rank``'s declared slices, its bytes read straight into the segment.
+        Returns why the piece was refused (its bytes are then not read), or None."""
+        entry = (msg.get("index"), msg.get("start"), msg.get("numel"))
+        with self.ledger.cond:
+            state, writing = self.ledger.ranks.get(rank), self.ledger.writing
+        if state is None or writing is None or state.report is not None:
+            return f"rank {rank} sent a slice outside an open write"
+        if not all(type(v) is int for v in entry) or entry not in state.slices:
+            return f"rank {rank} sent a slice {list(entry)!r} that is not one of the slices it declared"
+        offset, nbytes = self.layout.span(*entry)
+        into = memoryview(self.segment.bytes_at(offset, nbytes).numpy())
+        for at in range(0, nbytes, CHUNK_BYTES):  # a bad tag leaves the segment dirty: no commit follows
+            ch.recv_into(into[at:at + min(CHUNK_BYTES, nbytes - at)])
+        return None
+
     def close(self) -> None:
         if self._closed:
             return
@@ -230,16 +287,23 @@ class SegmentHost:
             self._map.close()
         except BufferError:  # staging views still referenced elsewhere: the mapping goes with them
             pass
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
 
 
 class SegmentWriter:
     """One trainer rank's end. ``slices``: this rank's ``(param index, start, values)`` (values a 1-D
-    view of its served shard), the same every update."""
+    view of its served shard), the same every update. ``name``: the engine's local socket (one host:
+    the rank maps the segment and copies its slices in); ``address``: the engine's TCP ``(host, port)``
+    (any host: the rank sends its slices as authenticated frames)."""
 
-    def __init__(self, name: str, specs: Sequence[ParamSpec], slices: Sequence[tuple[int, int, torch.Tensor]], *,
+    def __init__(self, name: str | None, specs: Sequence[ParamSpec], slices: Sequence[tuple[int, int, torch.Tensor]], *,
                  rank: int, world: int, session: str, timeout: float = 120.0,
-                 secret: str | bytes | None = None) -> None:
+                 secret: str | bytes | None = None, address: tuple[str, int] | None = None) -> None:
+        if (name is None) == (address is None):
+            raise ValueError("SegmentWriter writes through a local socket name (one host) or a TCP address, not both")
+        self.address = address
+        self.transport = "shm" if address is None else "net"
         self.name, self.specs, self.slices = name, list(specs), list(slices)
         self.rank, self.world, self.session, self.timeout = rank, world, session, float(timeout)
         self._secret = secret
@@ -254,16 +318,25 @@ class SegmentWriter:
 
     def connect(self) -> None:
         key = _require_secret(self._secret)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(_address(self.name))
-        except OSError as exc:
-            sock.close()
-            raise WeightSyncError(f"no faircast shared-memory plane at @{self.name}: {exc}") from None
+        if self.address is None:
+            where = f"@{self.name}"
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(_address(self.name))
+            except OSError as exc:
+                sock.close()
+                raise WeightSyncError(f"no faircast shared-memory plane at {where}: {exc}") from None
+        else:
+            host, port = self.address
+            where = f"{host}:{port}"
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=self.timeout)
+            except OSError as exc:
+                raise WeightSyncError(f"no faircast weight plane at {where}: {exc}") from None
         self._sock = sock
-        self.channel = client_handshake(sock, key, timeout=self.timeout, peer=f"the engine's plane @{self.name}",
-                                        limits=_limits(self.specs))
+        self.channel = client_handshake(sock, key, timeout=self.timeout, peer=f"the engine's plane at {where}",
+                                        limits=_limits(self.specs, chunks=self.transport == "net"))
         self.channel.send_json({"type": "hello", "protocol": PROTOCOL, "session": self.session, "rank": self.rank,
                                 "world": self.world, "params": _spec_list(self.specs),
                                 "slices": [[i, s, v.numel()] for i, s, v in self.slices]})
@@ -282,54 +355,19 @@ class SegmentWriter:
         ch = self.channel
         if ch is None or ch.closed:
             raise WeightSyncError(f"rank {self.rank} has no connection to the engine's plane")
-        with stages("shm.begin"):
+        pieces = iter_pieces(self.slices, params)
+        with stages(f"{self.transport}.begin"):
             ch.send_json({"type": "begin", "version": int(version), "kind": kind, "base": base})
             reply = ch.recv_json()
             if reply.get("ok") is not True:
                 raise PlaneError(f"the engine refused the write of version {version}: {reply.get('error')}")
-            try:
-                _, fds, _, _ = socket.recv_fds(self._sock, 1, 1)
-            except OSError as exc:
-                ch.close()
-                raise WeightSyncError(f"rank {self.rank}: receiving the staging segment failed: {exc}") from None
-            if len(fds) != 1:
-                for fd in fds:
-                    os.close(fd)
-                ch.close()
-                raise WeightSyncError(f"rank {self.rank}: the engine sent {len(fds)} descriptors for the staging segment")
-        written, pieces = 0, []
+            fd = self._receive_segment() if self.transport == "shm" else None
         try:
-            with stages("shm.map"):
-                try:
-                    mapped = mmap.mmap(fds[0], self.layout.nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                       mmap.PROT_READ | mmap.PROT_WRITE)
-                finally:
-                    os.close(fds[0])  # the mapping keeps the segment until it is unmapped below
-            segment = HostSegment(mapped, self.layout.nbytes)
-            try:
-                with stages("shm.write"):
-                    k = 0
-                    for index, start, values in self.slices:
-                        if index not in params:
-                            continue
-                        offset, nbytes = self.layout.span(index, start, values.numel())
-                        size = nbytes // max(1, values.numel())
-                        segment.bytes_at(offset + self.offset_error * size, nbytes).copy_(
-                            values.detach().reshape(-1).view(torch.uint8))
-                        pieces.append((index, start, values))
-                        written += nbytes
-                        k += 1
-                        if pause is not None:
-                            pause(k)
-            finally:
-                segment.close()
-                del segment
-                try:
-                    mapped.close()
-                except BufferError:  # a view outlived the write (a cycle): collect it, then unmap
-                    gc.collect()
-                    mapped.close()
-            with stages("shm.digest"):
+            if fd is not None:
+                written = self._copy_into_segment(fd, pieces, stages, pause)
+            else:
+                written = self._send_pieces(ch, pieces, stages, pause)
+            with stages(f"{self.transport}.digest"):
                 digest = write_digest(pieces)
         except BaseException as exc:
             if ch is not None and not ch.closed:
@@ -340,6 +378,67 @@ class SegmentWriter:
             raise
         ch.send_json({"type": "written", "version": int(version), "params": sorted(params), "bytes": written,
                       "digest": digest})
+        return written
+
+    def _receive_segment(self) -> int:
+        """The shm plane: the segment's descriptor, sent on this authenticated connection after ``begin``."""
+        try:
+            _, fds, _, _ = socket.recv_fds(self._sock, 1, 1)
+        except OSError as exc:
+            self.channel.close()
+            raise WeightSyncError(f"rank {self.rank}: receiving the staging segment failed: {exc}") from None
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            self.channel.close()
+            raise WeightSyncError(f"rank {self.rank}: the engine sent {len(fds)} descriptors for the staging segment")
+        return fds[0]
+
+    def _copy_into_segment(self, fd: int, pieces: list[tuple[int, int, torch.Tensor]], stages: Stages,
+                           pause: Any) -> int:
+        """The shm plane: map the segment, copy each piece to its offset, unmap. Bytes written."""
+        written = 0
+        with stages("shm.map"):
+            try:
+                mapped = mmap.mmap(fd, self.layout.nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)  # the mapping keeps the segment until it is unmapped below
+        segment = HostSegment(mapped, self.layout.nbytes)
+        try:
+            with stages("shm.write"):
+                for k, (index, start, values) in enumerate(pieces, start=1):
+                    offset, nbytes = self.layout.span(index, start, values.numel())
+                    size = nbytes // max(1, values.numel())
+                    segment.bytes_at(offset + self.offset_error * size, nbytes).copy_(
+                        values.detach().reshape(-1).view(torch.uint8))
+                    written += nbytes
+                    if pause is not None:
+                        pause(k)
+        finally:
+            segment.close()
+            del segment
+            try:
+                mapped.close()
+            except BufferError:  # a view outlived the write (a cycle): collect it, then unmap
+                gc.collect()
+                mapped.close()
+        return written
+
+    def _send_pieces(self, ch: Channel, pieces: list[tuple[int, int, torch.Tensor]], stages: Stages,
+                     pause: Any) -> int:
+        """The net plane: each piece as ``piece`` + its bytes in authenticated chunks. Bytes sent."""
+        written = 0
+        with stages("net.send"):
+            for k, (index, start, values) in enumerate(pieces, start=1):
+                raw = values.detach().reshape(-1).view(torch.uint8)
+                ch.send_json({"type": "piece", "index": index, "start": start + self.offset_error,
+                              "numel": values.numel()})
+                for at in range(0, raw.numel(), CHUNK_BYTES):
+                    ch.send_tensor(raw[at:at + CHUNK_BYTES])
+                written += raw.numel()
+                if pause is not None:
+                    pause(k)
         return written
 
     def commit(self, version: int, params: set[int] | None, stages: Stages) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The one-host shared-memory data plane without vLLM (issue 32 item 2): the engine's end
-(:class:`~faircast_ds.vllm.transfer.shm.SegmentHost`: a memfd segment, an abstract AF_UNIX socket, the
-commit ledger) and trainer ranks' ends (:class:`~faircast_ds.vllm.transfer.shm.SegmentWriter`), here in
+(:class:`~faircast_ds.vllm.transfer.segment.SegmentHost`: a memfd segment, an abstract AF_UNIX socket, the
+commit ledger) and trainer ranks' ends (:class:`~faircast_ds.vllm.transfer.segment.SegmentWriter`), here in
 one process (ranks on threads) or, for the faults, in processes of their own.
 
 The oracle is the ranks' own source tensors: after a commit every element of the segment must hold
@@ -28,7 +28,7 @@ from faircast_ds.export.channel import WeightSyncError
 from faircast_ds.export.plane import Layout, PlaneError, coverage_problem
 from faircast_ds.export.served import ParamSpec
 from faircast_ds.export.stages import Stages
-from faircast_ds.vllm.transfer.shm import MEMFD_NAME, SegmentHost, SegmentWriter, find_segments, socket_name
+from faircast_ds.vllm.transfer.segment import MEMFD_NAME, SegmentHost, SegmentWriter, find_segments, socket_name
 
 SECRET = secrets.token_hex(16)
 SPECS = [ParamSpec("embed.weight", (37, 8), torch.bfloat16), ParamSpec("norm.weight", (8,), torch.bfloat16),
@@ -67,14 +67,17 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 class Plane:
-    """A host and ``world`` writers over one set of full tensors (each rank writes its share)."""
+    """A host and ``world`` writers over one set of full tensors (each rank writes its share), on one
+    host (``transport="shm"``: the memfd segment) or over loopback TCP (``"net"``: each rank sends)."""
 
-    def __init__(self, world: int = 2, seed: int = 0, timeout: float = 5.0) -> None:
-        self.name = socket_name()
-        self.host = SegmentHost(SPECS, self.name, timeout=timeout)
+    def __init__(self, world: int = 2, seed: int = 0, timeout: float = 5.0, transport: str = "shm") -> None:
+        self.transport = transport
+        self.name = socket_name() if transport == "shm" else None
+        self.host = SegmentHost(SPECS, self.name, timeout=timeout,
+                                address=None if transport == "shm" else ("127.0.0.1", 0))
         self.full = weights(seed)
-        self.writers = [SegmentWriter(self.name, SPECS, rank_slices(self.full, r, world), rank=r, world=world,
-                                      session="trainer-1", timeout=timeout) for r in range(world)]
+        self.writers = [self.writer(rank_slices(self.full, r, world), rank=r, world=world, session="trainer-1",
+                                    timeout=timeout) for r in range(world)]
         for w in self.writers:
             w.connect()
 
@@ -87,6 +90,9 @@ class Plane:
         for t in threads:
             t.join(30)
 
+    def writer(self, slices, **kwargs) -> SegmentWriter:
+        return SegmentWriter(self.name, SPECS, slices, address=self.host.address, **kwargs)
+
     def commit(self, version: int, params: set[int] | None = None) -> None:
         self.writers[0].commit(version, params, Stages())
 
@@ -96,9 +102,9 @@ class Plane:
         self.host.close()
 
 
-@pytest.fixture
-def plane():
-    p = Plane()
+@pytest.fixture(params=["shm", "net"])
+def plane(request):
+    p = Plane(transport=request.param)
     yield p
     p.close()
 
@@ -125,8 +131,14 @@ def test_a_rank_writing_at_the_wrong_offset_is_refused_and_the_segment_takes_no_
     plane.host.ledger.take(1)
     plane.writers[1].offset_error = 1  # rank 1 writes every slice one element too far
     plane.write_all(2)
-    with pytest.raises(PlaneError, match="rank 1's write of version 2 does not match the segment"):
+    # shm: the digest finds the bytes at the wrong place; net: the engine refuses a slice rank 1 never declared
+    refused = ("rank 1's write of version 2 does not match the segment" if plane.transport == "shm"
+               else r"rank 1 sent a slice \[\d+, \d+, \d+\] that is not one of the slices it declared")
+    with pytest.raises(PlaneError, match=refused):
         plane.commit(2)
+    if plane.transport == "net":  # its connection was closed: rank 1 joins again, as PlaneRoute's reconnect does
+        plane.writers[1].close()
+        plane.writers[1].connect()
     with pytest.raises(PlaneError, match="no committed write of version 2"):
         plane.host.ledger.take(2)
     plane.writers[1].offset_error = 0
@@ -157,6 +169,8 @@ def test_a_rank_that_vanishes_before_its_report_fails_the_write(plane):
 
 
 def test_a_local_process_without_the_secret_gets_no_descriptor_and_writes_nothing(plane, monkeypatch):
+    if plane.transport == "net":
+        pytest.skip("the descriptor is the shm plane's; the net plane's intruders: test_net_plane_refuses_*")
     plane.write_all(1)
     plane.commit(1)
     views = plane.host.views()
@@ -191,7 +205,7 @@ def test_a_local_process_without_the_secret_gets_no_descriptor_and_writes_nothin
 
 
 def test_a_second_trainer_is_refused_while_the_first_is_connected(plane):
-    other = SegmentWriter(plane.name, SPECS, rank_slices(weights(5), 0, 1), rank=0, world=1, session="trainer-2")
+    other = plane.writer(rank_slices(weights(5), 0, 1), rank=0, world=1, session="trainer-2")
     with pytest.raises(WeightSyncError, match="already serving another trainer"):
         other.connect()
 
@@ -222,7 +236,7 @@ _HOST = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {root!r})
     from faircast_ds.export.served import ParamSpec
-    from faircast_ds.vllm.transfer.shm import SegmentHost
+    from faircast_ds.vllm.transfer.segment import SegmentHost
     host = SegmentHost([ParamSpec("w", (1024,), torch.bfloat16)], {name!r}, timeout=5)
     print("ready", flush=True)
     time.sleep(600)
@@ -294,3 +308,170 @@ def test_a_peer_that_never_proves_the_secret_never_gets_the_descriptor(monkeypat
         assert host.ledger.writes == 0
     finally:
         host.close()
+
+
+def test_net_plane_slices_larger_than_a_chunk_arrive_whole(monkeypatch):
+    """Slices of several chunks (the chunk made small here) land bit for bit, each rank on its own
+    connection; a delta that carries one parameter leaves every other byte of the segment alone."""
+    from faircast_ds.vllm.transfer import segment as shm
+
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 24)  # the embedding's rank slices are 296 bytes: 13 chunks
+    p = Plane(transport="net")
+    try:
+        views = p.host.views()
+        p.write_all(1)
+        p.commit(1)
+        assert same(views, p.full)
+        with torch.no_grad():
+            p.full["embed.weight"][30, 7] += 1  # rank 1's half
+        before = {k: v.clone() for k, v in views.items()}
+        p.write_all(2, "delta", 1, {0})
+        p.commit(2, {0})
+        assert same(views, p.full)
+        assert all(torch.equal(bits(views[k]), bits(before[k])) for k in views if k != "embed.weight")
+    finally:
+        p.close()
+
+
+def test_net_plane_refuses_peers_without_the_secret_and_garbage(monkeypatch):
+    """The TCP listener: a peer sending garbage, and one with another secret, are refused at the
+    handshake; neither writes a byte; the rightful ranks then write and commit."""
+    from faircast_ds.export.channel import client_handshake, resolve_secret
+
+    p = Plane(transport="net")
+    try:
+        host, port = p.host.address
+        raw = socket.create_connection((host, port), timeout=5)
+        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"\0" * 64)
+        raw.settimeout(5)
+        try:
+            while raw.recv(4096):
+                pass
+        except OSError:
+            pass
+        raw.close()
+        with monkeypatch.context() as mp:
+            mp.setenv("FAIRCAST_DS_SYNC_SECRET", secrets.token_hex(16))
+            intruder = socket.create_connection((host, port), timeout=5)
+            with pytest.raises(WeightSyncError):
+                client_handshake(intruder, resolve_secret(), timeout=5, peer="the plane")
+            intruder.close()
+        deadline = time.monotonic() + 20
+        while p.host.refused < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.host.refused >= 2 and p.host.ledger.writes == 0
+        p.write_all(1)
+        p.commit(1)
+        assert same(p.host.views(), p.full)
+    finally:
+        p.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# across two hosts: the engine's end in one network namespace, two trainer ranks in the other
+
+_NET_HOST = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    from pathlib import Path
+    from faircast_ds.vllm.transfer.segment import SegmentHost
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("data_plane_test", {module!r})
+    t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t)
+    SPECS = t.SPECS
+    out = Path({out!r})
+    host = SegmentHost(SPECS, address=({addr!r}, {port}), timeout=60)
+    (out / "ready").write_text("1")
+    deadline = time.monotonic() + 120
+    for version in (1, 2):
+        while host.ledger.commits < version:
+            assert time.monotonic() < deadline, "no commit of version %d" % version
+            time.sleep(0.02)
+        host.ledger.take(version)
+        torch.save({{k: v.clone() for k, v in host.views().items()}}, out / f"segment{{version}}.pt")
+        (out / f"seen{{version}}").write_text("1")
+    host.close()
+""")
+
+_NET_RANK = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    from pathlib import Path
+    from faircast_ds.export.stages import Stages
+    from faircast_ds.vllm.transfer.segment import SegmentWriter
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("data_plane_test", {module!r})
+    t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t)
+    SPECS, moved, rank_slices, weights = t.SPECS, t.moved, t.rank_slices, t.weights
+    rank, out = {rank}, Path({out!r})
+
+    def wait(name):
+        deadline = time.monotonic() + 120
+        while not (out / name).exists():
+            assert time.monotonic() < deadline, name
+            time.sleep(0.02)
+
+    wait("ready")
+    full = weights(0)
+    w = SegmentWriter(None, SPECS, rank_slices(full, rank, 2), rank=rank, world=2, session="netns", timeout=60,
+                      address=({addr!r}, {port}))
+    w.connect()
+    w.write(1, "dense", None, set(range(len(SPECS))), Stages())
+    if rank == 0:
+        w.commit(1, None, Stages())
+    wait("seen1")
+    moved(full)  # version 2: one element of proj.weight in each rank's half
+    w.write(2, "delta", 1, {{2}}, Stages())
+    if rank == 0:
+        w.commit(2, {{2}}, Stages())
+    wait("seen2")
+    w.close()
+""")
+
+
+def moved(full: dict[str, torch.Tensor]) -> None:
+    """Version 2 of ``weights(0)``: two elements of proj.weight moved (one in each rank's half)."""
+    with torch.no_grad():
+        full["proj.weight"][0, 1] += 1
+        full["proj.weight"][7, 12] -= 1
+
+
+@pytest.mark.slow
+def test_net_plane_across_two_network_namespaces(tmp_path):
+    """The engine's end listens on its own host's address (namespace worker-1); two trainer ranks on the
+    other host (worker-2) each send their own slices on their own connection: a dense write, then a
+    delta of one parameter. The segment equals the ranks' tensors bit for bit after each commit (the
+    oracle: the tensors themselves, rebuilt here from the same seed)."""
+    from netns import TwoHosts, need_netns
+
+    need_netns()
+    tests = str(ROOT / "tests")
+    port = 29731  # inside a namespace of its own: nothing else listens there
+    with TwoHosts() as hosts:
+        addr = hosts.addr["worker-1"]
+        fmt = dict(root=str(ROOT), tests=tests, out=str(tmp_path), addr=addr, port=port, module=__file__)
+        env = cpu_env()
+        env["FAIRCAST_DS_SYNC_SECRET"] = SECRET
+
+        def start(ns: str, code: str) -> subprocess.Popen:
+            return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", code], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+        procs = [start(hosts.netns["worker-1"], _NET_HOST.format(**fmt))]
+        procs += [start(hosts.netns["worker-2"], _NET_RANK.format(rank=r, **fmt)) for r in (0, 1)]
+        try:
+            outs = []
+            for p in procs:
+                out, _ = p.communicate(timeout=180)
+                outs.append(out)
+            assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(o[-3000:] for o in outs)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(30)
+    assert hosts.left() == []
+    full = weights(0)
+    assert same(torch.load(tmp_path / "segment1.pt"), full)
+    moved(full)
+    assert same(torch.load(tmp_path / "segment2.pt"), full)

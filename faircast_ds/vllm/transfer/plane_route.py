@@ -1,15 +1,19 @@
-"""The one-host route of :class:`~faircast_ds.vllm.transfer.served_push.ServedPush`: the served weights
-into a ``vllm serve`` process on this host through the shared-memory plane (issue 32 item 2): every
-trainer rank writes its own served slices into the engine's staging segment, no gather to rank 0, no
-MAC over the bulk bytes; rank 0 commits and drives vLLM's update.
+"""The data-plane routes of :class:`~faircast_ds.vllm.transfer.served_push.ServedPush`: every trainer rank
+puts its own served slices into the engine's staging segment (no gather to rank 0); rank 0 commits and
+drives vLLM's update. Two transports of the same plane (:mod:`faircast_ds.vllm.transfer.segment`):
 
-Built by ``ServedPush(plane="shm")`` on every rank (two collectives per push: the changed-count
-all-reduce of a delta, and the outcome); the server (a
-:class:`~faircast_ds.vllm.transfer.server.VllmServer` started on this host, or its URL) on rank 0.
+- ``plane="shm"`` (issue 32 item 2; the trainer and a ``vllm serve`` on one host): the segment is a
+  memfd the ranks map and copy into; no MAC over the bulk bytes (the descriptor is the capability);
+- ``plane="net"`` (item 3; any host): each rank sends its slices on its own authenticated TCP connection
+  to the engine's ``host:port``, in chunks the engine reads straight into the segment.
+
+Built on every rank (two collectives per push: the changed-count all-reduce of a delta, and the
+outcome); the server (a :class:`~faircast_ds.vllm.transfer.server.VllmServer`, or its URL) on rank 0.
 Both processes hold the same ``FAIRCAST_DS_SYNC_SECRET``. One push::
 
     every rank   diff its slices against its last acknowledged bits (delta)    -> all-reduce of counts
-    every rank   begin -> the segment's descriptor -> write its slices -> written (bytes, digest)
+    every rank   begin -> (shm) the segment's descriptor, write its slices / (net) send its slices
+                 -> written (bytes, digest)
     rank 0       commit (the engine checks every rank's report) -> HTTP start, update, finish
                  (finish loads the carried layers from the segment, then checks their kernels
                  against it: sampled columns, or every element with verify="full") -> reset_prefix_cache
@@ -17,7 +21,7 @@ Both processes hold the same ``FAIRCAST_DS_SYNC_SECRET``. One push::
 
 A push that changes nothing costs one HTTP round trip (``/update_weight_version``) and one local
 message. Any failure raises on every rank, leaves the engine serving what it served (the model
-changes only at finish), and makes the next push dense.
+changes only at finish), and makes the next push dense (a rank whose connection ended joins again).
 """
 from __future__ import annotations
 
@@ -29,21 +33,23 @@ import torch
 import torch.distributed as dist
 
 from faircast_ds._util.dist import collective_device, first_failure, from_rank0, rank_world
-from faircast_ds.export.channel import WeightSyncError
+from faircast_ds.export.channel import DEFAULT_HOST, WeightSyncError
 from faircast_ds.export.plane import PlaneError
 from faircast_ds.export.source import ServedReport, reader_of
 from faircast_ds.export.stages import Stages
 from faircast_ds.export.tracking import tracker_for
 from faircast_ds.vllm.kernels import EngineWeightsMismatch
-from faircast_ds.vllm.transfer.shm import SegmentWriter, socket_name
+from faircast_ds.vllm.transfer.segment import SegmentWriter, socket_name
+from faircast_ds.vllm.transfer.trainer import free_port
 
 
 _STAGE = {"start_weight_update": "http.start", "update_weights": "http.update", "finish_weight_update": "http.finish",
           "reset_prefix_cache": "http.reset_prefix_cache"}
 
 
-class ShmRoute:
-    """The trainer's end of the shared-memory plane (see the module docstring); ``server`` a
+class PlaneRoute:
+    """The trainer's end of the data plane, ``plane`` ``"shm"`` or ``"net"`` (``host``/``port``: where the
+    engine listens; see the module docstring); ``server`` a
     :class:`~faircast_ds.vllm.transfer.server.VllmServer` on rank 0, None elsewhere. ``verify``: True (the
     loaded layers' kernels against the segment on sampled columns), ``"full"`` (every element) or
     False. ``delta``: after an acknowledged push, carry only the parameters whose bits changed, read
@@ -51,8 +57,12 @@ class ShmRoute:
     ``tracking == "marks"``), else from a copy of the acknowledged bits (2 bytes per element,
     ``"baseline"``; :mod:`faircast_ds.export.tracking`)."""
 
-    def __init__(self, model: Any, server: Any, *, timeout: float = 120.0, verify: bool | str = True,
-                 delta: bool = True, secret: str | bytes | None = None) -> None:
+    def __init__(self, model: Any, server: Any, *, plane: str = "shm", host: str = DEFAULT_HOST, port: int = 0,
+                 timeout: float = 120.0, verify: bool | str = True, delta: bool = True,
+                 secret: str | bytes | None = None) -> None:
+        if plane not in ("shm", "net"):
+            raise ValueError(f"PlaneRoute's plane is 'shm' or 'net', not {plane!r}")
+        self.plane = plane
         self.model, self.verify, self.delta, self.timeout = model, verify, delta, float(timeout)
         self.rank, self.world = rank_world()
         self.server = server
@@ -63,26 +73,31 @@ class ShmRoute:
         try:
             local = reader.local_slices()
         except ValueError as exc:
-            raise ValueError(f"the shared-memory plane writes each rank's own served slices: {exc}") from None
+            raise ValueError(f"the {plane} plane puts each rank's own served slices: {exc}") from None
         self.slices = [(index[s.name], s.start, s.values) for s in local]
-        session, name = from_rank0((secrets.token_hex(16), socket_name()) if self.rank == 0 else None)
+        # rank 0 names the session and the place: the local socket (shm), or the engine's port (net; 0: a
+        # free port of this host, for an engine on this host)
+        session, name, port = from_rank0(
+            (secrets.token_hex(16), socket_name() if plane == "shm" else None,
+             (port or free_port(host)) if plane == "net" else 0) if self.rank == 0 else None)
         error = None
         if self.rank == 0:
             try:
                 self.server._post("init_weight_transfer_engine", {"init_info": {
-                    "plane": "shm", "socket": name, "port": 0, "timeout": self.timeout,
+                    "plane": plane, "socket": name or "", "host": host, "port": port, "timeout": self.timeout,
                     "params": [[s.name, list(s.shape), str(s.dtype)] for s in self.specs]}})
             except Exception as exc:  # noqa: BLE001 - reported on every rank
                 error = f"{type(exc).__name__}: {exc}"
         error = from_rank0(error)
         if error is not None:
-            raise WeightSyncError(f"the vLLM engine did not open the faircast shared-memory plane: {error}")
+            raise WeightSyncError(f"the vLLM engine did not open the faircast {plane} plane: {error}")
         self.writer = SegmentWriter(name, self.specs, self.slices, rank=self.rank, world=self.world, session=session,
-                                    timeout=self.timeout, secret=secret)
+                                    timeout=self.timeout, secret=secret,
+                                    address=(host, port) if plane == "net" else None)
         error = first_failure(self.writer.connect, WeightSyncError)
         if error is not None:
             self.writer.close()
-            raise WeightSyncError(f"joining the engine's shared-memory plane failed: {error}")
+            raise WeightSyncError(f"joining the engine's {plane} plane failed: {error}")
         self.acknowledged: int | None = None  # the version the engine serves from this trainer
         self.tracker = tracker_for(reader, [v for _, _, v in self.slices]) if delta else None
         self.pause: Callable[[int], None] | None = None  # tests: called after each slice written
@@ -126,6 +141,9 @@ class ShmRoute:
                     error = f"{type(exc).__name__}: {exc}"
         else:
             try:
+                if not self.writer.connected:  # the engine ended this rank's connection (a refused write)
+                    self.writer.close()
+                    self.writer.connect()
                 written = self.writer.write(int(version), "delta" if use_delta else "dense",
                                             self.acknowledged if use_delta else None, params, stages, self.pause)
             except (WeightSyncError, PlaneError) as exc:

@@ -1,0 +1,191 @@
+"""The data plane's transports side by side, without vLLM: how fast two trainer ranks put their served
+slices into the engine's staging segment, against a plain copy of the same bytes.
+
+    python benchmarks/data_plane.py [--mib 1137] [--repeats 3] [--transports shm net netns]
+
+One engine-end process (:class:`~faircast_ds.vllm.transfer.segment.SegmentHost`) and two trainer-rank
+processes (:class:`~faircast_ds.vllm.transfer.segment.SegmentWriter`), each rank holding half of every
+parameter of a model of ``--mib`` MiB of bf16 (default: Qwen3-0.6B's served copy, in 8 parameters).
+Per repeat: both ranks write a dense update, rank 0 commits; the time is rank 0's, from its ``begin``
+until the engine confirmed the commit (so it covers the slower rank). Transports:
+
+- ``shm``: one host, the memfd segment (each rank maps it and copies in);
+- ``net``: the TCP transport on loopback (each rank sends its slices in authenticated 8 MiB frames);
+- ``netns``: the same, the engine's end in one network namespace and the ranks in another, over a veth
+  pair (needs root and iproute2; skipped otherwise).
+
+Printed: the median seconds, GB/s and the ratio to ``memcpy`` (one ``copy_`` of the whole payload in this
+process, median of the same repeats). Only the ratios are meant to be compared; the load average is
+printed. Every process and namespace it makes is removed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = 8
+
+_COMMON = textwrap.dedent("""
+    import json, sys, time, torch
+    sys.path.insert(0, {root!r})
+    from pathlib import Path
+    from faircast_ds.export.served import ParamSpec
+    out = Path({out!r})
+    n = {numel}
+    specs = [ParamSpec(f"p{{i}}.weight", (n,), torch.bfloat16) for i in range({params})]
+
+    def wait(name, limit=600):
+        deadline = time.monotonic() + limit
+        while not (out / name).exists():
+            assert time.monotonic() < deadline, name
+            time.sleep(0.005)
+""")
+
+_HOST = _COMMON + textwrap.dedent("""
+    from faircast_ds.vllm.transfer.segment import SegmentHost
+    kw = dict(address=({addr!r}, {port})) if {net} else dict(name={name!r})
+    host = SegmentHost(specs, timeout=600, **kw)
+    (out / "ready").write_text("1")
+    for version in range(1, {repeats} + 1):
+        while host.ledger.commits < version:
+            time.sleep(0.002)
+        host.ledger.take(version)
+        (out / f"seen{{version}}").write_text("1")
+    wait("done")
+    host.close()
+""")
+
+_RANK = _COMMON + textwrap.dedent("""
+    from faircast_ds.export.stages import Stages
+    from faircast_ds.vllm.transfer.segment import SegmentWriter
+    rank = {rank}
+    half = n // 2
+    g = torch.Generator().manual_seed(rank)
+    shard = torch.randn({params} * half, generator=g).to(torch.bfloat16)
+    slices = [(i, rank * half, shard[i * half:(i + 1) * half]) for i in range({params})]
+    kw = dict(address=({addr!r}, {port})) if {net} else {{}}
+    wait("ready")
+    w = SegmentWriter(None if {net} else {name!r}, specs, slices, rank=rank, world=2, session="bench",
+                      timeout=600, **kw)
+    w.connect()
+    times = []
+    for version in range(1, {repeats} + 1):
+        t = time.perf_counter()
+        w.write(version, "dense", None, set(range({params})), Stages())
+        if rank == 0:
+            w.commit(version, None, Stages())
+            times.append(time.perf_counter() - t)
+        wait(f"seen{{version}}")
+    w.close()
+    if rank == 0:
+        (out / "times.json").write_text(json.dumps(times))
+""")
+
+
+def run_transport(transport: str, args: argparse.Namespace, numel: int, hosts) -> list[float] | None:
+    from faircast_ds.vllm.transfer.segment import socket_name
+
+    out = Path(tempfile.mkdtemp(prefix=f"data-plane-{transport}-"))
+    net = transport != "shm"
+    addr = hosts.addr["worker-1"] if transport == "netns" else "127.0.0.1"
+    port = 29741 if transport == "netns" else _free_port()
+    fmt = dict(root=str(ROOT), out=str(out), numel=numel, params=PARAMS, repeats=args.repeats, net=net,
+               addr=addr, port=port, name=socket_name())
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("FAIRCAST_DS_SYNC_SECRET", secrets.token_hex(16))
+
+    def start(code: str, ns: str | None) -> subprocess.Popen:
+        cmd = [sys.executable, "-c", code]
+        if ns is not None:
+            cmd = ["ip", "netns", "exec", ns] + cmd
+        return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    ns_host = hosts.netns["worker-1"] if transport == "netns" else None
+    ns_rank = hosts.netns["worker-2"] if transport == "netns" else None
+    procs = [start(_HOST.format(**fmt), ns_host)] + [start(_RANK.format(rank=r, **fmt), ns_rank) for r in (0, 1)]
+    try:
+        for p in procs[1:]:
+            p.wait(timeout=1800)
+        (out / "done").write_text("1")
+        procs[0].wait(timeout=60)
+        if any(p.returncode != 0 for p in procs):
+            print(f"  {transport}: a process failed ({[p.returncode for p in procs]})", flush=True)
+            return None
+        return json.loads((out / "times.json").read_text())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def memcpy_times(nbytes: int, repeats: int) -> list[float]:
+    import torch
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=float, default=1137.0, help="bf16 payload in MiB (default: Qwen3-0.6B's served copy)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--transports", nargs="+", default=["shm", "net", "netns"], choices=["shm", "net", "netns"])
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "tests"))
+    numel = int(args.mib * 2**20 / 2 / PARAMS) // 2 * 2  # elements per parameter (even: two halves)
+    nbytes = numel * 2 * PARAMS
+    print(f"{nbytes / 2**20:,.0f} MiB of bf16 in {PARAMS} parameters, 2 trainer-rank processes, median of "
+          f"{args.repeats}; load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+    copy = statistics.median(memcpy_times(nbytes, args.repeats))
+    rows = [("memcpy (one copy_ in this process)", copy)]
+    for transport in args.transports:
+        hosts = None
+        if transport == "netns":
+            if os.geteuid() != 0 or subprocess.run(["which", "ip"], capture_output=True).returncode != 0:
+                print("  netns: skipped (needs root and iproute2)")
+                continue
+            from netns import TwoHosts
+
+            hosts = TwoHosts().__enter__()
+        try:
+            times = run_transport(transport, args, numel, hosts)
+        finally:
+            if hosts is not None:
+                hosts.remove()
+        if times:
+            rows.append((transport, statistics.median(times)))
+    print(f"\n{'transport':<40}{'seconds':>10}{'GB/s':>10}{'x memcpy':>10}")
+    for name, seconds in rows:
+        print(f"{name:<40}{seconds:>10.3f}{nbytes / seconds / 1e9:>10.2f}{seconds / copy:>10.1f}")
+    print(f"\nload average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""A fault for the ``vllm serve`` processes of tests/vllm/transfer/test_vllm_faults.py: a kernel that
+computes with other bits than the engine received. On PYTHONPATH of the server only (the test's engine
+fixture), active when ``FAIRCAST_TEST_KERNEL_FAULT`` names a flag file: once the ``faircast`` backend has
+loaded a set of layers, and while the flag file exists and names a vLLM parameter among them, that
+parameter's first element is moved by 1.0 — after the load, before the backend's check. Test code
+only: the product has no such hook."""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+_FLAG = os.environ.get("FAIRCAST_TEST_KERNEL_FAULT")
+_MODULE = "faircast_ds.vllm.transfer.engine"
+
+
+def _patch(module) -> None:
+    import torch
+
+    cls = module.FairCastWeightTransferEngine
+    load = cls._load
+
+    def faulty_load(self, names):
+        load(self, names)
+        try:
+            with open(_FLAG) as f:
+                target = f.read().strip()
+        except FileNotFoundError:
+            return
+        if target in names:
+            with torch.no_grad():
+                dict(self.model.named_parameters())[target].data.view(-1)[0] += 1.0
+
+    cls._load = faulty_load
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _FLAG:
+    sys.meta_path.insert(0, _Finder())
