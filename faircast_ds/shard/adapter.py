@@ -129,9 +129,11 @@ class Adapter(ABC):
         for key, master, served, slices in self.flat_groups():
             self.caster.cast_flat(key, master, served, slices, previous=self.previous(key), staging=self.staging(key))
 
-    def recast_and_publish(self) -> None:
+    def recast_and_publish(self, after_load: bool = False) -> None:
         """cast_all(), then publish the result to the model's parameters. A collective (publishing
-        all-gathers the shards): call it on every rank."""
+        all-gathers the shards): call it on every rank. ``after_load``: the framework's own load has just
+        written the checkpoint's model weights on every rank (an adapter may then skip a gather that
+        would change nothing)."""
         self.cast_all()
         self.publish()
 

@@ -300,7 +300,8 @@ def publish_restored(adapter: Adapter, caster: ShardCaster) -> None:
             caster.restored(key, served, slices)
         adapter.publish()  # the saved served bits are already in the shards
     else:
-        adapter.recast_and_publish()  # deterministic in (seed, step, name, index): the bits served at save time
+        # deterministic in (seed, step, name, index): the bits served at save time
+        adapter.recast_and_publish(after_load=True)
 
 
 @torch.no_grad()

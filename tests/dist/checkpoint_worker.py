@@ -232,6 +232,29 @@ def count_casts(fc) -> dict:
     return counter
 
 
+def tampered_module_load(root: str, out: str) -> dict:
+    """ZeRO-2 (CPU offload, stochastic): the step-3 checkpoint with one element of its module file changed
+    on disk, the last element of the last parameter (in the last rank's partition). The load's recast at
+    the saved step writes the served bit back on its owner, so the load must all-gather (a load whose
+    recast changes nothing skips it): rank 0's full copy then holds the straight run's bits."""
+    import shutil
+
+    stage, mode = "zero2+offload", "stochastic"
+    dst = os.path.join(out, f"tampered-{stage}-{mode}")
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(root, f"{stage}-{mode}"), dst, dirs_exist_ok=True)
+        path = os.path.join(dst, "step3", "mp_rank_00_model_states.pt")
+        ckpt = torch.load(path, weights_only=False)
+        name = [k for k, v in ckpt["module"].items() if torch.is_tensor(v) and v.is_floating_point()][-1]
+        flat = ckpt["module"][name].view(-1)
+        flat[-1] = flat[-1] * 2 + 1
+        torch.save(ckpt, path)
+    dist.barrier()
+    engine, fc = build(stage, mode)
+    engine.load_checkpoint(dst, tag="step3")
+    return {"served": snapshot(engine, fc)["served"], "skipped_gathers": fc.adapter.skipped_gathers}
+
+
 def resume(root: str, out: str) -> None:
     straight_records = torch.load(os.path.join(os.environ["STRAIGHT_DIR"], "straight.pt"))
     records = {}
@@ -240,11 +263,13 @@ def resume(root: str, out: str) -> None:
         casts = count_casts(fc)
         engine.load_checkpoint(os.path.join(root, f"{stage}-{mode}"), tag="step3")
         snaps = {3: snapshot(engine, fc)}
-        snaps["load_casts"] = {"casts": casts["n"], "groups": len(list(fc.adapter.flat_groups()))}
+        snaps["load_casts"] = {"casts": casts["n"], "groups": len(list(fc.adapter.flat_groups())),
+                               "skipped_gathers": getattr(fc.adapter, "skipped_gathers", None)}
         for step in range(4, 7):
             train_step(engine, step, engine.global_rank)
             snaps[step] = snapshot(engine, fc)
         records[f"{stage}/{mode}"] = snaps
+    records["tampered"] = tampered_module_load(root, out)
     records["module_only"] = module_only_loads(root, {c: s[3]["served"] for c, s in straight_records.items()
                                                       if c in {f"{a}/{b}" for a, b in COMBOS}})
     nan = {}

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from deepspeed import comm as dist
 
+from faircast_ds._util.dist import collective_device
 from faircast_ds.deepspeed import compat
 from faircast_ds.deepspeed.adapters.base import ZeroAdapter
 from faircast_ds.shard.adapter import narrowed, param_name
@@ -73,6 +74,7 @@ class GatherSiteAdapter(ZeroAdapter):
         self._deferred: Exception | None = None  # a non-finite weight, raised once every group is cast
         self._stand_ins: list[tuple[list, int, Any]] = []  # (DeepSpeed's list, index, its own entry)
         self._staging_current: set[int] = set()  # groups whose pinned buffer holds the bits last served
+        self.skipped_gathers = 0  # loads whose all-gather changed nothing and was skipped (recast_and_publish)
         n = len(self.masters())
         self._slices = [slices_from_fragments(self.lp_groups()[i], names, self.masters()[i].numel()) for i in range(n)]
 
@@ -221,6 +223,27 @@ class GatherSiteAdapter(ZeroAdapter):
             return
         if not self._in_step:
             self.cast_all()
+
+    @torch.no_grad()
+    def recast_and_publish(self, after_load: bool = False) -> None:
+        """Cast every partition, then all-gather. After a load (``after_load``), unless no rank's cast
+        changed an element: DeepSpeed's load has then already put the checkpoint's model weights, the
+        bits served at save time, into every rank's full copy (each rank reads the same module file),
+        so each partition's owner and every other rank hold the same bits, and the gather of the whole
+        model is replaced by one all-reduce of the change count (``skipped_gathers`` counts it). Not
+        elsewhere: after a failed step a rank's partition may differ from the others' copies of it."""
+        if not after_load:
+            super().recast_and_publish()
+            return
+        before = self.caster.last.changed
+        self.cast_all()
+        changed = torch.tensor([self.caster.last.changed - before], dtype=torch.int64, device=collective_device())
+        if dist.is_initialized():
+            dist.all_reduce(changed)
+        if int(changed.item()) == 0:
+            self.skipped_gathers += 1
+            return
+        self.publish()
 
     @torch.no_grad()
     def publish(self) -> None:

@@ -129,7 +129,14 @@ def main(argv: list[str]) -> None:
             diag_clock.wrap(fc.diagnostics, ("on_cast", "compute"))
     vocab = real_config(model_name).vocab_size
     rows = []
+    profile_dir = os.environ.get("FAIRCAST_BENCH_PROFILE")  # a folder: cProfile each rank's timed steps there
+    prof = None
     for step in range(warmup + steps):
+        if profile_dir and step == warmup:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         x = torch.randint(0, vocab, (1, SEQUENCE), generator=torch.Generator().manual_seed(1000 * step + rank))
         dist.barrier()
         t = time.perf_counter()
@@ -142,6 +149,9 @@ def main(argv: list[str]) -> None:
                      "guard_s": guard_clock.take(), "diagnostics_s": diag_clock.take(), "peak_mib": _peak_mib()})
         if rank == 0:
             print(f"[bench] {config} ZeRO-{stage} step {step + 1}/{warmup + steps}: {seconds:.2f} s", flush=True)
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(os.path.join(profile_dir, f"{os.path.basename(stem)}.rank{rank}.prof"))
     train_peak = _peak_mib()
     ckpt = f"{stem}-ckpt"
     dist.barrier()

@@ -132,7 +132,7 @@ class PlaneRoute:
         if use_delta and not params:
             if self.rank == 0:
                 try:
-                    with stages("shm.same"):
+                    with stages(f"{self.plane}.same"):
                         self.writer.same(int(version), self.acknowledged)
                     with stages("http.update_weight_version"):
                         self.server._post("update_weight_version", {"new_version": str(version)})

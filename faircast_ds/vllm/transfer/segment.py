@@ -443,7 +443,7 @@ class SegmentWriter:
 
     def commit(self, version: int, params: set[int] | None, stages: Stages) -> dict[str, Any]:
         """Rank 0: commit ``version`` (``params``: a delta's carried parameters; None: dense)."""
-        with stages("shm.commit"):
+        with stages(f"{self.transport}.commit"):
             self.channel.send_json({"type": "commit", "version": int(version), "world": self.world,
                                     "params": None if params is None else sorted(params)})
             reply = self.channel.recv_json(timeout=self.timeout + 30.0)
