@@ -49,15 +49,6 @@ def vllm_name(name: str, packed: Packed = FUSED) -> str:
     return join(parent, found[0], attr)
 
 
-def first_part(name: str, packed: Packed = FUSED) -> str:
-    """The HF name of a vLLM tensor's first part (the group loads together, so it stands for the
-    group): ``...qkv_proj.weight`` -> ``...q_proj.weight``; an unfused tensor keeps its name."""
-    parent, leaf, attr = split(name)
-    if leaf in packed:
-        return join(parent, packed[leaf][0], attr)
-    return name
-
-
 def packed_groups(names: Sequence[str], packed: Packed = FUSED) -> dict[str, tuple[str, ...]]:
     """For each HF tensor name, the names that one vLLM layer is rebuilt from together (itself alone,
     or e.g. ``q_proj``/``k_proj``/``v_proj`` for ``qkv_proj``), as far as they exist in ``names``."""

@@ -102,6 +102,21 @@ class Plane:
         self.host.close()
 
 
+def descriptors_until_closed(raw: socket.socket) -> list[int]:
+    """Every descriptor a raw AF_UNIX peer receives until the host closes (or a read fails); closes it."""
+    fds = []
+    try:
+        while True:
+            data, got, _, _ = socket.recv_fds(raw, 4096, 4)
+            fds += got
+            if not data:
+                break
+    except OSError:
+        pass
+    raw.close()
+    return fds
+
+
 @pytest.fixture(params=["shm", "net"])
 def plane(request):
     p = Plane(transport=request.param)
@@ -186,16 +201,7 @@ def test_a_local_process_without_the_secret_gets_no_descriptor_and_writes_nothin
     raw.settimeout(5)
     raw.connect("\0" + plane.name)
     raw.sendall(b'{"type":"begin","version":9,"kind":"dense","base":null}' * 4)
-    fds = []
-    try:
-        while True:
-            data, got, _, _ = socket.recv_fds(raw, 4096, 4)
-            fds += got
-            if not data:
-                break
-    except OSError:
-        pass
-    raw.close()
+    fds = descriptors_until_closed(raw)
     assert fds == [], "the segment's descriptor went to an unauthenticated peer"
     deadline = time.monotonic() + 20
     while plane.host.refused < 2 and time.monotonic() < deadline:  # the host's thread logs the refusal
@@ -280,16 +286,7 @@ def test_a_peer_that_never_proves_the_secret_never_gets_the_descriptor(monkeypat
         raw.settimeout(5)
         raw.connect("\0" + name)
         raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"\0" * 64)
-        fds = []
-        try:
-            while True:
-                data, got, _, _ = socket.recv_fds(raw, 4096, 4)
-                fds += got
-                if not data:
-                    break
-        except OSError:
-            pass
-        raw.close()
+        fds = descriptors_until_closed(raw)
         monkeypatch.setenv("FAIRCAST_DS_SYNC_SECRET", secrets.token_hex(16))
         intruder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         intruder.settimeout(5)
