@@ -189,9 +189,24 @@ class WeightSender:
         with self.stages("trainer.collectives"):
             return from_rank0(obj)
 
+    def delta_walk(self, kind: str = "auto", version: int | None = None, *,
+                   groups: Mapping[str, Sequence[str]] | None = None) -> Walk | None:
+        """Start this sync's delta walk ahead of :meth:`sync` (collective: the session check and the
+        changed-count all-reduce), so a caller sees ``walk.changed`` before it asks the engine for an
+        update round; pass the walk to :meth:`sync`, or :meth:`Walk.close` it when nothing changed
+        (the receiver then still holds the acknowledged version, and the bits are the same). None
+        when this sync cannot be a delta (no live session, nothing acknowledged, ``kind="dense"``)."""
+        self.stages, self.collectives, self._engine_stages = Stages(), 0, {}
+        if kind not in ("auto", "dense", "delta") or kind == "dense" or not self.can_delta:
+            return None
+        if self._baseline_version is None or not self._session_alive():
+            return None
+        with self.stages("trainer.diff"):
+            return self.source.walk("delta", masks=True, groups=groups, version=version)
+
     def sync(self, version: int | None = None, kind: str = "auto", *,
              on_param: Callable[[ServedItem], None] | None = None,
-             groups: Mapping[str, Sequence[str]] | None = None) -> ServedReport:
+             groups: Mapping[str, Sequence[str]] | None = None, walk: Walk | None = None) -> ServedReport:
         """Push the served weights (collective). ``version`` defaults to the engine's ``global_steps``.
         ``kind``: ``auto`` (delta when the receiver acknowledged a previous sync in this session, else
         dense), ``dense``, or ``delta``. Reconnects first if the session is gone. Raises
@@ -199,18 +214,23 @@ class WeightSender:
         still serves its previous weights). ``on_param`` sees every parameter the walk yields, on
         every rank, while its bits are at hand (a route's verification digests: no second walk).
         ``groups`` (name -> names, the same on every rank): a delta walk also yields the unchanged
-        members of a group with a changed member, to ``on_param`` only (they are not sent)."""
+        members of a group with a changed member, to ``on_param`` only (they are not sent). ``walk``:
+        the one :meth:`delta_walk` started (its stages and collectives count in this sync's)."""
         began = time.perf_counter()
-        self.stages, self.collectives, self._engine_stages = Stages(), 0, {}
+        if walk is None:
+            self.stages, self.collectives, self._engine_stages = Stages(), 0, {}
         if version is None:
             version = getattr(self.model, "global_steps", None)
             if version is None:
                 raise ValueError("sync(version=...) is required for a model that is not a DeepSpeed engine")
         if kind not in ("auto", "dense", "delta"):
             raise ValueError(f"kind must be 'auto', 'dense' or 'delta', not {kind!r}")
-        if not self._session_alive():
-            self.connect()
-        use_delta = kind != "dense" and self.can_delta and self._baseline_version is not None
+        if walk is not None:
+            use_delta = True  # the session was alive and a version acknowledged when the walk began
+        else:
+            if not self._session_alive():
+                self.connect()
+            use_delta = kind != "dense" and self.can_delta and self._baseline_version is not None
         if kind == "delta" and not use_delta:
             raise WeightSyncError("a delta sync needs a previous sync acknowledged in this session" + (
                 "" if self.can_delta else " and each rank's served shard (under ZeRO-3: Fair Cast attached)"))
@@ -225,8 +245,9 @@ class WeightSender:
         if error is not None:
             self.source.require_dense()
             raise WeightSyncError(error)
-        walk = self.source.walk("delta" if use_delta else "dense", masks=use_delta, groups=groups,
-                                version=int(version))
+        if walk is None:
+            walk = self.source.walk("delta" if use_delta else "dense", masks=use_delta, groups=groups,
+                                    version=int(version))
         self.last_walk = walk
         failure, params, carried = self._stream(walk, on_param)
         if self.rank == 0 and failure is None:

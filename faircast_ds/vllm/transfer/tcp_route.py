@@ -5,7 +5,8 @@ vLLM's ``HTTPVLLMWeightSyncClient`` drives the backend (:mod:`faircast_ds.vllm.t
 sends one walk of the served weights, dense then deltas, while ``/update_weights`` receives it). With
 ``verify`` the engine reads the loaded layers' kernels back against what it received inside
 ``/finish_weight_update`` and fails that call on a difference; then the prefix cache is reset. A
-verified push is four HTTP calls: start, update, finish (load + check), reset.
+verified push is four HTTP calls: start, update, finish (load + check), reset; a push whose delta
+changes nothing is one (``/update_weight_version``).
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ class TcpRoute:
         # report, VllmServer.engine_report(): load_seconds, check_seconds)
         return dataclasses.replace(sync, params_total=self.params_total, seconds=time.perf_counter() - began,
                                    load_seconds=float((sync.stages or {}).get("http.finish", 0.0)),
-                                   verified=True if check else None)
+                                   verified=True if check and sync.params else None)
 
     def close(self) -> None:
         self.transfer.shutdown()

@@ -120,6 +120,11 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         error = None
         stages = Stages()
         collectives = 0
+        # a delta's changed count comes first: a push that changes nothing only sets vLLM's version
+        walk = sender.delta_walk(kind, int(version))
+        setter = version_setter(self.client)
+        if walk is not None and walk.changed == 0 and setter is not None:
+            return self._same_bits(walk, int(version), setter, stages)
         if self.is_sender:
             error = _timed(stages, "http.start", self.client.start_weight_update)
             if error is not None:  # a session a dead trainer left open: end it, then start ours
@@ -131,6 +136,8 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         with stages("trainer.collectives"):
             error = from_rank0(error)
         if error is not None:
+            if walk is not None:
+                walk.close()
             self._drop()
             raise WeightSyncError(f"the vLLM engine did not start weight update {version}: {error}")
         box: dict[str, Any] = {}
@@ -143,7 +150,7 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
             thread.start()
         report, failure = None, None
         try:
-            report = sender.sync(version, kind=kind)
+            report = sender.sync(version, kind=kind, walk=walk)
         except WeightSyncError as exc:
             failure = str(exc)
         if self.is_sender:
@@ -174,6 +181,25 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         self.last = report
         return report
 
+    def _same_bits(self, walk: Any, version: int, setter: Callable[[str], None], stages: Stages) -> ServedReport:
+        """Nothing changed since the acknowledged version: one call sets vLLM's weight version. The
+        engine's receiver keeps the acknowledged version (the next delta is against it: the same bits),
+        and nothing is loaded, so there is nothing to check and no cache to reset."""
+        sender = self.sender
+        walk.close()
+        error = _timed(stages, "http.update_weight_version", setter, str(version)) if self.is_sender else None
+        collectives = sender.collectives + (2 if sender.world > 1 else 0)  # the count's all-reduce, the outcome
+        with stages("trainer.collectives"):
+            error = from_rank0(error)
+        if error is not None:
+            self._drop()
+            raise WeightSyncError(f"weight version {version} (no bits changed) not set by the vLLM engine: {error}")
+        stages.merge(sender.stages)
+        report = walk.report(params=0, elements=0, stages=stages.as_dict(), http_calls=stages.http_calls(),
+                             collectives=collectives)
+        self.last = dataclasses.replace(report, version=version, seconds=walk.seconds)
+        return self.last
+
     def _drop(self) -> None:
         """After a failure: end the session; the next round reconnects and is dense."""
         if self.sender is not None:
@@ -184,6 +210,19 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
             self.sender.close()
         if self.is_sender and hasattr(self.client, "shutdown_weight_transfer_engine"):
             _call(self.client.shutdown_weight_transfer_engine)
+
+
+def version_setter(client: Any) -> Callable[[str], None] | None:
+    """How ``client`` sets vLLM's weight version without an update round: its own
+    ``update_weight_version``, or the server's ``/update_weight_version`` route for vLLM's HTTP client;
+    None for a client with neither (a push that changes nothing then makes the whole round)."""
+    own = getattr(client, "update_weight_version", None)
+    if callable(own):
+        return own
+    post, url = getattr(client, "_post", None), getattr(client, "base_url", None)
+    if callable(post) and isinstance(url, str):
+        return lambda version: post("update_weight_version", {"new_version": version})
+    return None
 
 
 class LLMWeightSyncClient:
@@ -208,6 +247,9 @@ class LLMWeightSyncClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self.llm.update_weight_version(weight_version)
 
 
 def _timed(stages: Stages, name: str, fn: Any, *args: Any) -> str | None:

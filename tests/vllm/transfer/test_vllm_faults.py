@@ -327,13 +327,16 @@ def start_ranks(server, marks: Path, versions: list[int], world: int = 2, **opti
     return procs
 
 
-@pytest.mark.parametrize("plane", ["shm", "net"])
+@pytest.mark.parametrize("plane", ["tcp", "shm", "net"])
 def test_shm_dense_delta_and_a_push_that_changes_nothing(engine, plane):
     """The data plane, on one host (shm) and through each rank's own TCP connection (net, here on loopback;
-    across two network namespaces: tests/vllm/transfer/test_data_plane.py)."""
+    across two network namespaces: tests/vllm/transfer/test_data_plane.py); and rank 0's channel (tcp).
+    On every plane a push that changes nothing is one HTTP call, and the next delta is against the bits
+    the engine holds."""
     server = engine["server"]
     model = ft.build_model()
-    push = shm_push(server, model, plane)  # verify=True: the engine checks the loaded layers' kernels against the segment
+    # verify=True: the engine checks the loaded layers' kernels against what it received
+    push = connect(server, model, verify=True) if plane == "tcp" else shm_push(server, model, plane)
     try:
         ft.set_version(model, 50)
         assert push.push(50).kind == "dense"
