@@ -1,7 +1,7 @@
 """The data plane's transports side by side, without vLLM: how fast two trainer ranks put their served
 slices into the engine's staging segment, against a plain copy of the same bytes.
 
-    python benchmarks/data_plane.py [--mib 1137] [--repeats 3] [--transports shm net netns]
+    python benchmarks/data_plane.py [--mib 1137] [--repeats 3] [--transports shm net netns] [--changed 0.005 0.04 0.2]
 
 One engine-end process (:class:`~faircast_ds.vllm.transfer.segment.SegmentHost`) and two trainer-rank
 processes (:class:`~faircast_ds.vllm.transfer.segment.SegmentWriter`), each rank holding half of every
@@ -13,6 +13,10 @@ until the engine confirmed the commit (so it covers the slower rank). Transports
 - ``net``: the TCP transport on loopback (each rank sends its slices in authenticated 8 MiB frames);
 - ``netns``: the same, the engine's end in one network namespace and the ranks in another, over a veth
   pair (needs root and iproute2; skipped otherwise).
+
+Then deltas that touch every parameter, a share of each rank's elements changed (``--changed``, evenly
+spread): carried as whole changed slices, and (net plane) as each slice's changed elements (indices or
+a bitmap, and values), side by side, with the bytes each sent.
 
 Printed: the median seconds, GB/s and the ratio to ``memcpy`` (one ``copy_`` of the whole payload in this
 process, median of the same repeats). Only the ratios are meant to be compared; the load average is
@@ -57,7 +61,7 @@ _HOST = _COMMON + textwrap.dedent("""
     kw = dict(address=({addr!r}, {port})) if {net} else dict(name={name!r})
     host = SegmentHost(specs, timeout=600, **kw)
     (out / "ready").write_text("1")
-    for version in range(1, {repeats} + 1):
+    for version in range(1, {versions} + 1):
         while host.ledger.commits < version:
             time.sleep(0.002)
         host.ledger.take(version)
@@ -68,6 +72,7 @@ _HOST = _COMMON + textwrap.dedent("""
 
 _RANK = _COMMON + textwrap.dedent("""
     from faircast_ds.export.stages import Stages
+    from faircast_ds.casting import marks as M
     from faircast_ds.vllm.transfer.segment import SegmentWriter
     rank = {rank}
     half = n // 2
@@ -79,21 +84,48 @@ _RANK = _COMMON + textwrap.dedent("""
     w = SegmentWriter(None if {net} else {name!r}, specs, slices, rank=rank, world=2, session="bench",
                       timeout=600, **kw)
     w.connect()
-    times = []
+    times = {{"dense": []}}
+    sent = {{}}
     for version in range(1, {repeats} + 1):
         t = time.perf_counter()
         w.write(version, "dense", None, set(range({params})), Stages())
         if rank == 0:
             w.commit(version, None, Stages())
-            times.append(time.perf_counter() - t)
+            times["dense"].append(time.perf_counter() - t)
         wait(f"seen{{version}}")
+    # deltas: a share of each rank's elements changed (evenly spread), carried as whole changed slices
+    # ("whole") or, on the net plane, as each slice's changed elements ("changes")
+    bits = shard.view(torch.int16)
+    for share in {shares}:
+        for variant in ("whole", "changes"):
+            key = f"{{variant}} {{share:g}}"
+            times[key] = []
+            for _ in range({repeats}):
+                version += 1
+                base = bits.clone()
+                step = max(1, round(1 / share))
+                bits[(version * 7 + rank) % step::step] += 1
+                # the cast's change marks (1 bit per element), as Fair Cast leaves them between pushes
+                marks = M.new_bitmap(bits.numel(), fill=False)
+                M.or_mask(marks, 0, bits != base)
+                counts = [M.count_range(marks, i * half, half) for i in range({params})]
+                extra = dict(changes=counts, indices=lambda k: M.read_indices(marks, k * half, half)) \
+                    if variant == "changes" else {{}}
+                t = time.perf_counter()
+                w.write(version, "delta", version - 1, set(range({params})), Stages(), **extra)
+                if rank == 0:
+                    reply = w.commit(version, set(range({params})), Stages())
+                    times[key].append(time.perf_counter() - t)
+                    sent[key] = reply.get("sent")
+                del base, marks
+                wait(f"seen{{version}}")
     w.close()
     if rank == 0:
-        (out / "times.json").write_text(json.dumps(times))
+        (out / "times.json").write_text(json.dumps({{"times": times, "sent": sent}}))
 """)
 
 
-def run_transport(transport: str, args: argparse.Namespace, numel: int, hosts) -> list[float] | None:
+def run_transport(transport: str, args: argparse.Namespace, numel: int, hosts) -> dict | None:
     from faircast_ds.vllm.transfer.segment import socket_name
 
     out = Path(tempfile.mkdtemp(prefix=f"data-plane-{transport}-"))
@@ -101,7 +133,8 @@ def run_transport(transport: str, args: argparse.Namespace, numel: int, hosts) -
     addr = hosts.addr["worker-1"] if transport == "netns" else "127.0.0.1"
     port = 29741 if transport == "netns" else _free_port()
     fmt = dict(root=str(ROOT), out=str(out), numel=numel, params=PARAMS, repeats=args.repeats, net=net,
-               addr=addr, port=port, name=socket_name())
+               addr=addr, port=port, name=socket_name(), shares=list(args.changed),
+               versions=args.repeats * (1 + 2 * len(args.changed)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.setdefault("FAIRCAST_DS_SYNC_SECRET", secrets.token_hex(16))
 
@@ -156,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=float, default=1137.0, help="bf16 payload in MiB (default: Qwen3-0.6B's served copy)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--transports", nargs="+", default=["shm", "net", "netns"], choices=["shm", "net", "netns"])
+    ap.add_argument("--changed", nargs="*", type=float, default=[0.005, 0.04, 0.2],
+                    help="shares of elements a delta changes (default: 0.5%%, 4%%, 20%%; none: dense only)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
     numel = int(args.mib * 2**20 / 2 / PARAMS) // 2 * 2  # elements per parameter (even: two halves)
@@ -163,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{nbytes / 2**20:,.0f} MiB of bf16 in {PARAMS} parameters, 2 trainer-rank processes, median of "
           f"{args.repeats}; load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
     copy = statistics.median(memcpy_times(nbytes, args.repeats))
-    rows = [("memcpy (one copy_ in this process)", copy)]
+    rows = [("memcpy (one copy_ in this process)", copy, nbytes)]
+    deltas = []
     for transport in args.transports:
         hosts = None
         if transport == "netns":
@@ -179,10 +215,23 @@ def main(argv: list[str] | None = None) -> int:
             if hosts is not None:
                 hosts.remove()
         if times:
-            rows.append((transport, statistics.median(times)))
-    print(f"\n{'transport':<40}{'seconds':>10}{'GB/s':>10}{'x memcpy':>10}")
-    for name, seconds in rows:
-        print(f"{name:<40}{seconds:>10.3f}{nbytes / seconds / 1e9:>10.2f}{seconds / copy:>10.1f}")
+            rows.append((transport, statistics.median(times["times"]["dense"]), nbytes))
+            for share in args.changed:
+                whole, changes = (statistics.median(times["times"][f"{v} {share:g}"]) for v in ("whole", "changes"))
+                deltas.append((transport, share, whole, changes, times["sent"].get(f"{'whole'} {share:g}"),
+                               times["sent"].get(f"changes {share:g}")))
+    print(f"\ndense write + commit\n{'transport':<40}{'seconds':>10}{'GB/s':>10}{'x memcpy':>10}")
+    for name, seconds, n in rows:
+        print(f"{name:<40}{seconds:>10.3f}{n / seconds / 1e9:>10.2f}{seconds / copy:>10.1f}")
+    if deltas:
+        dense = {name: seconds for name, seconds, _ in rows}
+        print("\ndelta write + commit, every parameter touched (a share of each rank's elements changed)\n"
+              f"{'transport':<10}{'changed':>9}{'whole s':>10}{'changes s':>11}{'changes/whole':>15}"
+              f"{'whole/dense':>13}{'MB whole':>10}{'MB changes':>12}")
+        for transport, share, whole, changes, sent_whole, sent_changes in deltas:
+            print(f"{transport:<10}{share:>9.1%}{whole:>10.3f}{changes:>11.3f}{changes / whole:>15.2f}"
+                  f"{whole / dense[transport]:>13.2f}{(sent_whole or 0) / 1e6:>10.1f}{(sent_changes or 0) / 1e6:>12.1f}")
+        print("(shm always copies whole changed slices: its 'changes' column is the same write)")
     print(f"\nload average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0
 

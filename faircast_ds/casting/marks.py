@@ -78,6 +78,21 @@ def read_mask(bits: torch.Tensor, start: int, numel: int) -> torch.Tensor:
     return (window & _WEIGHTS.to(bits.device)).ne(0).view(-1)[start % 8:start % 8 + numel]
 
 
+def read_indices(bits: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    """The set bits of ``[start, start + numel)`` as sorted int64 offsets from ``start``. Scans one byte
+    per 8 elements and expands only the bytes with a bit set: no byte-per-element scratch."""
+    if numel <= 0:
+        return torch.zeros(0, dtype=torch.int64, device=bits.device)
+    first, lead = start // 8, start % 8
+    window = bits[first:first + -(-(lead + numel) // 8)]
+    hot = window.nonzero().view(-1)
+    if hot.numel() == 0:
+        return hot
+    row_bit = (window[hot].reshape(-1, 1) & _WEIGHTS.to(bits.device)).nonzero()  # (hot byte, bit) pairs, in order
+    at = hot[row_bit[:, 0]] * 8 + row_bit[:, 1] - lead
+    return at[(at >= 0) & (at < numel)]
+
+
 def count_range(bits: torch.Tensor, start: int, numel: int) -> int:
     """How many of bits ``[start, start + numel)`` are set (whole bytes by a popcount table)."""
     if numel <= 0:
@@ -159,6 +174,14 @@ class ChangeMarks:
         flat, at = found
         return read_mask(flat.bits, at, values.numel()).to(values.device)
 
+    def indices(self, values: torch.Tensor) -> torch.Tensor:
+        """Which elements of ``values`` changed since the last clear, as sorted int64 indices into it."""
+        found = self._locate(values)
+        if found is None:
+            raise KeyError("these values are not a view into a buffer the cast marks")
+        flat, at = found
+        return read_indices(flat.bits, at, values.numel()).to(values.device)
+
     def count(self, values: torch.Tensor) -> int:
         """How many elements of ``values`` changed since the last clear."""
         found = self._locate(values)
@@ -210,6 +233,9 @@ class MarkSet:
 
     def mask(self, values: torch.Tensor) -> torch.Tensor:
         return self._part(values).mask(values)
+
+    def indices(self, values: torch.Tensor) -> torch.Tensor:
+        return self._part(values).indices(values)
 
     def count(self, values: torch.Tensor) -> int:
         return self._part(values).count(values)

@@ -203,8 +203,9 @@ class Commit:
     version: int
     kind: str
     params: set[int]
-    bytes: int
+    bytes: int  # of the segment brought up to date
     stages: dict[str, float] = field(default_factory=dict)
+    sent: int = 0  # of them that crossed to the engine (a delta's changed elements only, on the net plane)
 
 
 class Ledger:
@@ -305,8 +306,11 @@ class Ledger:
         elif segment_digest(self.segment, self.layout, state.slices, chosen) != report.get("digest"):
             problem = (f"rank {rank}'s write of version {writing[0]} does not match the segment at its declared "
                        "offsets (digest of the sampled elements differs): written at the wrong place, or cut short")
+        sent = report.get("sent", expected)  # what crossed to the engine (a sparse delta: less than covered)
+        if problem is None and (type(sent) is not int or sent < 0):
+            problem = f"rank {rank} reports {str(sent)[:40]!r} bytes sent"
         with self.cond:
-            state.report = {"params": chosen, "bytes": expected, "problem": problem}
+            state.report = {"params": chosen, "bytes": expected, "sent": sent, "problem": problem}
             if problem is not None and self.failure is None:
                 self.failure = problem
             self.cond.notify_all()
@@ -355,7 +359,8 @@ class Ledger:
             if problem is not None:
                 raise self._fail(problem)
             nbytes = sum(self.ranks[r].report["bytes"] for r in range(world))
-            done = Commit(version, kind, want, nbytes, {"commit_wait": time.perf_counter() - began})
+            done = Commit(version, kind, want, nbytes, {"commit_wait": time.perf_counter() - began},
+                          sum(self.ranks[r].report["sent"] for r in range(world)))
             self.segment_version, self.writing, self.committed = version, None, done
             self.commits += 1
             return done

@@ -37,6 +37,10 @@ class BaselineTracker:
             raise RuntimeError("no acknowledged version to compare against")
         return torch.ne(delta_encoding.bits_view(values), base)
 
+    def indices(self, position: int, values: torch.Tensor) -> torch.Tensor:
+        """Sorted int64 indices of the elements of slice ``position`` that changed."""
+        return self.mask(position, values).nonzero().view(-1)
+
     def acknowledge(self, values: Sequence[torch.Tensor], positions: set[int] | None = None) -> None:
         """The engine now serves ``values``' bits (those of ``positions`` only, the others unchanged)."""
         if self._baseline is None or len(self._baseline) != len(values):
@@ -71,6 +75,9 @@ class MarksTracker:
 
     def mask(self, position: int, values: torch.Tensor) -> torch.Tensor:
         return self.marks.mask(values)
+
+    def indices(self, position: int, values: torch.Tensor) -> torch.Tensor:
+        return self.marks.indices(values)
 
     def acknowledge(self, values: Sequence[torch.Tensor], positions: set[int] | None = None) -> None:
         """The engine now serves every local bit as it is: no element changed since. (Slices a delta

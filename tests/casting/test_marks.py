@@ -46,6 +46,20 @@ def backend(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("density", [0.0, 0.003, 0.05, 0.6, 1.0])
+def test_read_indices_lists_the_set_bits_of_any_window(density):
+    """The changed indices a net-plane delta sends come from the marks without a byte per element:
+    against numpy's unpacking, for windows starting and ending anywhere inside a byte."""
+    gen = torch.Generator().manual_seed(int(density * 1000) + 1)
+    bits = (torch.rand(803 * 8, generator=gen) < density)
+    bitmap = torch.from_numpy(np.packbits(bits.numpy(), bitorder="little"))
+    truth = unpacked(bitmap)
+    for start, numel in [(0, 6424), (3, 1000), (7, 1), (8, 8), (13, 0), (1, 6423), (4095, 2000)]:
+        got = M.read_indices(bitmap, start, numel)
+        assert got.dtype == torch.int64
+        assert got.tolist() == np.flatnonzero(truth[start:start + numel]).tolist(), (start, numel)
+
+
 def test_bitmap_helpers_against_numpy():
     gen = torch.Generator().manual_seed(5)
     for _ in range(200):
@@ -162,6 +176,7 @@ def test_caster_marks_accumulate_until_cleared_and_find_a_readers_views():
         view = served[k][123:777]  # a reader's slice
         assert np.array_equal(marks.mask(view).numpy(), want[123:777])
         assert marks.count(view) == int(want[123:777].sum())
+        assert marks.indices(view).tolist() == np.flatnonzero(want[123:777]).tolist()
     assert not marks.covers(torch.zeros(5, dtype=torch.bfloat16))
     caster.restored("g1", served["g1"], slices["g1"])
     assert marks.count(served["g1"]) == 1001

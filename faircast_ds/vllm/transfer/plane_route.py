@@ -101,6 +101,9 @@ class PlaneRoute:
         self.acknowledged: int | None = None  # the version the engine serves from this trainer
         self.tracker = tracker_for(reader, [v for _, _, v in self.slices]) if delta else None
         self.pause: Callable[[int], None] | None = None  # tests: called after each slice written
+        # net plane deltas: each slice's changed elements only, where smaller (False: whole changed slices,
+        # for side-by-side measurements). The shm plane always copies whole slices (a memcpy into the mapping)
+        self.sparse = True
         self.pushes = 0
         self.committed_bytes = 0
         self.last_check: str | None = None  # "whole" or "sampled": how the last push was verified
@@ -115,10 +118,12 @@ class PlaneRoute:
             raise ValueError("a delta push needs delta=True and a previous acknowledged push")
         params = set(range(len(self.specs)))
         changed = self.numel
+        per_slice: list[int] | None = None
         if use_delta:
             with stages("trainer.diff"):
                 counts = torch.zeros(len(self.specs), dtype=torch.int64)
-                for (i, _, _), n in zip(self.slices, self.tracker.counts([v for _, _, v in self.slices])):
+                per_slice = self.tracker.counts([v for _, _, v in self.slices])
+                for (i, _, _), n in zip(self.slices, per_slice):
                     counts[i] += n
             if self.world > 1:
                 collectives += 1
@@ -144,8 +149,11 @@ class PlaneRoute:
                 if not self.writer.connected:  # the engine ended this rank's connection (a refused write)
                     self.writer.close()
                     self.writer.connect()
+                sparse = {} if per_slice is None or not self.sparse else {
+                    "changes": per_slice, "indices": lambda k: self.tracker.indices(k, self.slices[k][2])}
                 written = self.writer.write(int(version), "delta" if use_delta else "dense",
-                                            self.acknowledged if use_delta else None, params, stages, self.pause)
+                                            self.acknowledged if use_delta else None, params, stages, self.pause,
+                                            **sparse)
             except (WeightSyncError, PlaneError) as exc:
                 error = f"rank {self.rank}: {exc}"
             except Exception as exc:  # noqa: BLE001 - every rank must reach the outcome's collective
@@ -175,7 +183,7 @@ class PlaneRoute:
         self.pushes += 1
         self.last_check = ("whole" if verify == "full" else "sampled") if verify and params else None
         if self.rank == 0 and params:
-            written = self.committed_bytes  # every rank's bytes, as the engine counted them
+            written = self.committed_bytes  # every rank's bytes sent, as the engine counted them
         carried = sum(self.specs[i].numel for i in params) if params else 0
         seconds = time.perf_counter() - began
         # the stages here run one after the other: what they leave of the push is bookkeeping
@@ -194,7 +202,8 @@ class PlaneRoute:
         prefix-cache reset. The error as text, or None."""
         server = self.server
         try:
-            self.committed_bytes = int(self.writer.commit(version, params, stages).get("bytes", 0))
+            reply = self.writer.commit(version, params, stages)
+            self.committed_bytes = int(reply.get("sent", reply.get("bytes", 0)))
         except (WeightSyncError, PlaneError) as exc:
             return str(exc)
         check = None if not verify else ("full" if verify == "full" else "sampled")

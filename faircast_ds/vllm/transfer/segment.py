@@ -36,13 +36,14 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from faircast_ds.export import delta as delta_encoding
 from faircast_ds.export.channel import (SECRET_ENV, SECRET_FILE_ENV, Channel, Limits, WeightSyncError,
                                         client_handshake, resolve_secret, serve_handshake)
-from faircast_ds.export.plane import HostSegment, Layout, Ledger, PlaneError, write_digest
+from faircast_ds.export.plane import HostSegment, Layout, Ledger, PlaneError, element_size, write_digest
 from faircast_ds.export.served import ParamSpec
 from faircast_ds.export.stages import Stages
 
@@ -216,8 +217,8 @@ class SegmentHost:
             ch.send_json({"ok": True})
             if self.fd is not None:
                 socket.send_fds(conn, [b"F"], [self.fd])  # the capability, on this authenticated connection only
-        elif kind == "piece" and self.fd is None:
-            problem = self._receive_piece(ch, rank, msg)
+        elif kind in ("piece", "changes") and self.fd is None:
+            problem = (self._receive_piece if kind == "piece" else self._receive_changes)(ch, rank, msg)
             if problem is not None:
                 with self.ledger.cond:
                     self.ledger.failure = self.ledger.failure or problem
@@ -238,7 +239,7 @@ class SegmentHost:
         elif kind == "commit" and rank == 0:
             try:
                 done = self.ledger.commit(msg.get("version"), msg.get("world"), msg.get("params"), self.timeout)
-                ch.send_json({"ok": True, "bytes": done.bytes, "stages": done.stages})
+                ch.send_json({"ok": True, "bytes": done.bytes, "sent": done.sent, "stages": done.stages})
             except PlaneError as exc:
                 ch.send_json({"ok": False, "error": str(exc)})
         elif kind == "same" and rank == 0:
@@ -254,20 +255,61 @@ class SegmentHost:
             return False
         return True
 
-    def _receive_piece(self, ch: Channel, rank: int, msg: dict[str, Any]) -> str | None:
-        """The net plane: one of ``rank``'s declared slices, its bytes read straight into the segment.
-        Returns why the piece was refused (its bytes are then not read), or None."""
+    def _declared(self, rank: int, msg: dict[str, Any]) -> tuple[tuple[int, int, int] | None, str | None]:
+        """The slice a ``piece`` / ``changes`` message names, if it is one of ``rank``'s declared slices
+        and a write is open; else why not."""
         entry = (msg.get("index"), msg.get("start"), msg.get("numel"))
         with self.ledger.cond:
             state, writing = self.ledger.ranks.get(rank), self.ledger.writing
         if state is None or writing is None or state.report is not None:
-            return f"rank {rank} sent a slice outside an open write"
+            return None, f"rank {rank} sent a slice outside an open write"
         if not all(type(v) is int for v in entry) or entry not in state.slices:
-            return f"rank {rank} sent a slice {list(entry)!r} that is not one of the slices it declared"
+            return None, f"rank {rank} sent a slice {list(entry)!r} that is not one of the slices it declared"
+        return entry, None
+
+    def _receive_piece(self, ch: Channel, rank: int, msg: dict[str, Any]) -> str | None:
+        """The net plane: one of ``rank``'s declared slices, its bytes read straight into the segment.
+        Returns why the piece was refused (its bytes are then not read), or None."""
+        entry, problem = self._declared(rank, msg)
+        if problem is not None:
+            return problem
         offset, nbytes = self.layout.span(*entry)
-        into = memoryview(self.segment.bytes_at(offset, nbytes).numpy())
-        for at in range(0, nbytes, CHUNK_BYTES):  # a bad tag leaves the segment dirty: no commit follows
-            ch.recv_into(into[at:at + min(CHUNK_BYTES, nbytes - at)])
+        # a bad tag leaves the segment dirty: no commit follows
+        _recv_chunked(ch, memoryview(self.segment.bytes_at(offset, nbytes).numpy()))
+        return None
+
+    def _receive_changes(self, ch: Channel, rank: int, msg: dict[str, Any]) -> str | None:
+        """The net plane, a delta: the changed elements of one of ``rank``'s declared slices (their sorted
+        indices, then their values), written over the bits the segment holds at the write's base.
+        Refused (and the segment left dirty) unless the write is a delta, the list is smaller than the
+        slice, and the indices are strictly increasing inside it. The scratch is at most the slice's size."""
+        entry, problem = self._declared(rank, msg)
+        if problem is not None:
+            return problem
+        with self.ledger.cond:
+            writing = self.ledger.writing
+        if writing is None or writing[1] != "delta":
+            return f"rank {rank} sent changed elements in a write that is not a delta"
+        index, start, numel = entry
+        encoding = {v: k for k, v in delta_encoding.ENCODINGS.items()}.get(msg.get("encoding"))
+        count = msg.get("count")
+        size = element_size(self.specs[index].dtype)
+        if encoding != delta_encoding.COO or type(count) is not int \
+                or not 0 <= count <= numel \
+                or delta_encoding.encoded_bytes(encoding, numel, count, size) >= numel * size:
+            return (f"rank {rank} sent a malformed change list for {self.specs[index].name} [{start}, "
+                    f"{start + numel}): encoding {str(msg.get('encoding'))[:20]!r}, count {str(count)[:20]!r}")
+        first = torch.empty(count, dtype=delta_encoding.index_dtype(numel))
+        values = torch.empty(count, dtype=delta_encoding.bits_dtype(self.specs[index].dtype))
+        _recv_chunked(ch, memoryview(first.view(torch.uint8).numpy()))
+        _recv_chunked(ch, memoryview(values.view(torch.uint8).numpy()))
+        offset, nbytes = self.layout.span(*entry)
+        target = self.segment.bytes_at(offset, nbytes).view(self.specs[index].dtype)
+        try:
+            delta_encoding.check_indices(first, numel)
+            delta_encoding.apply(target, first, values)
+        except ValueError as exc:
+            return f"rank {rank}'s changes to {self.specs[index].name} refused: {exc}"
         return None
 
     def close(self) -> None:
@@ -349,13 +391,25 @@ class SegmentWriter:
             raise WeightSyncError("the engine lays the staging segment out differently from this trainer")
 
     def write(self, version: int, kind: str, base: int | None, params: set[int], stages: Stages,
-              pause: Any = None) -> int:
-        """Write this rank's slices of ``params`` for ``version`` and report them; returns bytes written.
-        ``pause(k)`` (tests) is called after the k-th slice written."""
+              pause: Any = None, *, changes: Sequence[int] | None = None,
+              indices: Callable[[int], torch.Tensor] | None = None) -> int:
+        """Write this rank's slices of ``params`` for ``version`` and report them; returns the bytes that
+        crossed to the engine. ``pause(k)`` (tests) is called after the k-th slice written.
+
+        A delta on the net plane may carry each slice's changed elements only: ``changes[k]`` is how many
+        elements of slice ``k`` (of this writer's ``slices``) changed since ``base``, ``indices(k)`` which
+        (sorted int64 indices into the slice). A slice where an index list is the smallest encoding
+        (:func:`faircast_ds.export.delta.best`: under ~3% of it changed) then travels as its changed
+        indices and values, which the engine writes over the bits the segment holds at ``base``; any
+        other slice travels whole."""
         ch = self.channel
         if ch is None or ch.closed:
             raise WeightSyncError(f"rank {self.rank} has no connection to the engine's plane")
-        pieces = iter_pieces(self.slices, params)
+        if (changes is None) != (indices is None) or (changes is not None and len(changes) != len(self.slices)):
+            raise ValueError("changes= (one count per slice) and indices= go together")
+        positions = [k for k, (i, _, _) in enumerate(self.slices) if i in params]
+        pieces = [self.slices[k] for k in positions]
+        sparse = changes is not None and kind == "delta" and self.transport == "net"
         with stages(f"{self.transport}.begin"):
             ch.send_json({"type": "begin", "version": int(version), "kind": kind, "base": base})
             reply = ch.recv_json()
@@ -366,7 +420,8 @@ class SegmentWriter:
             if fd is not None:
                 written = self._copy_into_segment(fd, pieces, stages, pause)
             else:
-                written = self._send_pieces(ch, pieces, stages, pause)
+                written = self._send_pieces(ch, positions, stages, pause,
+                                            (changes, indices) if sparse else None)
             with stages(f"{self.transport}.digest"):
                 digest = write_digest(pieces)
         except BaseException as exc:
@@ -376,8 +431,9 @@ class SegmentWriter:
                 except WeightSyncError:
                     pass
             raise
-        ch.send_json({"type": "written", "version": int(version), "params": sorted(params), "bytes": written,
-                      "digest": digest})
+        covered = sum(v.numel() * v.element_size() for _, _, v in pieces)  # what this rank brought up to date
+        ch.send_json({"type": "written", "version": int(version), "params": sorted(params), "bytes": covered,
+                      "sent": written, "digest": digest})
         return written
 
     def _receive_segment(self) -> int:
@@ -425,20 +481,39 @@ class SegmentWriter:
                 mapped.close()
         return written
 
-    def _send_pieces(self, ch: Channel, pieces: list[tuple[int, int, torch.Tensor]], stages: Stages,
-                     pause: Any) -> int:
-        """The net plane: each piece as ``piece`` + its bytes in authenticated chunks. Bytes sent."""
+    def _send_pieces(self, ch: Channel, positions: list[int], stages: Stages, pause: Any,
+                     sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
+        """The net plane: each slice as ``piece`` + its bytes in authenticated chunks, or (a delta with
+        ``sparse``) as ``changes`` + its changed elements' indices or bitmap + their values. Bytes sent."""
         written = 0
-        with stages("net.send"):
-            for k, (index, start, values) in enumerate(pieces, start=1):
-                raw = values.detach().reshape(-1).view(torch.uint8)
-                ch.send_json({"type": "piece", "index": index, "start": start + self.offset_error,
-                              "numel": values.numel()})
-                for at in range(0, raw.numel(), CHUNK_BYTES):
-                    ch.send_tensor(raw[at:at + CHUNK_BYTES])
-                written += raw.numel()
-                if pause is not None:
-                    pause(k)
+        for k, position in enumerate(positions, start=1):
+            index, start, values = self.slices[position]
+            encoding = delta_encoding.DENSE
+            if sparse is not None:  # a change list only where it is the smallest encoding (under ~3% changed):
+                # listing more changes costs more than sending the slice on a fast link (docs/vllm.md)
+                counts, indices_of = sparse
+                encoding = delta_encoding.best(values.numel(), int(counts[position]), values.element_size())
+            if encoding != delta_encoding.COO:
+                with stages("net.send"):
+                    raw = values.detach().reshape(-1).view(torch.uint8)
+                    ch.send_json({"type": "piece", "index": index, "start": start + self.offset_error,
+                                  "numel": values.numel()})
+                    written += _send_chunked(ch, raw)
+            else:
+                with stages("net.encode"):
+                    where = indices_of(position)
+                    if where.numel() != int(counts[position]):
+                        raise PlaneError(f"slice {position}: {where.numel()} changed indices for a count of "
+                                         f"{int(counts[position])}")
+                    first = where.to(delta_encoding.index_dtype(values.numel()))
+                    new = delta_encoding.bits_view(values)[where]
+                with stages("net.send"):
+                    ch.send_json({"type": "changes", "index": index, "start": start + self.offset_error,
+                                  "numel": values.numel(), "encoding": delta_encoding.ENCODINGS[encoding],
+                                  "count": int(new.numel())})
+                    written += _send_chunked(ch, first.view(torch.uint8)) + _send_chunked(ch, new.view(torch.uint8))
+            if pause is not None:
+                pause(k)
         return written
 
     def commit(self, version: int, params: set[int] | None, stages: Stages) -> dict[str, Any]:
@@ -489,5 +564,14 @@ def find_segments(name: str = MEMFD_NAME) -> list[str]:
     return found
 
 
-def iter_pieces(slices: Iterable[tuple[int, int, torch.Tensor]], params: set[int]) -> list[tuple[int, int, torch.Tensor]]:
-    return [(i, s, v) for i, s, v in slices if i in params]
+def _send_chunked(ch: Channel, raw: torch.Tensor) -> int:
+    """``raw`` (uint8) as authenticated frames of at most :data:`CHUNK_BYTES`; the receiver reads the
+    same chunking (:func:`_recv_chunked`). Bytes sent."""
+    for at in range(0, raw.numel(), CHUNK_BYTES):
+        ch.send_tensor(raw[at:at + CHUNK_BYTES])
+    return raw.numel()
+
+
+def _recv_chunked(ch: Channel, into: memoryview) -> None:
+    for at in range(0, into.nbytes, CHUNK_BYTES):
+        ch.recv_into(into[at:at + min(CHUNK_BYTES, into.nbytes - at)])

@@ -364,6 +364,128 @@ def test_net_plane_refuses_peers_without_the_secret_and_garbage(monkeypatch):
         p.close()
 
 
+def _sparse_write(p: Plane, version: int, base: int, params: set[int], before: dict[str, torch.Tensor]) -> list[int]:
+    """Every rank writes a delta of ``params`` with its slices' change lists, computed here from ``before``
+    (the test's own comparison of bit patterns). Returns each rank's bytes sent."""
+    sent = [0] * len(p.writers)
+
+    def one(r: int) -> None:
+        w = p.writers[r]
+        old = rank_slices(before, r, len(p.writers))
+        masks = [bits(v) != bits(o) for (_, _, v), (_, _, o) in zip(w.slices, old)]
+        sent[r] = w.write(version, "delta", base, params, Stages(), changes=[int(m.sum()) for m in masks],
+                          indices=lambda k: masks[k].nonzero().view(-1))
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(p.writers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return sent
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_net_plane_deltas_carry_each_slices_changed_elements_only(monkeypatch, chunk):
+    """A net-plane delta sends a slice's changed elements where an index list is its smallest encoding: one
+    element of rank 0's half of the embedding as an index and a value; rank 1's half, 21 of its 148
+    elements changed (a list would be smaller than the slice, a bitmap smaller still), and rank 0's half of
+    proj.weight (every element changed) whole; rank 1's half of proj.weight (none changed) as an empty list.
+    The segment then holds every rank's bits (the oracle: the ranks' own tensors), every other byte as it
+    was, and fewer bytes crossed than the slices hold; with 8-byte chunks every part spans several frames."""
+    from faircast_ds.vllm.transfer import segment as seg
+
+    if chunk:
+        monkeypatch.setattr(seg, "CHUNK_BYTES", chunk)
+    p = Plane(transport="net")
+    try:
+        views = p.host.views()
+        p.write_all(1)
+        p.commit(1)
+        before_full = {k: v.clone() for k, v in p.full.items()}
+        before_segment = {k: v.clone() for k, v in views.items()}
+        with torch.no_grad():
+            embed = p.full["embed.weight"].view(-1)
+            embed[5] += 1  # rank 0's half (elements 0..147): one change
+            embed[150:300:7] += 1  # rank 1's half (148..295): 150, 157, ..., 290: 21 changes
+            p.full["proj.weight"].view(-1)[:52] += 1  # rank 0's half of proj.weight, every element
+        sent = _sparse_write(p, 2, 1, {0, 2}, before_full)
+        p.commit(2, {0, 2})
+        assert same(views, p.full)
+        assert all(torch.equal(bits(views[k]), bits(before_segment[k])) for k in ("norm.weight", "bias"))
+        # rank 0: 1 index + value (6 bytes), proj.weight whole (104); rank 1: its embedding half whole (296), nothing
+        assert sent == [6 + 104, 296]
+        assert p.host.ledger.take(2).sent == sum(sent)
+    finally:
+        p.close()
+
+
+def _raw_changes(p: Plane, header: dict, first: torch.Tensor, values: torch.Tensor) -> None:
+    """Rank 0 opens a delta of version 2 and sends one ``changes`` message as given (a hostile or broken
+    rank speaking the protocol with the right secret); rank 1 writes its part honestly."""
+    w = p.writers[0]
+    w.channel.send_json({"type": "begin", "version": 2, "kind": "delta", "base": 1})
+    assert w.channel.recv_json()["ok"] is True
+    w.channel.send_json({"type": "changes", "index": 0, "start": 0, "numel": 148, **header})
+    for part in (first, values):
+        if part.numel():
+            w.channel.send_tensor(part.view(torch.uint8))
+    try:
+        p.writers[1].write(2, "delta", 1, {0}, Stages())
+    except PlaneError as exc:  # the engine may already have failed the write when rank 1 begins
+        assert "already failed" in str(exc)
+
+
+@pytest.mark.parametrize("case, header, first, values, refused", [
+    ("indices not increasing", {"encoding": "coo", "count": 2}, torch.tensor([9, 3], dtype=torch.int32),
+     torch.tensor([1, 2], dtype=torch.int16), "not strictly increasing"),
+    ("an index past the slice", {"encoding": "coo", "count": 1}, torch.tensor([148], dtype=torch.int32),
+     torch.tensor([1], dtype=torch.int16), "out of range"),
+    ("a bitmap (not a change list's encoding)", {"encoding": "bitmap", "count": 1},
+     torch.zeros(0), torch.zeros(0), "malformed change list"),
+    ("a list larger than the slice", {"encoding": "coo", "count": 100}, torch.zeros(0), torch.zeros(0),
+     "malformed change list"),
+    ("an unknown encoding", {"encoding": "zip", "count": 1}, torch.zeros(0), torch.zeros(0),
+     "malformed change list"),
+])
+def test_net_plane_refuses_broken_change_lists(case, header, first, values, refused):
+    """A change list the engine cannot apply whole is refused by name, ends the rank's connection, and
+    the write does not commit; the segment then takes no delta, and the next dense write is served."""
+    p = Plane(transport="net")
+    try:
+        p.write_all(1)
+        p.commit(1)
+        p.host.ledger.take(1)
+        _raw_changes(p, header, first, values)
+        with pytest.raises((PlaneError, WeightSyncError), match=refused):  # rank 0 hears it as the session's end
+            p.commit(2, {0})
+        p.writers[0].close()
+        p.writers[0].connect()
+        with pytest.raises(PlaneError, match="dirty"):
+            p.writers[0].write(3, "delta", 1, {0}, Stages())
+        p.write_all(3)
+        p.commit(3)
+        assert same(p.host.views(), p.full)
+    finally:
+        p.close()
+
+
+def test_net_plane_refuses_change_lists_in_a_dense_write():
+    p = Plane(transport="net")
+    try:
+        w = p.writers[0]
+        w.channel.send_json({"type": "begin", "version": 1, "kind": "dense", "base": None})
+        assert w.channel.recv_json()["ok"] is True
+        w.channel.send_json({"type": "changes", "index": 0, "start": 0, "numel": 148, "encoding": "coo", "count": 0})
+        try:
+            p.writers[1].write(1, "dense", None, set(range(len(SPECS))), Stages())
+        except PlaneError as exc:  # the engine may already have failed the write when rank 1 begins
+            assert "already failed" in str(exc)
+        with pytest.raises((PlaneError, WeightSyncError), match="not a delta"):
+            p.commit(1)
+    finally:
+        p.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # across two hosts: the engine's end in one network namespace, two trainer ranks in the other
 
