@@ -137,6 +137,13 @@ class Adapter(ABC):
         self.cast_all()
         self.publish()
 
+    def publish_restored(self, changed: int | None) -> None:
+        """Publish after a restore wrote the saved served bits into the shards (a collective).
+        ``changed``: how many of this rank's served elements the restore changed (None: unknown). Here
+        always :meth:`publish`; an adapter whose framework's load already put the saved bits in every
+        rank's full copy may skip a gather that no rank's restore made necessary."""
+        self.publish()
+
     def previous(self, key: Hashable) -> torch.Tensor | None:
         """The last served bits of a flat group, for adapters whose optimizer overwrites the served shard
         by round-to-nearest before the cast (None: the served shard itself still holds them)."""

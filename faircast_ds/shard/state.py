@@ -188,19 +188,27 @@ def _verified(p: _Piece, verified: set[tuple[str, int]]) -> None:
 _COPY_CHUNK = 1 << 20  # elements per chunk of a verified copy: 8 MiB of the file, still in cache for the copy
 
 
-def _copy_bits(out: torch.Tensor, bits: torch.Tensor) -> None:
+def _copy_bits(out: torch.Tensor, bits: torch.Tensor) -> int:
     """Saved served bits (int32 holding the bf16 pattern in [0, 2^16)) into the bf16 tensor ``out``, with no
-    temporary: the low half of each int32 (on a little-endian machine; elsewhere through bf16_from_bits)."""
+    temporary: the low half of each int32 (on a little-endian machine; elsewhere through bf16_from_bits).
+    Returns how many elements of ``out`` held other bits before (read in the same pass's cache)."""
     if sys.byteorder == "little" and bits.is_contiguous() and out.is_contiguous():
-        out.view(torch.int16).copy_(bits.view(torch.int16)[0::2])
+        saved = bits.view(torch.int16)[0::2]
+        changed = int(torch.ne(out.view(torch.int16), saved).sum())
+        out.view(torch.int16).copy_(saved)
     else:
-        out.copy_(bf16_from_bits(bits.to(torch.int64)))
+        saved = bf16_from_bits(bits.to(torch.int64))
+        changed = int(torch.ne(out.view(torch.int16), saved.view(torch.int16)).sum())
+        out.copy_(saved)
+    return changed
 
 
-def _copy_verified(p: _Piece, residual: torch.Tensor, served: torch.Tensor) -> None:
+def _copy_verified(p: _Piece, residual: torch.Tensor, served: torch.Tensor) -> int:
     """Copy a whole saved piece into ``residual`` and ``served`` chunk by chunk, each chunk's CRC taken just
     before it is copied (the file is read once: the copy reads what the CRC brought into cache). A CRC
-    mismatch raises after the copy: the caller then stops the load or resets the state, which rewrites both."""
+    mismatch raises after the copy: the caller then stops the load or resets the state, which rewrites both.
+    Returns how many served elements the copy changed."""
+    changed = 0
     res_all = p.record["residual"].narrow(0, p.offset, p.numel)
     bits_all = p.record["served"].narrow(0, p.offset, p.numel)
     crc_res = crc_bits = 0
@@ -210,10 +218,11 @@ def _copy_verified(p: _Piece, residual: torch.Tensor, served: torch.Tensor) -> N
         crc_res = zlib.crc32(res.view(torch.uint8).numpy(), crc_res)
         crc_bits = zlib.crc32(bits.view(torch.uint8).numpy(), crc_bits)
         residual.narrow(0, at, k).copy_(res)
-        _copy_bits(served.narrow(0, at, k), bits)
+        changed += _copy_bits(served.narrow(0, at, k), bits)
     if crc_res != p.entry["crc_residual"] or crc_bits != p.entry["crc_served"]:
         raise FairCastStateError(f"{p.file}: CRC mismatch for {p.entry['name']} [{p.start}, "
                                  f"{p.start + p.numel}): the state file is corrupted")
+    return changed
 
 
 def check_engine_step(records: list[tuple[str, dict[str, Any]]], tag_dir: str, engine_step: int | None) -> None:
@@ -252,6 +261,7 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
     index = _index(records)
     values = cfg.spec.residual
     verified: set[tuple[str, int]] = set()
+    changed = 0  # served elements whose bits the restore changed (what the framework's load had put there)
     for key, master, served, group_slices in adapter.flat_groups():
         residual = caster.residual_for(key, master)
         for s in group_slices:
@@ -268,13 +278,14 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
                 dst = s.offset + lo - s.start
                 res_out, bits_out = residual.narrow(0, dst, hi - lo), served.detach().narrow(0, dst, hi - lo)
                 if lo == p.start and hi == p.start + p.numel and (p.file, p.offset) not in verified:
-                    _copy_verified(p, res_out, bits_out)  # the same layout as saved: one pass over the piece
+                    # the same layout as saved: one pass over the piece
+                    changed += _copy_verified(p, res_out, bits_out)
                     verified.add((p.file, p.offset))
                     continue
                 _verified(p, verified)
                 src = p.offset + lo - p.start
                 res_out.copy_(p.record["residual"].narrow(0, src, hi - lo))
-                _copy_bits(bits_out, p.record["served"].narrow(0, src, hi - lo))
+                changed += _copy_bits(bits_out, p.record["served"].narrow(0, src, hi - lo))
             if covered != s.numel:
                 raise FairCastStateError(f"checkpoint {tag_dir} does not cover {s.name} elements "
                                          f"[{s.start}, {s.start + s.numel}) (covered {covered})")
@@ -283,6 +294,7 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
             previous.copy_(served.detach())
     caster.step = step
     caster.failed = None
+    adapter.restore_changed = changed if values else None
     for observer in caster.observers:
         if hasattr(observer, "restore_checkpoint_state"):
             why = observer.restore_checkpoint_state([r.get("diagnostics") for _, r in records], adapter.flat_groups())
@@ -298,7 +310,9 @@ def publish_restored(adapter: Adapter, caster: ShardCaster) -> None:
     if caster.config.spec.residual:
         for key, _, served, slices in adapter.flat_groups():  # written by the restore, not a cast: still ours
             caster.restored(key, served, slices)
-        adapter.publish()  # the saved served bits are already in the shards
+        # the saved served bits are already in the shards: gathered, unless an adapter knows the gather
+        # changes nothing (ZeRO-1/2, when the restore changed no rank's bits)
+        adapter.publish_restored(getattr(adapter, "restore_changed", None))
     else:
         # deterministic in (seed, step, name, index): the bits served at save time
         adapter.recast_and_publish(after_load=True)

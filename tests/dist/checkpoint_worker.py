@@ -232,14 +232,14 @@ def count_casts(fc) -> dict:
     return counter
 
 
-def tampered_module_load(root: str, out: str) -> dict:
-    """ZeRO-2 (CPU offload, stochastic): the step-3 checkpoint with one element of its module file changed
-    on disk, the last element of the last parameter (in the last rank's partition). The load's recast at
-    the saved step writes the served bit back on its owner, so the load must all-gather (a load whose
-    recast changes nothing skips it): rank 0's full copy then holds the straight run's bits."""
+def tampered_module_load(root: str, out: str, stage: str = "zero2+offload", mode: str = "stochastic") -> dict:
+    """ZeRO-2: the step-3 checkpoint with one element of its module file changed on disk, the
+    last element of the last parameter (in the last rank's partition). The load's recast at the saved step
+    (error feedback: its restore of the saved served bits) writes the served bit back on its owner, so the
+    load must all-gather (a load that changes nothing skips it): rank 0's full copy then holds the straight
+    run's bits."""
     import shutil
 
-    stage, mode = "zero2+offload", "stochastic"
     dst = os.path.join(out, f"tampered-{stage}-{mode}")
     if dist.get_rank() == 0:
         shutil.copytree(os.path.join(root, f"{stage}-{mode}"), dst, dirs_exist_ok=True)
@@ -270,6 +270,7 @@ def resume(root: str, out: str) -> None:
             snaps[step] = snapshot(engine, fc)
         records[f"{stage}/{mode}"] = snaps
     records["tampered"] = tampered_module_load(root, out)
+    records["tampered_error_feedback"] = tampered_module_load(root, out, "zero2", "error_feedback")
     records["module_only"] = module_only_loads(root, {c: s[3]["served"] for c, s in straight_records.items()
                                                       if c in {f"{a}/{b}" for a, b in COMBOS}})
     nan = {}

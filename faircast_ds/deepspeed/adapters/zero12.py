@@ -237,10 +237,22 @@ class GatherSiteAdapter(ZeroAdapter):
             return
         before = self.caster.last.changed
         self.cast_all()
-        changed = torch.tensor([self.caster.last.changed - before], dtype=torch.int64, device=collective_device())
+        self._publish_unless_unchanged(self.caster.last.changed - before)
+
+    def publish_restored(self, changed: int | None) -> None:
+        """After error feedback's restore wrote the saved served bits: as after a load's recast, the
+        all-gather is skipped when the restore changed no element on any rank (DeepSpeed's load of the
+        module file already put those bits in every rank's full copy)."""
+        if changed is None:
+            self.publish()
+            return
+        self._publish_unless_unchanged(changed)
+
+    def _publish_unless_unchanged(self, changed: int) -> None:
+        count = torch.tensor([int(changed)], dtype=torch.int64, device=collective_device())
         if dist.is_initialized():
-            dist.all_reduce(changed)
-        if int(changed.item()) == 0:
+            dist.all_reduce(count)
+        if int(count.item()) == 0:
             self.skipped_gathers += 1
             return
         self.publish()
