@@ -269,7 +269,9 @@ BYPASSED = {"step/zero2": "after the first optimizer step (DeepSpeedZeroOptimize
 def test_a_bypassed_cast_site_stops_the_run(runs, version, case):
     """DeepSpeed monkeypatched to overwrite the served partition by round-to-nearest after Fair Cast's cast
     (or to call its own refresh instead): UnsupportedSetupError on both ranks, naming the release, where
-    it was seen and the first differing element."""
+    it was seen and the first differing element. The ZeRO-2 load reads a copy of the checkpoint with one
+    module element changed: a load whose restore changes no served bit skips the all-gather, and with it
+    the refresh the bypass hooks (tests/dist/releases_worker.py tampered_copy)."""
     got = [report["bypassed"][case] for report in runs[version]["ranks"]]
     for g in got:
         assert g["raised"] and g["type"] == "UnsupportedSetupError", g
