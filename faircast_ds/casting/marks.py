@@ -162,32 +162,29 @@ class ChangeMarks:
                 return flat, (ptr - flat.ptr) // size
         return None
 
+    def _require(self, values: torch.Tensor) -> tuple[_Flat, int]:
+        found = self._locate(values)
+        if found is None:
+            raise KeyError("these values are not a view into a buffer the cast marks")
+        return found
+
     def covers(self, values: torch.Tensor) -> bool:
         """Whether ``values`` is a contiguous view into one of the marked buffers."""
         return self._locate(values) is not None
 
     def mask(self, values: torch.Tensor) -> torch.Tensor:
         """Which elements of ``values`` (a view into a marked buffer) changed since the last clear."""
-        found = self._locate(values)
-        if found is None:
-            raise KeyError("these values are not a view into a buffer the cast marks")
-        flat, at = found
+        flat, at = self._require(values)
         return read_mask(flat.bits, at, values.numel()).to(values.device)
 
     def indices(self, values: torch.Tensor) -> torch.Tensor:
         """Which elements of ``values`` changed since the last clear, as sorted int64 indices into it."""
-        found = self._locate(values)
-        if found is None:
-            raise KeyError("these values are not a view into a buffer the cast marks")
-        flat, at = found
+        flat, at = self._require(values)
         return read_indices(flat.bits, at, values.numel()).to(values.device)
 
     def count(self, values: torch.Tensor) -> int:
         """How many elements of ``values`` changed since the last clear."""
-        found = self._locate(values)
-        if found is None:
-            raise KeyError("these values are not a view into a buffer the cast marks")
-        flat, at = found
+        flat, at = self._require(values)
         return count_range(flat.bits, at, values.numel())
 
     @property
