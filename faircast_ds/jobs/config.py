@@ -18,6 +18,9 @@ REFERENCE = "fp32"  # served = master: ZeRO-3 without bf16 and without Fair Cast
 CONTROL = "nearest"  # round-to-nearest, DeepSpeed's own cast: what every other mode is paired against
 ROLLOUT_ENGINES: tuple[str, ...] = ("hf", "vllm")  # where rollouts come from (jobs/rollouts.py)
 ROLLOUT_VIA: tuple[str, ...] = ("view", "module")
+# how the trainer's bf16 linear layers multiply: PyTorch's own bf16 kernels, or fp32 products of the bf16 values
+# rounded once to bf16 (faircast_ds/models/gemm.py: on a CPU without AVX-512 the former is 10-20x slower)
+GEMMS: tuple[str, ...] = ("native", "fp32")
 MAX_SEED = 2**31 - 1
 
 
@@ -81,6 +84,9 @@ class JobConfig:
     # with --save-every: stop this session after training this many steps (0: run to the end); the same
     # command without it (or with it again) resumes where the session stopped
     session_steps: int = 0
+    # "native" or "fp32" (GEMMS); --model sets fp32. Only the bf16 modes' trainer is affected (the fp32 reference
+    # multiplies in fp32 either way; the vLLM engine uses its own kernels)
+    gemm: str = "native"
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -158,6 +164,8 @@ def _problems(cfg: JobConfig) -> list[str]:
         out.append(f"off_grid must be true or false, got {cfg.off_grid!r}")
     if cfg.rollout_engine not in ROLLOUT_ENGINES:
         out.append(f"unknown --engine {cfg.rollout_engine!r}; choose from {', '.join(ROLLOUT_ENGINES)}")
+    if cfg.gemm not in GEMMS:
+        out.append(f"unknown --gemm {cfg.gemm!r}; choose from {', '.join(GEMMS)}")
     if cfg.rollout_via not in ROLLOUT_VIA:
         out.append(f"unknown --rollout-via {cfg.rollout_via!r}; choose from {', '.join(ROLLOUT_VIA)}")
     if cfg.model and cfg.model not in PRETRAINED:
@@ -201,7 +209,7 @@ TASKS: tuple[str, ...] = ("", "addition")
 PRETRAINED_DEFAULTS: dict[str, Any] = {
     "steps": 100, "lr": 1e-5, "modes": ("fp32", "nearest", "dither"), "rollouts": 16, "group": 4, "gen_len": 16,
     "rollout_engine": "vllm", "rollout_via": "module", "eval_every": 0, "kl_every": 0, "kl_master_every": 1,
-    "save_every": 5, "persist_threshold": 100_000, "task": "addition",
+    "save_every": 5, "persist_threshold": 100_000, "task": "addition", "gemm": "fp32",
 }
 # what a run.json written before regimes existed ran with (the settings it does not list)
 LEGACY: dict[str, Any] = {"regime": "large-step", "prompt_vocab": 0, "eval_every": 0, "kl_every": 0}

@@ -51,15 +51,25 @@ def build_model(cfg: JobConfig, seed: int, fp32: bool, ds_config: dict[str, Any]
         from faircast_ds.deepspeed.zero_init import ZeroInit
         from faircast_ds.models.pretrained import load_causal_lm
 
-        return load_causal_lm(cfg.model, dtype=torch.float32 if fp32 else torch.bfloat16,
-                              partitioning=ZeroInit(ds_config) if ds_config is not None else None)
+        model = load_causal_lm(cfg.model, dtype=torch.float32 if fp32 else torch.bfloat16,
+                               partitioning=ZeroInit(ds_config) if ds_config is not None else None)
+        return _with_gemm(model, cfg)
     from faircast_ds.models.builders import tiny_causal_lm
 
     model = tiny_causal_lm("qwen3", seed=seed, init_std=cfg.init_std, attn="eager", vocab_size=cfg.vocab,
                            hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden, num_hidden_layers=cfg.layers,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=cfg.hidden // 4,
                            max_position_embeddings=64, tie_word_embeddings=False)
-    return model.float() if fp32 else model
+    return model.float() if fp32 else _with_gemm(model, cfg)
+
+
+def _with_gemm(model: torch.nn.Module, cfg: JobConfig) -> torch.nn.Module:
+    """``--gemm fp32``: the bf16 linear layers multiply in fp32 and round once (faircast_ds/models/gemm.py)."""
+    if cfg.gemm == "fp32":
+        from faircast_ds.models.gemm import use_fp32_accumulation
+
+        use_fp32_accumulation(model)
+    return model
 
 
 def ds_config(mode: str, seed: int, cfg: JobConfig, per_rank: int) -> dict[str, Any]:

@@ -164,13 +164,19 @@ def headline(cfg: Any, world: int) -> str:
         return (f"GRPO, {cfg.model} ({cfg.task}: one-digit operands up to {cfg.operand_max}, through the chat "
                 f"template), ZeRO-3 on {world} ranks, AdamW lr {cfg.lr:g}, {cfg.rollouts // cfg.group} prompts x "
                 f"{cfg.group} completions x {cfg.gen_len} tokens/step at temperature 1 from "
-                f"{'vllm serve' if cfg.rollout_engine == 'vllm' else 'the trainer'}, {cfg.steps} steps, {_seeds_text(cfg)}")
+                f"{'vllm serve' if cfg.rollout_engine == 'vllm' else 'the trainer'}, {cfg.steps} steps, {_seeds_text(cfg)}"
+                + _gemm_text(cfg))
     return (f"GRPO, tiny Qwen3 (hidden {cfg.hidden}, {cfg.layers} layers, init std {cfg.init_std}), ZeRO-3 on "
             f"{world} ranks, AdamW lr {cfg.lr:g}, {cfg.rollouts} rollouts x {cfg.gen_len} tokens/step, "
             f"{cfg.steps} steps, {_seeds_text(cfg)}"
             + (f", regime {cfg.regime}" if getattr(cfg, "regime", "") else "")
             + (" (one fixed prompt)" if getattr(cfg, "prompt_vocab", 0) == 1 else "")
-            + (", masters started off the bf16 grid (--off-grid)" if getattr(cfg, "off_grid", False) else ""))
+            + (", masters started off the bf16 grid (--off-grid)" if getattr(cfg, "off_grid", False) else "")
+            + _gemm_text(cfg))
+
+
+def _gemm_text(cfg: Any) -> str:
+    return ", bf16 GEMMs summed in fp32 (--gemm fp32)" if getattr(cfg, "gemm", "native") == "fp32" else ""
 
 
 def _fmt_bytes(n: float) -> str:

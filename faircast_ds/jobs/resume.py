@@ -21,6 +21,8 @@ from typing import Any
 
 # settings a resumed job may change (where it writes and what it shows), every other one must match
 FREE = ("out", "name", "session_steps")
+# settings added after jobs were started, with the value a job.json written before them ran with
+ADDED = {"gemm": "native"}
 INTEGER_COLUMNS = ("seed", "step", "changed", "numel", "sync_bytes", "sync_bytes_dense", "engine_sync_params",
                    "engine_sync_bytes")
 
@@ -92,6 +94,7 @@ def check_settings(run_dir: str, config: dict[str, Any]) -> None:
         return
     with open(path) as f:
         before = json.load(f)
+    before = {**ADDED, **before}
     differ = sorted(k for k in set(before) | set(config) if k not in FREE
                     and _norm(before.get(k)) != _norm(config.get(k)))
     if differ:

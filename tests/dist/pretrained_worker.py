@@ -37,6 +37,7 @@ from served_oracle import vllm_keyed_checksums  # noqa: E402
 from faircast_ds import get_fair_cast  # noqa: E402
 from faircast_ds.models import pretrained
 from faircast_ds.deepspeed.zero_init import ZeroInit  # noqa: E402
+from faircast_ds.models.gemm import use_fp32_accumulation  # noqa: E402
 from faircast_ds.export import served_weights  # noqa: E402
 from faircast_ds.jobs.release import release  # noqa: E402
 
@@ -121,15 +122,17 @@ def main() -> None:
         began = time.perf_counter()
         cfg = ds_config(mode)
         model = pretrained.load_causal_lm(directory, partitioning=ZeroInit(cfg))
+        routed = use_fp32_accumulation(model)  # the job's --gemm fp32: no slow CPU bf16 GEMM
         params = dict(model.named_parameters())
         r = {"params": sum(int(p.ds_numel) for p in params.values()),
              "partitioned": all(p.numel() == 0 and p.ds_tensor.numel() <= -(-p.ds_numel // 2) for p in params.values()),
-             "init_wrong": init_check(model, directory, rank), "build_s": time.perf_counter() - began}
+             "init_wrong": init_check(model, directory, rank), "build_s": time.perf_counter() - began,
+             "routed_linears": routed}
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
         fc = get_fair_cast(engine)
         r["checks"], r["step_s"] = [], []
-        for step in (1,) if mode == "nearest" else (1, 2):  # a bf16 step is the launch's cost (no AVX-512: ~1 min)
+        for step in (1,) if mode == "nearest" else (1, 2):  # a bf16 step is the launch's cost
             t0 = time.perf_counter()
             x = batch(tok, step, rank)
             engine.backward(engine(input_ids=x, labels=x).loss)

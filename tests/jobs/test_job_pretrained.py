@@ -35,6 +35,8 @@ def test_model_defaults_are_the_issues_minimum():
     assert cfg.modes == ("fp32", "nearest", "dither") and cfg.save_every > 0 and cfg.kl_master_every == 1
     assert parse(["--model", NAME, "--lr", "1e-6", "--modes", "nearest"]).lr == 1e-6  # flags win
     assert parse([]).model == ""  # the tiny model stays the default
+    assert cfg.gemm == "fp32" and parse([]).gemm == "native"  # the tiny model keeps PyTorch's bf16 kernels
+    assert parse(["--model", NAME, "--gemm", "native"]).gemm == "native"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -43,6 +45,7 @@ def test_model_defaults_are_the_issues_minimum():
     (["--model", NAME, "--gen-len", "8"], "--gen-len must be at least 16"),
     (["--model", NAME, "--operand-max", "12"], "--operand-max must be at most 9"),
     (["--session-steps", "3"], "--session-steps needs --save-every"),
+    (["--gemm", "bf16"], "unknown --gemm 'bf16'; choose from native, fp32"),
 ])
 def test_bad_model_settings_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -132,6 +135,15 @@ def test_a_resumed_job_must_keep_its_settings(tmp_path):
     resume.check_settings(str(tmp_path), {**cfg, "session_steps": 7})  # free to change
     with pytest.raises(SystemExit, match=r"lr \(was 1e-05, now 1e-06\)"):
         resume.check_settings(str(tmp_path), {**cfg, "lr": 1e-6})
+
+
+def test_a_job_started_before_gemm_existed_resumes_only_with_native_gemms(tmp_path):
+    cfg = parse(["--model", NAME, "--out", str(tmp_path), "--name", "r"]).to_json()
+    older = {k: v for k, v in cfg.items() if k != "gemm"}  # its job.json has no gemm: it ran PyTorch's kernels
+    resume.check_settings(str(tmp_path), older)
+    resume.check_settings(str(tmp_path), {**cfg, "gemm": "native"})
+    with pytest.raises(SystemExit, match=r"gemm \(was 'native', now 'fp32'\)"):
+        resume.check_settings(str(tmp_path), cfg)
 
 
 def test_latest_step_reads_deepspeeds_latest_file(tmp_path):

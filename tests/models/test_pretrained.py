@@ -254,6 +254,7 @@ def test_smoke_built_partitioned_under_zero_init_from_the_cached_checkpoint(smok
         for mode in ("nearest", "dither"):
             assert r[mode]["params"] == PARAMS and r[mode]["partitioned"], mode
             assert r[mode]["init_wrong"] == 0, mode
+            assert r[mode]["routed_linears"] == 30 * 7 + 1, mode  # q k v o gate up down per layer, the head
 
 
 @pytest.mark.slow
