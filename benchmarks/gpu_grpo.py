@@ -296,7 +296,8 @@ def paired(rows: list[dict], mode: str) -> tuple[int, float, list[float], float]
 
 
 def title(args: argparse.Namespace, header: str, rollouts: int, seeds: int, began: float) -> str:
-    return (f"{header}\n\n{MODEL}{f' (first {args.layers} layers)' if args.layers else ''}, {rollouts} rollouts x "
+    return (f"{header}\n\n{MODEL}{f' (first {args.layers} layers)' if args.layers else ''}"
+            f"{', bf16 GEMMs summed in fp32 (--gemm fp32)' if args.gemm == 'fp32' else ''}, {rollouts} rollouts x "
             f"{args.gen_len} tokens per step, lr {args.lr}, reward {args.reward}, temperature {args.temperature}; "
             f"{seeds} whole seeds in {(time.perf_counter() - began) / 60:.1f} min (budget {args.minutes} min)")
 
@@ -331,6 +332,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (each sampled --group times)")
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--gen-len", type=int, default=16)
+    parser.add_argument("--gemm", default="native", choices=("native", "fp32"),
+                        help="fp32: bf16 linear layers as fp32 products rounded once (for --device cpu dry runs)")
     parser.add_argument("--layers", type=int, default=0, help="keep only the first N decoder layers (CPU dry runs)")
     parser.add_argument("--reward", default="answer", choices=("answer", "even-tokens"),
                         help="even-tokens: dry runs only (a truncated model never answers right, so no step "
@@ -382,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     task = AdditionTask(tokenizer, gen_len=args.gen_len, group=args.group)
     model = load_model(model_dir, args.layers, args.device)
+    if args.gemm == "fp32":  # the job's --gemm fp32 (faircast_ds/models/gemm.py): a CPU's bf16 GEMM is slow
+        from faircast_ds.models.gemm import use_fp32_accumulation
+
+        use_fp32_accumulation(model)
     for p in model.parameters():
         p.requires_grad_(True)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}

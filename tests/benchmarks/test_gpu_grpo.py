@@ -60,9 +60,9 @@ def test_the_cpu_dry_run_writes_counts_that_the_saved_tensors_confirm(tmp_path):
     out, served = tmp_path / "out", tmp_path / "served"
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["OMP_NUM_THREADS"] = "2"
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--model-dir", str(directory), "--layers", "1",
-           "--prompts", "1", "--gen-len", "4", "--steps", "2", "--minutes", "0.05", "--reward", "even-tokens",
-           "--lr", "1e-4", "--temperature", "5", "--out", str(out), "--save-served", str(served)]
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--gemm", "fp32", "--model-dir", str(directory),
+           "--layers", "1", "--prompts", "1", "--gen-len", "4", "--steps", "2", "--minutes", "0.05",
+           "--reward", "even-tokens", "--lr", "1e-4", "--temperature", "5", "--out", str(out), "--save-served", str(served)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "torch " + torch.__version__ in done.stdout
@@ -71,6 +71,7 @@ def test_the_cpu_dry_run_writes_counts_that_the_saved_tensors_confirm(tmp_path):
 
     (csv_path,) = out.glob("gpu_grpo_*.csv")
     (md_path,) = out.glob("gpu_grpo_*.md")
+    assert "bf16 GEMMs summed in fp32 (--gemm fp32)" in md_path.read_text()  # the dry run says how it multiplied
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     assert [(r["mode"], r["seed"], r["step"]) for r in rows] == \

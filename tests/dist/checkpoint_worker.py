@@ -26,7 +26,8 @@ import deepspeed.comm as dist
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ds_config, finish, full_served_bits, tiny_qwen3, train_step, write_json  # noqa: E402
+from common import (ds_config, finish, full_served_bits, tampered_checkpoint_copy, tiny_qwen3, train_step,  # noqa: E402
+                    write_json)
 
 from faircast_ds.casting.bits import bf16_bits, fp32_bits
 from faircast_ds.casting.rules import cast  # noqa: E402
@@ -238,18 +239,8 @@ def tampered_module_load(root: str, out: str, stage: str = "zero2+offload", mode
     (error feedback: its restore of the saved served bits) writes the served bit back on its owner, so the
     load must all-gather (a load that changes nothing skips it): rank 0's full copy then holds the straight
     run's bits."""
-    import shutil
-
-    dst = os.path.join(out, f"tampered-{stage}-{mode}")
-    if dist.get_rank() == 0:
-        shutil.copytree(os.path.join(root, f"{stage}-{mode}"), dst, dirs_exist_ok=True)
-        path = os.path.join(dst, "step3", "mp_rank_00_model_states.pt")
-        ckpt = torch.load(path, weights_only=False)
-        name = [k for k, v in ckpt["module"].items() if torch.is_tensor(v) and v.is_floating_point()][-1]
-        flat = ckpt["module"][name].view(-1)
-        flat[-1] = flat[-1] * 2 + 1
-        torch.save(ckpt, path)
-    dist.barrier()
+    dst = tampered_checkpoint_copy(os.path.join(root, f"{stage}-{mode}"), os.path.join(out, f"tampered-{stage}-{mode}"),
+                                   "step3")
     engine, fc = build(stage, mode)
     engine.load_checkpoint(dst, tag="step3")
     return {"served": snapshot(engine, fc)["served"], "skipped_gathers": fc.adapter.skipped_gathers}

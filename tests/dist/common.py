@@ -98,6 +98,27 @@ def gather_shards(fc: Any, numels: dict[str, int]) -> tuple[dict[str, torch.Tens
     return masters, served
 
 
+def tampered_checkpoint_copy(src: str, dst: str, tag: str) -> str:
+    """Rank 0 copies the checkpoint folder ``src`` to ``dst`` and changes one element of tag ``tag``'s module
+    file on disk (the last element of the last floating parameter, in the last rank's partition); every rank
+    waits for it. A ZeRO-1/2 load of the copy then changes a served bit on its owner, so it must all-gather (a
+    load that changes nothing skips the gather, and with it the refresh that follows it)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+        path = os.path.join(dst, tag, "mp_rank_00_model_states.pt")
+        ckpt = torch.load(path, weights_only=False)
+        name = [k for k, v in ckpt["module"].items() if torch.is_tensor(v) and v.is_floating_point()][-1]
+        flat = ckpt["module"][name].view(-1)
+        flat[-1] = flat[-1] * 2 + 1
+        torch.save(ckpt, path)
+    dist.barrier()
+    return dst
+
+
 def tensors_in(obj: Any):
     """Every tensor in a nest of lists, tuples and dicts (a dispatched op's arguments or results)."""
     if isinstance(obj, torch.Tensor):

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_worker  # noqa: E402
 from checkpoint_worker import snapshot  # noqa: E402
-from common import finish, train_step, write_json  # noqa: E402
+from common import finish, tampered_checkpoint_copy, train_step, write_json  # noqa: E402
 from stages_worker import build, set_deterministic_masters  # noqa: E402
 
 from faircast_ds.shard.adapter import UnsupportedSetupError  # noqa: E402
@@ -160,29 +160,11 @@ def overwrite_after_cast(opt) -> None:
         raise ValueError(name)
 
 
-def tampered_copy(root: str) -> str:
-    """A copy of ``root``'s step-2 checkpoint whose module file has one element changed (the last of the
-    last floating parameter), so that a ZeRO-1/2 load's restore changes a served bit and must all-gather
-    (a load that changes nothing skips the gather, and with it the refresh a bypass hooks)."""
-    import shutil
-
-    dst = root + "-tampered"
-    if dist.get_rank() == 0:
-        shutil.copytree(root, dst, dirs_exist_ok=True)
-        path = os.path.join(dst, "step2", "mp_rank_00_model_states.pt")
-        ckpt = torch.load(path, weights_only=False)
-        name = [k for k, v in ckpt["module"].items() if torch.is_tensor(v) and v.is_floating_point()][-1]
-        flat = ckpt["module"][name].view(-1)
-        flat[-1] = flat[-1] * 2 + 1
-        torch.save(ckpt, path)
-    dist.barrier()
-    return dst
-
-
 def bypassed(kind: str, stage: str, mode: str, load_root: str | None = None) -> dict:
     """A cast site bypassed on purpose; the guard must raise UnsupportedSetupError naming it."""
     if kind == "load" and stage == "zero2":
-        load_root = tampered_copy(load_root)
+        # one module element changed on disk, so that the restore changes a bit and gathers (and the bypass fires)
+        load_root = tampered_checkpoint_copy(load_root, load_root + "-tampered", "step2")
     engine, fc = build(mode, stage)
     opt = engine.optimizer
     if kind == "never_cast":  # the release calls DeepSpeed's own refresh, not the method Fair Cast replaced

@@ -27,6 +27,7 @@ def test_built_partitioned_under_zero_init_at_the_published_init(ranks):
         assert r["params"] == PARAMS
         assert r["partitioned"], "a parameter was whole on a rank after deepspeed.zero.Init"
         assert r["init_wrong"] == 0
+        assert r["routed_linears"] == 2 * 7 + 1  # q k v o gate up down per layer, the head
 
 
 def test_served_bits_are_the_oracle_cast_of_every_master_element(ranks):
