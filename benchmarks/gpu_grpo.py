@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 import faircast_ds  # noqa: E402
 from faircast_ds.casting.modes import MODES  # noqa: E402
 from faircast_ds.jobs.addition import AdditionTask  # noqa: E402
+from faircast_ds.jobs.config import GEMM_NOTES, GEMMS  # noqa: E402
 from faircast_ds.jobs.grpo import rollout  # noqa: E402  (module level: torch and the pure jobs/ modules only)
 from faircast_ds.jobs.tasks import group_advantages  # noqa: E402
 
@@ -297,7 +298,7 @@ def paired(rows: list[dict], mode: str) -> tuple[int, float, list[float], float]
 
 def title(args: argparse.Namespace, header: str, rollouts: int, seeds: int, began: float) -> str:
     return (f"{header}\n\n{MODEL}{f' (first {args.layers} layers)' if args.layers else ''}"
-            f"{', bf16 GEMMs summed in fp32 (--gemm fp32)' if args.gemm == 'fp32' else ''}, {rollouts} rollouts x "
+            f"{GEMM_NOTES[args.gemm]}, {rollouts} rollouts x "
             f"{args.gen_len} tokens per step, lr {args.lr}, reward {args.reward}, temperature {args.temperature}; "
             f"{seeds} whole seeds in {(time.perf_counter() - began) / 60:.1f} min (budget {args.minutes} min)")
 
@@ -332,7 +333,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (each sampled --group times)")
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--gen-len", type=int, default=16)
-    parser.add_argument("--gemm", default="native", choices=("native", "fp32"),
+    parser.add_argument("--gemm", default="native", choices=GEMMS,
                         help="fp32: bf16 linear layers as fp32 products rounded once (for --device cpu dry runs)")
     parser.add_argument("--layers", type=int, default=0, help="keep only the first N decoder layers (CPU dry runs)")
     parser.add_argument("--reward", default="answer", choices=("answer", "even-tokens"),

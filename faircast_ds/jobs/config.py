@@ -21,6 +21,7 @@ ROLLOUT_VIA: tuple[str, ...] = ("view", "module")
 # how the trainer's bf16 linear layers multiply: PyTorch's own bf16 kernels, or fp32 products of the bf16 values
 # rounded once to bf16 (faircast_ds/models/gemm.py: on a CPU without AVX-512 the former is 10-20x slower)
 GEMMS: tuple[str, ...] = ("native", "fp32")
+GEMM_NOTES = {"native": "", "fp32": ", bf16 GEMMs summed in fp32 (--gemm fp32)"}  # what a headline adds for each
 MAX_SEED = 2**31 - 1
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from faircast_ds.jobs import stats
-from faircast_ds.jobs.config import CONTROL, REFERENCE, JobConfig
+from faircast_ds.jobs.config import CONTROL, GEMM_NOTES, REFERENCE, JobConfig
 from faircast_ds.jobs.steps_csv import read_csv
 
 LAG_MIN = 20  # "the served copy lags": lag along drift at least this many steps
@@ -176,7 +176,7 @@ def headline(cfg: Any, world: int) -> str:
 
 
 def _gemm_text(cfg: Any) -> str:
-    return ", bf16 GEMMs summed in fp32 (--gemm fp32)" if getattr(cfg, "gemm", "native") == "fp32" else ""
+    return GEMM_NOTES[getattr(cfg, "gemm", "native")]
 
 
 def _fmt_bytes(n: float) -> str:

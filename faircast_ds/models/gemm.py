@@ -45,11 +45,11 @@ class Fp32AccumulatedLinear(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = (g @ weight.float()).to(x.dtype)
+        rows = g.reshape(-1, g.shape[-1])  # one row per input position
         if ctx.needs_input_grad[1]:
-            rows = g.reshape(-1, g.shape[-1])
             dw = (rows.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
+            db = rows.sum(0).to(weight.dtype)
         return dx, dw, db
 
 
