@@ -11,6 +11,7 @@ depends on)."""
 from __future__ import annotations
 
 import csv
+import math
 import os
 import re
 import shlex
@@ -130,8 +131,9 @@ def test_every_documented_command_is_run_by_ci_or_named_as_a_long_run():
 # ---- the quick runs -------------------------------------------------------------------------------------
 
 def quick_main_variant(command: str) -> str:
-    """``bash launch/main.sh ...`` with fewer steps and seeds: --full and --name dropped, one seed, one step
-    (three for the default run, which is compared with the committed rows)."""
+    """``bash launch/main.sh ...`` with fewer steps, seeds and modes: --full and --name dropped, one seed, one
+    step (three for the default run, which is compared with the committed rows), one mode where the command
+    names none (nearest and dither, three steps, for ``--engine vllm``, whose rows are checked)."""
     words = shlex.split(command.split("&&")[-1].strip())
     env = [w for w in words if re.match(r"^[A-Z_]+=", w)]
     args = words[len(env) + 2:]
@@ -151,6 +153,12 @@ def quick_main_variant(command: str) -> str:
         out.append(a)
         i += 1
     steps = "3" if not out and not env else "1"
+    if "--modes" not in out and out and not env:
+        # one mode (dither) where the command picks none: the default run, three steps of all five modes,
+        # already runs every mode; `--engine vllm` keeps two, three steps, so the engine takes deltas too
+        vllm = out[out.index("--engine") + 1] == "vllm" if "--engine" in out else False
+        out += ["--modes", "nearest,dither" if vllm else "dither"]
+        steps = "3" if vllm else steps
     if "JOB=staleness" not in env:
         out += ["--seeds", "1"] if "--seed-list" not in out else []
     out += ["--steps", steps]
@@ -165,6 +173,10 @@ def test_quick_variants_keep_the_command_and_cut_its_length():
     assert quick_main_variant("bash launch/main.sh --full --name paper-full") == "bash launch/main.sh --seeds 1 --steps 3"
     assert quick_main_variant("JOB=staleness bash launch/main.sh --steps 20") == \
         "JOB=staleness bash launch/main.sh --steps 1"
+    assert quick_main_variant("bash launch/main.sh --regime large-step") == \
+        "bash launch/main.sh --regime large-step --modes dither --seeds 1 --steps 1"
+    assert quick_main_variant("bash launch/main.sh --engine vllm") == \
+        "bash launch/main.sh --engine vllm --modes nearest,dither --seeds 1 --steps 3"
 
 
 def main_job_variants() -> list[str]:
@@ -193,6 +205,25 @@ def run_in(copy: Path, command: str, timeout: int) -> subprocess.CompletedProces
                           timeout=timeout)
 
 
+def check_vllm_rollouts(run_dir: Path) -> None:
+    """The `--engine vllm` run (2 CPU ranks, ZeRO-3, `vllm serve` started by rank 0, hidden 128 since the CPU
+    attention kernel wants a head size of 32 or more): every step's rollouts came from an engine holding the
+    served bits (a dense push, then deltas), with finite mismatch figures."""
+    with open(run_dir / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["mode"], r["step"]) for r in rows] == [(m, str(s)) for m in ("nearest", "dither") for s in (1, 2, 3)]
+    for r in rows:
+        assert r["engine_weights_equal"] == "True"
+        assert float(r["engine_sync_ms"]) > 0 and 0 < int(r["engine_sync_params"]) <= 25
+        assert 0 < float(r["engine_mismatch_rms"]) < 1 and math.isfinite(float(r["engine_mismatch_k3"]))
+    aligned = [float(r["engine_mismatch_rms_aligned"]) for r in rows if r["engine_mismatch_rms_aligned"] != "nan"]
+    unaligned = [float(r["engine_mismatch_rms"]) for r in rows if r["engine_mismatch_rms_aligned"] != "nan"]
+    if AVX512:  # the vllm-cpu alignment profile reproduces an AVX-512 CPU's kernels (conftest.NO_AVX512)
+        assert aligned and sum(aligned) * 5 <= sum(unaligned)
+    results = (run_dir / "results.md").read_text()
+    assert "Rollouts from vLLM" in results and "3/3 steps" in results
+
+
 PAPER = ROOT / "docs" / "grpo" / "paper" / "steps.csv"
 TIMINGS = {"cast_ms", "rollout_ms", "train_ms", "fwd_bwd_ms", "opt_ms", "extra_ms"}
 # columns the job writes that the committed paper run predates; each is named, so a column that appears or
@@ -205,6 +236,8 @@ ADDED_SINCE_PAPER = {"kl_master"}
 def test_main_job_commands_run_quick(fresh_copy, command):
     proc = run_in(fresh_copy, command, timeout=900)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    if "--engine vllm" in command:
+        check_vllm_rollouts(max((fresh_copy / "runs").iterdir(), key=os.path.getmtime))
     if command != "bash launch/main.sh --seeds 1 --steps 3":
         return
     # the default run reproduces the committed paper run's seed 0, bit for bit, in every column but time
