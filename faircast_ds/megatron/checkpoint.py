@@ -36,13 +36,15 @@ import torch
 from faircast_ds._util import dist
 from faircast_ds.shard.handle import FairCast
 from faircast_ds.shard.state import (
-    FORMAT,
     FairCastStateError,
     MissingStateError,
     cast_mismatch,
 )
 
 PREFIX = "fair_cast"
+# the fair_cast entry of a Megatron checkpoint: settings and per-parameter state, no served bits (Megatron
+# saves the bf16 parameters themselves), so it did not change with the DeepSpeed state file's /2
+FORMAT = "faircast-ds/1"
 
 
 def _params(adapter: Any) -> dict[str, Any]:

@@ -4,8 +4,10 @@ What a checkpoint tag directory gains: ``<tag>/fair_cast/rank<r>-of-<n>.pt``, on
 written (atomically, fsynced) before the framework writes its own files. Each file holds the mode,
 seed and noise step, the framework's own step counter at save time (``engine_step``: a load checks
 it against the framework's files, so a tag holding parts of two saves is refused), and, for
-``error_feedback``, every local slice's residual (fp32) and served bits (bf16) keyed by (parameter
-name, start index) with a CRC32 per slice. Because the key is (parameter, index) and not (rank,
+``error_feedback``, every local slice's residual (fp32) and served bits keyed by (parameter name, start
+index) with a CRC32 per slice. Format ``faircast-ds/2`` stores the served bits as int16 (the bf16 bit
+pattern itself: 6 bytes per element with the residual); ``faircast-ds/1`` files, which stored them as
+int32 in [0, 2^16) (8 bytes per element), still load. Because the key is (parameter, index) and not (rank,
 offset), a checkpoint saved at one world size or ZeRO stage restores at any other: each rank reads
 only the pieces that overlap its own slices (files are memory-mapped, so no rank reads the whole
 model's residual).
@@ -34,7 +36,10 @@ from faircast_ds.config.section import FairCastConfig
 from faircast_ds.shard.adapter import Adapter
 from faircast_ds.shard.caster import ShardCaster
 
-FORMAT = "faircast-ds/1"
+FORMAT = "faircast-ds/2"  # what save_state writes
+# the formats a load reads, and the dtype each stores the served bits in (/1: int32 holding the bf16 pattern
+# in [0, 2^16); /2: int16, the pattern itself). A reader that knows only /1 refuses a /2 file by its format.
+SERVED_DTYPES = {"faircast-ds/1": torch.int32, FORMAT: torch.int16}
 STATE_DIR = "fair_cast"
 
 
@@ -95,7 +100,7 @@ def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int
     # Written in place, slice by slice, into the two arrays the file holds: no per-slice copies joined
     # at the end, no int64 bits (issue 23: at a real size those made the save's peak ~3x the payload).
     residuals = torch.empty(total, dtype=torch.float32)
-    served_bits = torch.empty(total, dtype=torch.int32)
+    served_bits = torch.empty(total, dtype=SERVED_DTYPES[FORMAT])
     slices, at = [], 0
     for key, served, parts in groups:
         residual = caster.residuals.get(key)
@@ -107,8 +112,7 @@ def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int
                     res.copy_(residual.detach().narrow(0, s.offset, s.numel))
                 else:
                     res.zero_()
-                bits.copy_(served.detach().narrow(0, s.offset, s.numel).view(torch.int16))  # sign-extends
-                bits.bitwise_and_(0xFFFF)  # the bit pattern in [0, 2^16), as bf16_bits gives it
+                bits.copy_(served.detach().narrow(0, s.offset, s.numel).view(torch.int16))  # the bit pattern
                 entry.update(crc_residual=_crc(res), crc_served=_crc(bits))
                 at += s.numel
             slices.append(entry)
@@ -149,8 +153,14 @@ def read_records(tag_dir: str) -> list[tuple[str, dict[str, Any]]]:
             record = torch.load(f, mmap=True, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unreadable file is corruption, named below
             raise FairCastStateError(f"cannot read Fair Cast state file {f}: {exc}") from exc
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            raise FairCastStateError(f"{f} is not a {FORMAT} state file")
+        if not isinstance(record, dict) or record.get("format") not in SERVED_DTYPES:
+            raise FairCastStateError(f"{f} is not a {FORMAT} state file (nor an earlier "
+                                     f"{', '.join(sorted(set(SERVED_DTYPES) - {FORMAT}))} one)")
+        want = SERVED_DTYPES[record["format"]]
+        served = record.get("served")
+        if not isinstance(served, torch.Tensor) or served.dtype != want:
+            raise FairCastStateError(f"{f}: a {record['format']} state file stores its served bits as {want}, this one "
+                                     f"as {getattr(served, 'dtype', type(served).__name__)}: the file is corrupted")
         records.append((f, record))
     worlds = {r["world_size"] for _, r in records}
     if len(worlds) != 1 or len(records) != worlds.pop():
@@ -188,10 +198,20 @@ def _verified(p: _Piece, verified: set[tuple[str, int]]) -> None:
 _COPY_CHUNK = 1 << 20  # elements per chunk of a verified copy: 8 MiB of the file, still in cache for the copy
 
 
+def saved_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Saved served bits of either format as int64 in [0, 2^16), what :func:`bf16_from_bits` takes."""
+    return bits.to(torch.int64).bitwise_and_(0xFFFF)
+
+
 def _copy_bits(out: torch.Tensor, bits: torch.Tensor) -> int:
-    """Saved served bits (int32 holding the bf16 pattern in [0, 2^16)) into the bf16 tensor ``out``, with no
-    temporary: the low half of each int32 (on a little-endian machine; elsewhere through bf16_from_bits).
-    Returns how many elements of ``out`` held other bits before (read in the same pass's cache)."""
+    """Saved served bits into the bf16 tensor ``out``, with no temporary: int16 (``faircast-ds/2``) copied as
+    they are; int32 holding the pattern in [0, 2^16) (``faircast-ds/1``) by the low half of each (on a
+    little-endian machine; elsewhere through bf16_from_bits). Returns how many elements of ``out`` held
+    other bits before (read in the same pass's cache)."""
+    if bits.dtype == torch.int16:
+        changed = int(torch.ne(out.view(torch.int16), bits).sum())
+        out.view(torch.int16).copy_(bits)
+        return changed
     if sys.byteorder == "little" and bits.is_contiguous() and out.is_contiguous():
         saved = bits.view(torch.int16)[0::2]
         changed = int(torch.ne(out.view(torch.int16), saved).sum())
@@ -357,7 +377,7 @@ class SavedCast:
             covered = 0
             for p in self._index.get(name, []):
                 _verified(p, self._verified)
-                bits[p.start:p.start + p.numel] = p.record["served"].narrow(0, p.offset, p.numel).to(torch.int64)
+                bits[p.start:p.start + p.numel] = saved_bits(p.record["served"].narrow(0, p.offset, p.numel))
                 covered += p.numel
             if covered != flat.numel():
                 raise FairCastStateError(f"the checkpoint's Fair Cast state covers {covered} of {flat.numel()} "

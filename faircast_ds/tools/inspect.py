@@ -30,7 +30,7 @@ from faircast_ds.casting.bits import bf16_from_bits, bf16_spacing
 from faircast_ds.casting.modes import spec
 from faircast_ds.export.hf import EXPORT_FORMAT, MANIFEST
 from faircast_ds.export.safetensors_stream import read_header, read_tensor
-from faircast_ds.shard.state import FairCastStateError, read_records, state_dir
+from faircast_ds.shard.state import FairCastStateError, read_records, saved_bits, state_dir
 
 GROUPINGS = ("type", "layer", "param")
 
@@ -102,7 +102,7 @@ def inspect_checkpoint(tag_dir: str, by: str = "type") -> dict[str, Any]:
             acc.elements += entry["numel"]
             if has_values:
                 r = residual.narrow(0, offset, entry["numel"]).double()
-                bits = served.narrow(0, offset, entry["numel"]).to(torch.int64)
+                bits = saved_bits(served.narrow(0, offset, entry["numel"]))
                 sp = bf16_spacing(bf16_from_bits(bits)).double()
                 acc.add("mean_abs_residual_spacings", r.abs() / sp)
             offset += entry["numel"]

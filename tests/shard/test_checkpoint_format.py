@@ -232,7 +232,10 @@ def test_state_file_contents(tmp_path, mode):
         n = sum(e["numel"] for e in record["slices"])
         if mode == "error_feedback":
             assert record["residual"].dtype == torch.float32 and record["residual"].numel() == n
-            assert record["served"].dtype == torch.int32 and record["served"].numel() == n
+            assert record["served"].dtype == torch.int16 and record["served"].numel() == n  # the bf16 patterns
+            served = torch.cat([w2[r].served[key][s.offset:s.offset + s.numel]
+                                for key, _, _, sl in w2[r].flat_groups() for s in sl if not s.is_padding])
+            assert torch.equal(record["served"], bf16_bits(served).to(torch.int16))
             offset = 0
             for e in record["slices"]:
                 assert e["crc_residual"] == crc32(record["residual"][offset:offset + e["numel"]])
@@ -298,12 +301,59 @@ def test_a_flipped_byte_is_caught_by_the_crc(tmp_path, entry):
     raw[offset + size // 2 + 1] ^= 0x5A
     open(files[1], "wb").write(raw)
     after = torch.load(files[1], weights_only=True)  # still a readable file: only a value changed
-    changed = [k for k in ("residual", "served") if not torch.equal(before[k].view(torch.int32), after[k].view(torch.int32))]
+    changed = [k for k in ("residual", "served") if not torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))]
     assert len(changed) == 1
     w3 = make_world(3, "error_feedback", initial_params())
     with pytest.raises(FairCastStateError, match=r"rank00001-of-00002\.pt: CRC mismatch for .* the state file is corrupted"):
         for a in w3:
             restore_state(a, a.caster, tag)
+
+
+def as_format_1(path: str) -> None:
+    """Rewrite a rank file the way faircast-ds/1 wrote it: served bits as int32 in [0, 2^16), each slice's
+    CRC over those int32 bytes (zlib here, not the library's)."""
+    record = torch.load(path, weights_only=True)
+    old = record["served"].to(torch.int32) & 0xFFFF
+    offset = 0
+    for e in record["slices"]:
+        if "crc_served" in e:
+            e["crc_served"] = crc32(old[offset:offset + e["numel"]])
+        offset += e["numel"]
+    record.update(format="faircast-ds/1", served=old)
+    torch.save(record, path)
+
+
+@pytest.mark.parametrize("mode", ("error_feedback", "dither"))
+def test_a_format_1_checkpoint_still_restores(tmp_path, mode):
+    """Checkpoints saved before the served bits went to int16 load to the same bits and residual, and the
+    next step equals the run that never stopped."""
+    full, w2, tag, files = saved_at_world_2(tmp_path, mode)
+    for f in files:
+        as_format_1(f)
+    assert torch.load(files[0], weights_only=True)["format"] == "faircast-ds/1"
+    w3 = make_world(3, mode, full, use_previous=True)
+    assert [restore_state(a, a.caster, tag) for a in w3] == [3, 3, 3]
+    for a in w3:
+        publish_restored(a, a.caster)
+    assert_same(gather(w3), gather(w2), f"{mode} restored from faircast-ds/1", residual=mode == "error_feedback")
+    train_step(w2, full, 4, w3)
+    assert_same(gather(w3), gather(w2), f"{mode} step 4 after a faircast-ds/1 restore",
+                residual=mode == "error_feedback")
+
+
+@pytest.mark.parametrize("fmt, dtype", [("faircast-ds/2", torch.int32), ("faircast-ds/1", torch.int16)])
+def test_served_bits_of_the_other_formats_dtype_are_refused(tmp_path, fmt, dtype):
+    _, _, tag, files = saved_at_world_2(tmp_path, "error_feedback")
+    record = torch.load(files[0], weights_only=True)
+    record.update(format=fmt, served=record["served"].to(dtype))
+    torch.save(record, files[0])
+    a = make_world(3, "error_feedback", initial_params())[0]
+    with pytest.raises(FairCastStateError, match=rf"rank00000-of-00002\.pt: a {fmt} state file stores its served "
+                                                 rf"bits as {SERVED[fmt]}, this one as {dtype}: the file is corrupted"):
+        restore_state(a, a.caster, tag)
+
+
+SERVED = {"faircast-ds/1": torch.int32, "faircast-ds/2": torch.int16}
 
 
 def test_a_missing_rank_file(tmp_path):
@@ -332,7 +382,7 @@ def test_not_a_state_file(tmp_path):
     _, _, tag, files = saved_at_world_2(tmp_path, "stochastic")
     torch.save({"format": "something-else/9"}, files[0])
     a = make_world(3, "stochastic", initial_params())[0]
-    with pytest.raises(FairCastStateError, match=r"rank00000-of-00002\.pt is not a faircast-ds/1 state file"):
+    with pytest.raises(FairCastStateError, match=r"rank00000-of-00002\.pt is not a faircast-ds/2 state file \(nor an earlier faircast-ds/1 one\)"):
         restore_state(a, a.caster, tag)
     open(files[0], "wb").write(b"not a zip at all")
     with pytest.raises(FairCastStateError, match=r"cannot read Fair Cast state file .*rank00000-of-00002\.pt"):
