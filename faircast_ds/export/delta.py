@@ -128,6 +128,47 @@ def same_bits(target: torch.Tensor, encoding: int, first: torch.Tensor | None, v
     return torch.equal(flat, values.view(-1))
 
 
+def touched_lines(target: torch.Tensor, encoding: int, first: torch.Tensor | None,
+                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a 2-D ``target`` about to take one parameter's payload: (rows, columns) holding an element the
+    payload writes, as sorted int64 indices — those a change list (:data:`COO`) or a bitmap names; every
+    row and column for a whole payload, which a delta sends only when nearly every element changed
+    (:func:`best`), so nothing is compared. None for a tensor that is not 2-D. One pass over the indices
+    or the bitmap, no sort."""
+    del values  # the lines, not the values, are what a check reads
+    if target.dim() != 2:
+        return None
+    rows, cols = target.shape
+    if encoding == COO:
+        index = first.to(torch.int64)
+        row_hit = torch.zeros(rows, dtype=torch.bool)
+        col_hit = torch.zeros(cols, dtype=torch.bool)
+        row_hit[index // cols] = True
+        col_hit[index % cols] = True
+    elif encoding == BITMAP and cols % 64 == 0:  # each row whole 8-byte words: read the bitmap, not a mask
+        words = first[:rows * cols // 8].contiguous().view(torch.int64).view(rows, cols // 64)
+        row_hit = words.ne(0).any(1)
+        column_bytes = _or_rows(words).view(torch.uint8)  # byte j, bit b: column 8 j + b (little-endian)
+        col_hit = (column_bytes.reshape(-1, 1) & _WEIGHTS).ne(0).view(-1)
+    elif encoding == BITMAP:
+        mask = bitmap_to_mask(first, rows * cols).view(rows, cols)
+        row_hit, col_hit = mask.any(1), mask.any(0)
+    else:
+        return torch.arange(rows), torch.arange(cols)
+    return row_hit.nonzero().view(-1), col_hit.nonzero().view(-1)
+
+
+def _or_rows(t: torch.Tensor) -> torch.Tensor:
+    """The bitwise OR of an integer tensor's rows (halving: about one read of ``t``)."""
+    while t.shape[0] > 1:
+        half = t.shape[0] // 2
+        top = t[:half] | t[half:2 * half]
+        if t.shape[0] % 2:
+            top[0] |= t[-1]
+        t = top
+    return t[0]
+
+
 def apply_bitmap(target: torch.Tensor, bitmap: torch.Tensor, values: torch.Tensor) -> None:
     """Write bit patterns ``values`` at the set bits of ``bitmap`` of ``target``, in index order (in place,
     on the target's device; a bool mask of one byte per element is the only scratch)."""

@@ -418,6 +418,10 @@ class WeightReceiver:
             logger.warning("faircast-ds weight receiver %s:%d is not authenticated: any local process can push "
                            "weights; set %s on both ends", self.host, self.port, SECRET_ENV)
         self.lock = threading.Lock()
+        # with track_touched set, each delta leaves in last_touched, per 2-D parameter it wrote, the rows and
+        # columns holding an element it changed (delta.touched_lines); None after a dense update (everything)
+        self.track_touched = False
+        self.last_touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.channel: Channel | None = None
         self.version: int | None = None  # of the weights now served, None before the first update
         self.updates = 0
@@ -585,9 +589,14 @@ class WeightReceiver:
             raise WeightSyncError(f"refused update {version}: it changes the weights this receiver already serves "
                                   f"as version {version}; versions must increase when the weights change")
         t_stage = time.perf_counter()
+        touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {} if is_delta and self.track_touched else None
         with self.lock:  # validated in full: nothing below can fail halfway
             for index, (encoding, first, values) in staged.items():
                 target = self.targets[self.names[index]]
+                if touched is not None:
+                    lines = delta_encoding.touched_lines(target, encoding, first, values)
+                    if lines is not None:
+                        touched[self.names[index]] = lines
                 if encoding == delta_encoding.COO:
                     delta_encoding.apply(target, first, values)
                 elif encoding == delta_encoding.BITMAP:
@@ -597,6 +606,7 @@ class WeightReceiver:
             self.version = int(version)
             self.updates += 1
             self._synced_in_session = True
+            self.last_touched = touched
         stages = {"receive": self.channel.io_seconds - io_before, "mac": self.channel.mac_seconds - mac_before,
                   "stage": time.perf_counter() - t_stage}
         stages["other"] = max(0.0, t_stage - began - stages["receive"] - stages["mac"])  # waits, parsing, checks

@@ -681,3 +681,60 @@ def test_same_bits_says_whether_a_payload_would_change_the_target(encoding):
     assert delta.same_bits(target, *payload(bits[where].clone()))
     assert not delta.same_bits(target, *payload(bits[where] + torch.tensor([0, 1, 0], dtype=torch.int16)))
     assert torch.equal(target.view(torch.int16), torch.arange(20, dtype=torch.int16))  # nothing written
+
+
+def test_a_tracking_receiver_names_the_rows_and_columns_each_delta_changed(receiver):
+    """``track_touched`` (what the vLLM engine sets for a sampled check): after each delta, per 2-D parameter
+    it wrote, the rows and columns holding an element whose bits changed — whichever encoding carried it
+    (2 elements: a change list; ~10%: a bitmap; all: whole, which names every row and column) — against
+    the bits compared here; nothing for vectors; None after a dense update."""
+    rx = receiver(timeout=30)
+    rx.track_touched = True
+    serving = Serving(rx)
+    model = tiny()
+    sender = WeightSender(model, port=rx.port, timeout=30)
+    assert sender.sync(version=1).kind == "dense"
+    assert rx.last_touched is None
+    params = dict(model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        params["2.weight"].view(torch.int16)[[4, 60], [7, 30]] += 1  # 2 elements
+        pick = torch.rand(params["3.weight"].shape, generator=g) < 0.1  # ~10%
+        params["3.weight"].view(torch.int16)[pick] += 1
+        params["10.weight"].view(torch.int16).add_(1)  # every element
+        params["4.bias"].view(torch.int16)[3] += 1  # a vector
+    report = sender.sync(version=2)
+    assert report.kind == "delta"
+    expected = {}
+    for name, p in params.items():
+        changed = p.detach().view(torch.int16) != before[name].view(torch.int16)
+        if p.dim() == 2 and bool(changed.any()):
+            expected[name] = ([r for r in range(p.shape[0]) if bool(changed[r].any())],
+                              [c for c in range(p.shape[1]) if bool(changed[:, c].any())])
+    assert set(expected) == {"2.weight", "3.weight", "10.weight"}
+    assert {n: (r.tolist(), c.tolist()) for n, (r, c) in rx.last_touched.items()} == expected
+    assert expected["2.weight"] == ([4, 60], [7, 30])
+    rx.track_touched = False  # an unverified update: nothing tracked
+    with torch.no_grad():
+        params["5.weight"].view(torch.int16)[0, 0] += 1
+    assert sender.sync(version=3).kind == "delta" and rx.last_touched is None
+    sender.close()
+    serving.join()
+
+
+@pytest.mark.parametrize("rows, cols", [(7, 64), (33, 128), (1, 192), (9, 40)])  # odd row counts; 40: not whole words
+def test_touched_lines_of_a_bitmap_or_change_list_are_the_changed_rows_and_columns(rows, cols):
+    g = torch.Generator().manual_seed(rows * cols)
+    target = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    for share in (0.002, 0.05, 0.3):
+        mask = torch.rand(rows, cols, generator=g) < share
+        mask[rows // 2, cols - 1] = True  # the last column of a middle row: the last bit of a word
+        want = ([r for r in range(rows) if bool(mask[r].any())], [c for c in range(cols) if bool(mask[:, c].any())])
+        flat = mask.view(-1)
+        index = flat.nonzero().view(-1)
+        values = torch.ones(index.numel(), dtype=torch.int16)
+        for encoding, first in ((delta.COO, index.to(torch.int32)), (delta.BITMAP, delta.mask_to_bitmap(flat))):
+            got = delta.touched_lines(target, encoding, first, values)
+            assert (got[0].tolist(), got[1].tolist()) == want, (encoding, share)
+    assert delta.touched_lines(torch.zeros(5, dtype=torch.bfloat16), delta.COO, torch.tensor([1]), values[:1]) is None

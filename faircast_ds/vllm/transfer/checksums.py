@@ -92,6 +92,45 @@ def sample_rows(name: str, count: int, width: int, k: int, version: int) -> torc
     return sample_columns(name, count, embedding_rows(count, width, k), version)
 
 
+def with_lines(sampled: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+    """The sampled columns (or rows) with ``extra`` ones added: sorted, each once; the sample as it is when
+    there are none."""
+    if extra is None or extra.numel() == 0:
+        return sampled
+    return torch.unique(torch.cat([sampled.to(torch.long), extra.to(torch.long)]))
+
+
+def touched_lines(staged: Iterable[tuple[str, torch.Tensor]], touched: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                  k: int, version: int) -> dict[str, torch.Tensor]:
+    """What a sampled check at ``k`` columns per matrix adds for an update that changed the elements
+    ``touched`` names (HF name -> (rows, columns) holding one, :func:`faircast_ds.export.delta.touched_lines`):
+    per vLLM name, the matrix columns (a fused layer's parts' together) or the embedding rows holding a
+    changed element. Bounded like the sample itself: up to ``k`` columns per matrix and
+    :func:`embedding_rows` rows of the embedding; an update that touched more gets that many of them,
+    evenly spaced from an offset hashed from the version (:func:`sample_columns` over the touched lines)."""
+    lines: dict[str, list[torch.Tensor]] = {}
+    limits: dict[str, int] = {}
+    for name, t in staged:
+        found = touched.get(name)
+        if found is None:
+            continue
+        key = fused.vllm_name(name)
+        if is_matrix(key, t):
+            lines.setdefault(key, []).append(found[1])
+            limits[key] = int(k)
+        elif is_embedding(key, t):
+            lines.setdefault(key, []).append(found[0])
+            limits[key] = embedding_rows(t.shape[0], t.shape[1], k)
+    out = {}
+    for key, parts in lines.items():
+        every = torch.unique(torch.cat([p.to(torch.long) for p in parts]))
+        if every.numel() > limits[key]:
+            every = every[sample_columns("touched:" + key, every.numel(), limits[key], version)]
+        if every.numel():
+            out[key] = every
+    return out
+
+
 def is_embedding(vllm_name: str, tensor: torch.Tensor) -> bool:
     """Whether the trainer side samples this tensor by rows: the token embedding (what the engine looks up)."""
     return tensor.dim() == 2 and vllm_name.endswith("embed_tokens.weight")
@@ -110,17 +149,19 @@ class ChecksumCollector:
     sampled columns otherwise. ``tied``: the engine has no separate ``lm_head.weight``."""
 
     def __init__(self, prefix: str = "dp0:pp0:pcp0:tp0:", *, whole: bool = True,
-                 sample: tuple[int, int] | None = None, tied: bool = False) -> None:
+                 sample: tuple[int, int] | None = None, tied: bool = False,
+                 extra: Mapping[str, torch.Tensor] | None = None) -> None:
         if not whole and sample is None:
             raise ValueError("ChecksumCollector needs whole=True or a sample")
         self.prefix, self.whole, self.sample, self.tied = prefix, whole, sample, tied
+        self.extra = extra or {}  # vLLM name -> columns (rows of the embedding) the sample also reads
         self.full: dict[str, str] = {}
         self.sampled: dict[str, str] = {}
         self._waiting: dict[str, dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
 
     def _cols(self, key: str, t: torch.Tensor) -> torch.Tensor:
         k, version = self.sample  # type: ignore[misc]
-        return t.index_select(1, sample_columns(key, t.shape[1], k, version))
+        return t.index_select(1, with_lines(sample_columns(key, t.shape[1], k, version), self.extra.get(key)))
 
     def _finish(self, key: str, whole: torch.Tensor | None, cols: torch.Tensor | None, matrix: bool) -> None:
         if whole is not None and self.whole:
@@ -131,7 +172,7 @@ class ChecksumCollector:
                 self.sampled[self.prefix + key] = sampled_digest(cols, *self.sample)
             elif is_embedding(key, t):
                 k, version = self.sample
-                rows = sample_rows(key, t.shape[0], t.shape[1], k, version)
+                rows = with_lines(sample_rows(key, t.shape[0], t.shape[1], k, version), self.extra.get(key))
                 self.sampled[self.prefix + key] = sampled_digest(t.index_select(0, rows), len(rows), version, "rows")
             else:
                 self.sampled[self.prefix + key] = checksum(t)
@@ -166,11 +207,13 @@ class ChecksumCollector:
 # ------------------------------------------------------------------------------ trainer side
 
 def served_checksums(served: Iterable[tuple[str, torch.Tensor]], prefix: str = "dp0:pp0:pcp0:tp0:",
-                     *, tied: bool = False, sample: tuple[int, int] | None = None) -> dict[str, str]:
+                     *, tied: bool = False, sample: tuple[int, int] | None = None,
+                     extra: Mapping[str, torch.Tensor] | None = None) -> dict[str, str]:
     """vLLM-named checksums of served HF-named tensors (bf16 bits as the trainer serves them): whole,
-    or (``sample=(k, version)``) sampled for the matrices. ``served`` may be a ZeRO-3 walk. ``tied``:
-    the engine has no separate ``lm_head.weight`` (tied embeddings)."""
-    collector = ChecksumCollector(prefix, whole=sample is None, sample=sample, tied=tied)
+    or (``sample=(k, version)``) sampled for the matrices, with ``extra`` columns (embedding rows) per
+    vLLM name added to the sample. ``served`` may be a ZeRO-3 walk. ``tied``: the engine has no separate
+    ``lm_head.weight`` (tied embeddings)."""
+    collector = ChecksumCollector(prefix, whole=sample is None, sample=sample, tied=tied, extra=extra)
     for name, tensor in served:
         collector.add(name, tensor)
     collector.done()
@@ -185,19 +228,23 @@ def compare(engine: Mapping[str, str], served: Mapping[str, str]) -> list[str]:
 # ------------------------------------------------------------------------------ engine side
 
 def kernel_items(model: torch.nn.Module, dtype: torch.dtype, sample: Any = None,
-                 names: Any = None) -> Iterator[tuple[str, torch.Tensor | str]]:
+                 names: Any = None, extra: Mapping[str, torch.Tensor] | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor | str]]:
     """(vLLM parameter name, the tensor its kernel computes with) for every parameter of ``model``
     (:func:`faircast_ds.vllm.kernels.kernel_tensors`); with ``sample`` (``(k, version_of)``: columns per
     matrix and each vLLM name's loaded version, or None where unknown), a matrix's item is its sampled
     digest instead (:func:`sample_columns`), and so is the embedding's (:func:`sample_rows`). ``names``: only
-    these vLLM parameter names."""
+    these vLLM parameter names. ``extra``: columns (embedding rows) per vLLM name a sample also reads."""
+    extra = extra or {}
+
     def columns(name: str, width: int) -> torch.Tensor | None:
         version = sample[1](name) if sample is not None else None
-        return None if version is None else sample_columns(name, width, sample[0], version)
+        return None if version is None else with_lines(sample_columns(name, width, sample[0], version), extra.get(name))
 
     def rows(name: str, count: int, width: int) -> torch.Tensor | None:
         version = sample[1](name) if sample is not None else None
-        return None if version is None else sample_rows(name, count, width, sample[0], version)
+        return None if version is None else with_lines(sample_rows(name, count, width, sample[0], version),
+                                                       extra.get(name))
 
     for name, t, sampled in kernel_tensors(model, dtype, columns if sample is not None else None, names,
                                            rows=rows if sample is not None else None):
@@ -233,13 +280,16 @@ def install_checksums() -> None:
 
 
 def staging_check(model: torch.nn.Module, dtype: torch.dtype, staged: list[tuple[str, torch.Tensor]], columns: int,
-                version: int) -> list[str]:
+                version: int, extra: Mapping[str, torch.Tensor] | None = None) -> list[str]:
     """After a load from the staging copy (either plane): the vLLM names among the loaded layers whose
-    kernels compute with other bits than ``staged`` (HF-named staging tensors, whole fused groups). ``columns`` > 0 reads that many input columns of each matrix (at ``version``'s sample),
-    0 reads every element; the embedding is read at its sampled rows (every row for 0); vectors whole."""
+    kernels compute with other bits than ``staged`` (HF-named staging tensors, whole fused groups).
+    ``columns`` > 0 reads that many input columns of each matrix (at ``version``'s sample), plus the
+    ``extra`` ones per vLLM name (:func:`touched_lines`: those an update changed), 0 reads every element;
+    the embedding is read at its sampled rows (plus its ``extra`` rows; every row for 0); vectors whole."""
     sample = (columns, int(version)) if columns else None
-    expected = served_checksums(staged, prefix="", sample=sample)
+    extra = extra if columns else None
+    expected = served_checksums(staged, prefix="", sample=sample, extra=extra)
     got = {name: t if isinstance(t, str) else checksum(t.cpu())
            for name, t in kernel_items(model, dtype, (columns, lambda _n: int(version)) if columns else None,
-                                         names=set(expected))}
+                                         names=set(expected), extra=extra)}
     return compare(got, expected)

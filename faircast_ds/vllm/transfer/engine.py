@@ -92,6 +92,10 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         self.groups: dict[str, tuple[str, ...]] = {}
         self._loaded: dict[str, int] = {}  # staging tensors' version counters at the last load into the model
         self._received: ServedReport | None = None  # this session's complete update, not yet loaded
+        # tcp: per HF name, the (rows, columns) holding an element the deltas staged since the last load
+        # changed, which a sampled check also reads; None once a dense update (or a delta received without
+        # tracking) was staged: then the check reads its sample alone
+        self._touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {}
         self._abandoned = False
         self.last: dict[str, Any] = {}
 
@@ -130,6 +134,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         packed = {k: list(v) for k, v in (getattr(self.model, "packed_modules_mapping", None) or {}).items()}
         self.groups = fused.packed_groups(list(staging), packed)
         self._loaded = {n: t._version for n, t in staging.items()}
+        self._touched = {}
         if self.receiver is not None:
             logger.info("faircast weight transfer: receiver on %s:%d (%d parameters)", self.receiver.host,
                         self.receiver.port, len(staging))
@@ -167,6 +172,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
             return
         began = time.perf_counter()
         report = None
+        receiver.track_touched = update_info.check == "sampled"
         for _ in range(2):  # a sender that ended its session (bye) is followed by its next one
             if not receiver.connected:
                 receiver.accept(timeout=receiver.timeout)
@@ -179,6 +185,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
             raise RuntimeError(f"faircast: received version {report.version}, the trainer announced "
                                f"{update_info.version}; not loaded")
         self._received = report
+        self._stage_touched(report.kind, receiver.last_touched)
         self.last = {"version": report.version, "kind": report.kind, "params": report.params,
                      "elements": report.changed, "bytes": report.bytes,
                      "receive_seconds": time.perf_counter() - began,
@@ -206,11 +213,22 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         began = time.perf_counter()
         self._load(load)
         self._loaded = {n: t._version for n, t in self.staging.items()}
+        touched, self._touched = self._touched, {}
         loaded = time.perf_counter()
         self.last.update(loaded=len(load), load_seconds=loaded - began)
         if self._check_mode is not None and load:
-            self._check(load, version)
+            self._check(load, version, touched if self.plane is None else None)
             self.last.update(check_seconds=time.perf_counter() - loaded, checked=len(load))
+
+    def _stage_touched(self, kind: str, touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Add a received update's changed rows and columns to those staged since the last load."""
+        if kind != "delta" or touched is None or self._touched is None:
+            self._touched = None
+            return
+        for name, (rows, cols) in touched.items():
+            had = self._touched.get(name)
+            self._touched[name] = (rows, cols) if had is None else (
+                torch.unique(torch.cat([had[0], rows])), torch.unique(torch.cat([had[1], cols])))
 
     def _load(self, names: list[str]) -> None:
         """vLLM's in-place reload of these staging tensors (HF names, whole fused groups)."""
@@ -223,13 +241,17 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
             reload_weights(self.vllm_config, self.model, weights_iterator=iter(items), weights_path=None,
                            is_checkpoint_format=True)
 
-    def _check(self, names: list[str], version: int) -> None:
-        """The loaded layers' kernels against the staging copy: sampled columns, or every element."""
-        from faircast_ds.vllm.transfer.checksums import staging_check
+    def _check(self, names: list[str], version: int,
+               touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """The loaded layers' kernels against the staging copy: sampled columns — with those the staged deltas
+        changed (``touched``), up to as many again — or every element."""
+        from faircast_ds.vllm.transfer.checksums import staging_check, touched_lines
 
         columns = 0 if self._check_mode == "full" else self._check_columns
-        bad = staging_check(self.model, self.vllm_config.model_config.dtype, [(n, self.staging[n]) for n in names],
-                          columns, version)
+        staged = [(n, self.staging[n]) for n in names]
+        extra = touched_lines(staged, touched, columns, version) if columns and touched else None
+        self.last.update(touched_lines=sum(t.numel() for t in extra.values()) if extra else 0)
+        bad = staging_check(self.model, self.vllm_config.model_config.dtype, staged, columns, version, extra)
         if bad:
             raise RuntimeError(f"faircast: after loading version {version} the kernels compute with other "
                                f"bits than the staging copy in {len(bad)} tensor(s) ({self._check_mode} check): "

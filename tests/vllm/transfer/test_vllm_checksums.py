@@ -127,3 +127,43 @@ def test_the_chunked_checksum_is_sha256_of_the_canonical_bits(dtype, monkeypatch
     exponent = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}[dtype]
     ints[(ints.astype("int64") & exponent) == 0] = 0  # ±0 and subnormals hash as +0, NaN kept
     assert checksums.checksum(x.t()) == hashlib.sha256(ints.tobytes()).hexdigest()
+
+
+def test_touched_columns_and_rows_join_the_sample_bounded_like_it():
+    """Issue 32 item 5: the columns (embedding rows) an update changed are read with the sample — a fused
+    layer's parts' together, up to k per matrix and the embedding's sampled-row count, the rest chosen
+    evenly — and a change in an unsampled column is then seen."""
+    from faircast_ds.vllm.transfer.checksums import touched_lines
+
+    w = weights()
+    t = lambda *v: torch.tensor(v)  # noqa: E731
+    touched = {"model.layers.0.self_attn.q_proj.weight": (t(0, 1), t(2, 9)),
+               "model.layers.0.self_attn.v_proj.weight": (t(3,), t(9, 11)),
+               "model.layers.0.mlp.down_proj.weight": (t(0,), torch.arange(0, 48, 2)),  # 24 columns > k = 4
+               "model.embed_tokens.weight": (t(7, 40), t(0, 1, 2)),
+               "model.layers.0.input_layernorm.weight": (t(0,), t(0,))}  # not a matrix: nothing
+    lines = touched_lines(w.items(), touched, 4, 7)
+    assert set(lines) == {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                          "model.embed_tokens.weight"}
+    assert lines["model.layers.0.self_attn.qkv_proj.weight"].tolist() == [2, 9, 11]
+    assert lines["model.embed_tokens.weight"].tolist() == [7, 40]  # rows, for the embedding
+    down = lines["model.layers.0.mlp.down_proj.weight"].tolist()
+    assert len(down) == 4 and set(down) <= set(range(0, 48, 2)) and len({b - a for a, b in zip(down, down[1:])}) == 1
+
+    key = "model.layers.0.self_attn.o_proj.weight"
+    cols = oracle_columns(key, 16, 4, 7)
+    miss = next(c for c in range(16) if c not in cols)
+    changed = dict(w)
+    changed[key] = w[key].clone()
+    changed[key][5, miss] += 0.25
+    extra = {key: torch.tensor([miss])}
+    base = served_checksums(w.items(), sample=(4, 7), extra=extra)[PREFIX + key]
+    assert base == "cols4@v7:" + oracle_digest(w[key], sorted(cols + [miss]))
+    assert served_checksums(changed.items(), sample=(4, 7), extra=extra)[PREFIX + key] != base
+    assert served_checksums(changed.items(), sample=(4, 7))[PREFIX + key] == \
+        served_checksums(w.items(), sample=(4, 7))[PREFIX + key]  # without it the sample misses the change
+    key = "model.embed_tokens.weight"
+    rows = oracle_columns(key, 50, 13, 7)
+    row = next(r for r in range(50) if r not in rows)
+    got = served_checksums(w.items(), sample=(4, 7), extra={key: torch.tensor([row])})[PREFIX + key]
+    assert got == "rows14@v7:" + oracle_digest(w[key][sorted(rows + [row])], list(range(16)))

@@ -390,6 +390,39 @@ def test_a_kernel_computing_with_other_bits_fails_the_verified_push(engine, plan
         push.close()
 
 
+def test_a_sampled_check_reads_the_columns_a_delta_touched(engine):
+    """Issue 32 item 5: a TCP delta that changes one element in a column the sample does not read, and a
+    kernel that computes that element wrong (tests/vllm/transfer/kernel_fault: element (row, column) read
+    as 1.0 larger): the sampled check reads the touched column too, so the verified push raises
+    EngineWeightsMismatch naming the layer; with the fault gone the next push is verified."""
+    from faircast_ds.vllm.kernels import EngineWeightsMismatch
+    from faircast_ds.vllm.transfer.checksums import sample_columns
+
+    server = engine["server"]
+    model = ft.build_model()
+    name = "model.layers.0.mlp.down_proj.weight"
+    weight = dict(model.named_parameters())[name]
+    push = connect(server, model, verify=True, check_columns=8)  # this model's widths are all <= 64 columns
+    try:
+        ft.set_version(model, 90)
+        assert push.push(90).kind == "dense"
+        sampled = set(sample_columns(name, weight.shape[1], 8, 91).tolist())
+        column = next(c for c in range(weight.shape[1]) if c not in sampled)
+        with torch.no_grad():
+            weight.view(torch.int16)[5, column] += 1  # one bf16 spacing, one element
+        engine["fault"].write_text(f"{name}@5,{column}")
+        try:
+            with pytest.raises(EngineWeightsMismatch, match=name):
+                push.push(91)
+        finally:
+            engine["fault"].unlink()
+        again = push.push(92)
+        assert again.kind == "dense" and again.verified
+        assert_serves(server, 92, model)
+    finally:
+        push.close()
+
+
 def test_shm_delta_from_the_casts_change_marks(engine):
     """Served weights written by Fair Cast's caster, whose reader offers the change marks: a delta reads
     them (1 bit per element kept, no copy of the bits sent), carries exactly the parameters whose bits

@@ -2,8 +2,11 @@
 computes with other bits than the engine received. On PYTHONPATH of the server only (the test's engine
 fixture), active when ``FAIRCAST_TEST_KERNEL_FAULT`` names a flag file: once the ``faircast`` backend has
 loaded a set of layers, and while the flag file exists and names a vLLM parameter among them, that
-parameter's first element is moved by 1.0 — after the load, before the backend's check. Test code
-only: the product has no such hook."""
+parameter's first element is moved by 1.0 — after the load, before the backend's check. A flag
+``<vLLM name>@<row>,<column>`` naming a linear layer instead makes its kernel compute as if element
+(row, column) were 1.0 larger (the layer's ``quant_method.apply`` adds ``x[..., column]`` to output
+``row``), while the flag file exists: one element in one column, the fault a sampled check finds only
+if it reads that column. Test code only: the product has no such hook."""
 from __future__ import annotations
 
 import importlib.abc
@@ -28,11 +31,41 @@ def _patch(module) -> None:
                 target = f.read().strip()
         except FileNotFoundError:
             return
-        if target in names:
+        if "@" in target:
+            name, _, at = target.partition("@")
+            if name in names:
+                _fault_element(self.model.get_submodule(name.rpartition(".")[0]))
+        elif target in names:
             with torch.no_grad():
                 dict(self.model.named_parameters())[target].data.view(-1)[0] += 1.0
 
     cls._load = faulty_load
+
+
+def _fault_element(module) -> None:
+    """Wrap ``module``'s kernel once: while the flag names it with ``@row,column``, output ``row`` gains
+    input ``column`` (its weight read as 1.0 larger at that element)."""
+    method = module.quant_method
+    if getattr(method, "_faircast_fault", None) is not None:
+        return
+    apply = method.apply
+
+    def faulty_apply(layer, x, bias=None):
+        out = apply(layer, x, bias)
+        try:
+            with open(_FLAG) as f:
+                target = f.read().strip()
+        except FileNotFoundError:
+            return out
+        if layer is not module or "@" not in target:
+            return out
+        row, column = (int(v) for v in target.partition("@")[2].split(","))
+        out = out.clone()
+        out[..., row] += x[..., column].to(out.dtype)
+        return out
+
+    method._faircast_fault = faulty_apply
+    method.apply = faulty_apply
 
 
 class _Finder(importlib.abc.MetaPathFinder):
