@@ -17,7 +17,8 @@ vLLM calls it from its worker, through its own RPCs and HTTP routes (``/init_wei
   model in one call (``reload_weights(..., is_checkpoint_format=True)``, whole fused groups: vLLM
   rebuilds ``qkv_proj`` from q, k and v), between two engine steps; then, when the update asked,
   reads the loaded layers' kernels back against the staging copy (``k`` sampled input columns per
-  matrix, or every element for ``"full"``) and fails the call on a difference. vLLM then sets its
+  matrix — on the TCP plane with the columns, and embedding rows, the staged deltas changed, up to ``k``
+  more — or every element for ``"full"``) and fails the call on a difference. vLLM then sets its
   weight version: a verified push needs no other call.
 
 So a trainer killed, or a sync cut, before ``finish`` leaves the model and vLLM's weight version as
