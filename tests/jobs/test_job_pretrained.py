@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from faircast_ds.jobs import resume
-from faircast_ds.jobs.config import PRETRAINED, PRETRAINED_DEFAULTS, parse
+from faircast_ds.jobs.config import PRETRAINED, parse
 
 NAME = "smollm2-135m-instruct"
 CHATML = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

@@ -69,7 +69,6 @@ class WeightPush:
         digests = verify or self.verify  # kept for the pushes after this one when the push verifies by default
         if verify and not self._expected_complete:
             kind = "dense"  # the digests of parameters a delta skips are unknown: walk them all
-        began = time.perf_counter()
         walk = self.source.walk("dense" if kind == "dense" or not self.delta else "auto", groups=self.groups,
                                 version=version)
         self.last_walk = walk
