@@ -39,8 +39,8 @@ def main() -> None:
         apply = (lambda: delta.apply(target, first, values)) if encoding == delta.COO else \
             (lambda: delta.apply_bitmap(target, first, values))
         t_apply = best(apply)
-        t_lines = best(lambda: delta.touched_lines(target, encoding, first, values))
-        rows, cols = delta.touched_lines(target, encoding, first, values)
+        t_lines = best(lambda: delta.touched_lines(target.shape, encoding, first))
+        rows, cols = delta.touched_lines(target.shape, encoding, first)
         print(f"{delta.ENCODINGS[encoding]:6s} {share:4.0%} changed ({index.numel():,} elements): apply "
               f"{t_apply * 1e3:7.1f} ms, touched_lines {t_lines * 1e3:7.1f} ms, ratio {t_lines / t_apply:.2f} "
               f"({rows.numel():,} rows, {cols.numel():,} columns touched)")

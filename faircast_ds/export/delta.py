@@ -8,6 +8,8 @@ smallest of the three (:func:`best`). Pure functions; no communication here.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 DENSE, COO, BITMAP = 0, 1, 2
@@ -128,17 +130,16 @@ def same_bits(target: torch.Tensor, encoding: int, first: torch.Tensor | None, v
     return torch.equal(flat, values.view(-1))
 
 
-def touched_lines(target: torch.Tensor, encoding: int, first: torch.Tensor | None,
-                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For a 2-D ``target`` about to take one parameter's payload: (rows, columns) holding an element the
-    payload writes, as sorted int64 indices — those a change list (:data:`COO`) or a bitmap names; every
-    row and column for a whole payload, which a delta sends only when nearly every element changed
-    (:func:`best`), so nothing is compared. None for a tensor that is not 2-D. One pass over the indices
-    or the bitmap, no sort."""
-    del values  # the lines, not the values, are what a check reads
-    if target.dim() != 2:
+def touched_lines(shape: Sequence[int], encoding: int,
+                  first: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a 2-D parameter of ``shape`` and one payload for it (``encoding``, and ``first``: its indices or
+    bitmap): (rows, columns) holding an element the payload writes, as sorted int64 indices — those a
+    change list (:data:`COO`) or a bitmap names; every row and column for a whole payload, which a delta
+    sends only when nearly every element changed (:func:`best`), so nothing is compared. None for a shape
+    that is not 2-D. One pass over the indices or the bitmap, no sort; the parameter itself is not read."""
+    if len(shape) != 2:
         return None
-    rows, cols = target.shape
+    rows, cols = (int(d) for d in shape)
     if encoding == COO:
         index = first.to(torch.int64)
         row_hit = torch.zeros(rows, dtype=torch.bool)

@@ -589,14 +589,16 @@ class WeightReceiver:
             raise WeightSyncError(f"refused update {version}: it changes the weights this receiver already serves "
                                   f"as version {version}; versions must increase when the weights change")
         t_stage = time.perf_counter()
-        touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {} if is_delta and self.track_touched else None
+        touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        if is_delta and self.track_touched:  # from the payloads alone: before the lock, off the readers' wait
+            touched = {}
+            for index, (encoding, first, _) in staged.items():
+                lines = delta_encoding.touched_lines(self.specs[index].shape, encoding, first)
+                if lines is not None:
+                    touched[self.names[index]] = lines
         with self.lock:  # validated in full: nothing below can fail halfway
             for index, (encoding, first, values) in staged.items():
                 target = self.targets[self.names[index]]
-                if touched is not None:
-                    lines = delta_encoding.touched_lines(target, encoding, first, values)
-                    if lines is not None:
-                        touched[self.names[index]] = lines
                 if encoding == delta_encoding.COO:
                     delta_encoding.apply(target, first, values)
                 elif encoding == delta_encoding.BITMAP:

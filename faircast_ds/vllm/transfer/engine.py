@@ -218,7 +218,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         loaded = time.perf_counter()
         self.last.update(loaded=len(load), load_seconds=loaded - began)
         if self._check_mode is not None and load:
-            self._check(load, version, touched if self.plane is None else None)
+            self._check(load, version, touched)  # the planes stage no touched lines: {} there
             self.last.update(check_seconds=time.perf_counter() - loaded, checked=len(load))
 
     def _stage_touched(self, kind: str, touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
