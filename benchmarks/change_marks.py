@@ -13,7 +13,6 @@ Prints the ratios; on this machine's 2 cores take it with nothing else running.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -21,15 +20,11 @@ from faircast_ds.casting.marks import MarkSet
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.export.tracking import BaselineTracker, MarksTracker
 from faircast_ds.shard.caster import ShardCaster, ShardSlice
+from timing import best as _best
 
 
-def best(fn, repeat: int = 5) -> float:
-    out = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
+def best(fn) -> float:
+    return _best(fn, 5)
 
 
 def main() -> None:

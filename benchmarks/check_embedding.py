@@ -3,14 +3,10 @@ against its sampled rows' (issue 32 item 5). Prints both times and their ratio, 
 
     python benchmarks/check_embedding.py
 """
-import time, torch
+import torch
 from faircast_ds.vllm.transfer.checksums import checksum, sample_rows, sampled_digest
+from timing import best
 t = (torch.randn(151936, 1024) * 0.02).to(torch.bfloat16)
-def best(f, n=3):
-    b = 1e9
-    for _ in range(n):
-        t0 = time.perf_counter(); f(); b = min(b, time.perf_counter() - t0)
-    return b
 whole = best(lambda: checksum(t))
 rows = best(lambda: sampled_digest(t.index_select(0, sample_rows("model.embed_tokens.weight", 151936, 1024, 64, 3)), 1, 3, "rows"))
 n = len(sample_rows("model.embed_tokens.weight", 151936, 1024, 64, 3))

@@ -8,22 +8,13 @@ times and their ratio, measured side by side in one run (best of 3).
 """
 from __future__ import annotations
 
-import time
 
 import torch
 
 from faircast_ds.export import delta
+from timing import best
 
 ROWS, COLS = 151936, 1024
-
-
-def best(fn, n: int = 3) -> float:
-    out = float("inf")
-    for _ in range(n):
-        began = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - began)
-    return out
 
 
 def main() -> None:

@@ -422,6 +422,11 @@ class WeightReceiver:
         # columns holding an element it changed (delta.touched_lines); None after a dense update (everything)
         self.track_touched = False
         self.last_touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # with track_changes set, each delta leaves in last_changes, per parameter it wrote, the element
+        # indices it changed when they came as a change list, None when they came as a bitmap (not listed);
+        # last_changes itself is None after a dense update (everything)
+        self.track_changes = False
+        self.last_changes: dict[str, torch.Tensor | None] | None = None
         self.channel: Channel | None = None
         self.version: int | None = None  # of the weights now served, None before the first update
         self.updates = 0
@@ -596,6 +601,10 @@ class WeightReceiver:
                 lines = delta_encoding.touched_lines(self.specs[index].shape, encoding, first)
                 if lines is not None:
                     touched[self.names[index]] = lines
+        changes: dict[str, torch.Tensor | None] | None = None
+        if is_delta and self.track_changes:
+            changes = {self.names[index]: first if encoding == delta_encoding.COO else None
+                       for index, (encoding, first, _) in staged.items()}
         with self.lock:  # validated in full: nothing below can fail halfway
             for index, (encoding, first, values) in staged.items():
                 target = self.targets[self.names[index]]
@@ -609,6 +618,7 @@ class WeightReceiver:
             self.updates += 1
             self._synced_in_session = True
             self.last_touched = touched
+            self.last_changes = changes
         stages = {"receive": self.channel.io_seconds - io_before, "mac": self.channel.mac_seconds - mac_before,
                   "stage": time.perf_counter() - t_stage}
         stages["other"] = max(0.0, t_stage - began - stages["receive"] - stages["mac"])  # waits, parsing, checks

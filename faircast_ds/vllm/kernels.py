@@ -151,14 +151,81 @@ def read_back(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: 
         if full.dtype != dtype and full.is_floating_point():
             full = full.to(dtype)  # e.g. a bias the CPU GEMM keeps in fp32 (exact for bf16 values)
     if index is not None:
-        sizes = list(getattr(module, "output_sizes", []))
-        if len(sizes) <= index:
-            raise KeyError(f"{name}: cannot locate shard {index} of {type(module).__name__}")
-        start = sum(sizes[:index])
-        full = full.narrow(0, start, sizes[index])
+        start, rows = _part(module, index, name)
+        full = full.narrow(0, start, rows)
     if tuple(full.shape) != shape:
         if full.dim() == len(shape) and full.shape[0] >= shape[0] and tuple(full.shape[1:]) == shape[1:]:
             full = full[: shape[0]]  # a vocabulary padded by the engine
         else:
             raise ValueError(f"{name}: the engine holds {list(full.shape)}, the trainer serves {list(shape)}")
     return full
+
+
+def _part(module: Any, index: int | None, name: str) -> tuple[int, int | None]:
+    """(first row, rows) of HF tensor ``name``'s part in its fused layer; (0, None) when not fused."""
+    if index is None:
+        return 0, None
+    sizes = list(getattr(module, "output_sizes", []))
+    if len(sizes) <= index:
+        raise KeyError(f"{name}: cannot locate shard {index} of {type(module).__name__}")
+    return sum(sizes[:index]), sizes[index]
+
+
+def inplace_target(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """The part of the engine's own parameter that holds HF tensor ``name`` (a fused part's rows, a padded
+    vocabulary's first rows), as a contiguous view an update can be written into; None where there is no
+    such view: an emptied weight (a kernel that repacked it), another dtype (a bias the CPU GEMM keeps in
+    fp32), another shape. Whether the kernels read it is :func:`kernel_probes`' question."""
+    try:
+        module, attr, index = resolve(model, name)
+        start, rows = _part(module, index, name)
+    except KeyError:
+        return None
+    param = getattr(module, attr, None)
+    if not isinstance(param, torch.Tensor) or param.dtype != dtype or param.numel() == 0:
+        return None
+    t = param.data
+    if rows is not None:
+        t = t.narrow(0, start, rows)
+    if tuple(t.shape) != shape:
+        if t.dim() == len(shape) and t.shape[0] >= shape[0] and tuple(t.shape[1:]) == shape[1:]:
+            t = t[: shape[0]]
+        else:
+            return None
+    return t if t.is_contiguous() else None
+
+
+def kernel_probes(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                  ) -> tuple[list[Callable[[int], torch.Tensor]], list[Callable[[int], torch.Tensor]]]:
+    """(row readers, column readers) of what the kernels compute with for HF tensor ``name``, over its own
+    rows (:func:`faircast_ds.vllm.inplace.reads_live`): a linear layer or LM head is read through its
+    ``quant_method`` one input column at a time; an embedding through its lookup, and through its
+    ``quant_method`` too (the LM head of a model that ties them computes with it); a vector is read by
+    none (the kernel reads the tensor itself)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    module, attr, index = resolve(model, name)
+    start, _ = _part(module, index, name)
+    if attr != "weight" or len(shape) != 2:
+        return [], []
+
+    def column(i: int) -> torch.Tensor:
+        out = linear_readback(module, dtype, torch.tensor([i]))[:, 0]
+        return out.narrow(0, start, shape[0])
+
+    if isinstance(module, LinearBase):
+        return [], [column]
+    if isinstance(module, ParallelLMHead):  # its forward is the sampler's: read through its kernel only
+        return [], [column]
+    if isinstance(module, VocabParallelEmbedding):
+        device = module.weight.device
+
+        def row(i: int) -> torch.Tensor:
+            return module(torch.tensor([i], device=device))[0]
+
+        return [row], [column]
+    return [], []

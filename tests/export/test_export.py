@@ -723,6 +723,42 @@ def test_a_tracking_receiver_names_the_rows_and_columns_each_delta_changed(recei
     serving.join()
 
 
+def test_a_tracking_receiver_lists_the_elements_a_change_list_carried(receiver):
+    """``track_changes`` (what the vLLM engine sets to write deltas in place): after each delta, per
+    parameter it wrote, the flat indices of the elements whose bits changed when a change list carried them
+    (against the bits compared here), None for a parameter carried as a bitmap or whole; None after a dense
+    update and while tracking is off."""
+    rx = receiver(timeout=30)
+    rx.track_changes = True
+    serving = Serving(rx)
+    model = tiny()
+    sender = WeightSender(model, port=rx.port, timeout=30)
+    assert sender.sync(version=1).kind == "dense"
+    assert rx.last_changes is None
+    params = dict(model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        params["2.weight"].view(torch.int16)[[4, 60], [7, 30]] += 1  # 2 elements: a change list
+        params["4.bias"].view(torch.int16)[3] += 1  # one element of a vector
+        pick = torch.rand(params["3.weight"].shape, generator=g) < 0.1  # ~10%: a bitmap
+        params["3.weight"].view(torch.int16)[pick] += 1
+        params["10.weight"].view(torch.int16).add_(1)  # every element: whole
+    assert sender.sync(version=2).kind == "delta"
+    changed = {n: (p.detach().view(torch.int16) != before[n].view(torch.int16)).view(-1).nonzero().view(-1).tolist()
+               for n, p in params.items()}
+    assert set(rx.last_changes) == {n for n, c in changed.items() if c}
+    listed = {n: i.tolist() for n, i in rx.last_changes.items() if i is not None}
+    assert listed == {"2.weight": changed["2.weight"], "4.bias": changed["4.bias"]}
+    assert rx.last_changes["3.weight"] is None and rx.last_changes["10.weight"] is None
+    rx.track_changes = False
+    with torch.no_grad():
+        params["5.weight"].view(torch.int16)[0, 0] += 1
+    assert sender.sync(version=3).kind == "delta" and rx.last_changes is None
+    sender.close()
+    serving.join()
+
+
 @pytest.mark.parametrize("rows, cols", [(7, 64), (33, 128), (1, 192), (9, 40)])  # odd row counts; 40: not whole words
 def test_touched_lines_of_a_bitmap_or_change_list_are_the_changed_rows_and_columns(rows, cols):
     g = torch.Generator().manual_seed(rows * cols)

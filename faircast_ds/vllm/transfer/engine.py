@@ -43,7 +43,7 @@ from vllm.distributed.weight_transfer.base import (
 from faircast_ds.export.channel import DEFAULT_HOST
 from faircast_ds.export.source import ServedReport
 from faircast_ds.export.sync import WeightReceiver
-from faircast_ds.vllm import fused
+from faircast_ds.vllm import fused, inplace, kernels
 from faircast_ds.vllm.kernels import quiet_reload
 from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
 
@@ -63,6 +63,9 @@ class FairCastInitInfo(WeightTransferInitInfo):
     # across hosts, every trainer rank sending its own slices to host:port (segment.py)
     plane: str = "tcp"
     socket: str = ""  # the shm plane's abstract AF_UNIX socket name (the trainer picks it)
+    # write updates straight into the tensors the kernels compute with, where they read them live
+    # (faircast_ds.vllm.inplace); False: every load through vLLM's reload_weights
+    inplace: bool = True
 
 
 @dataclass
@@ -98,6 +101,14 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         # tracking) was staged: then the check reads its sample alone
         self._touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {}
         self._abandoned = False
+        self._inplace = True
+        # per HF name: whether the kernels compute with the engine's tensor live (probed after each vLLM
+        # reload of it), and that tensor's part, which later loads write in place
+        self._live: dict[str, bool] = {}
+        self._targets: dict[str, torch.Tensor] = {}
+        # tcp: per HF name, the element indices the deltas staged since the last load changed, where the deltas
+        # listed them (None for a name a delta sent as a bitmap or whole); None once a dense update was staged
+        self._changes: dict[str, list[torch.Tensor] | None] | None = {}
         self.last: dict[str, Any] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -110,6 +121,8 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                 raise ValueError(f"faircast: {name} has dtype {dtype!r}; supported: {sorted(_DTYPES)}")
         if init_info.plane not in ("tcp", "shm", "net"):
             raise ValueError(f"faircast init_info 'plane' is 'tcp', 'shm' or 'net', not {init_info.plane!r}")
+        if type(init_info.inplace) is not bool:
+            raise ValueError(f"faircast init_info 'inplace' is true or false, not {init_info.inplace!r}")
         self.shutdown()
         if init_info.plane in ("shm", "net"):
             from faircast_ds.export.served import ParamSpec
@@ -136,6 +149,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         self.groups = fused.packed_groups(list(staging), packed)
         self._loaded = {n: t._version for n, t in staging.items()}
         self._touched = {}
+        self._inplace, self._live, self._targets, self._changes = init_info.inplace, {}, {}, {}
         if self.receiver is not None:
             logger.info("faircast weight transfer: receiver on %s:%d (%d parameters)", self.receiver.host,
                         self.receiver.port, len(staging))
@@ -174,6 +188,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         began = time.perf_counter()
         report = None
         receiver.track_touched = update_info.check == "sampled"
+        receiver.track_changes = self._inplace
         for _ in range(2):  # a sender that ended its session (bye) is followed by its next one
             if not receiver.connected:
                 receiver.accept(timeout=receiver.timeout)
@@ -187,6 +202,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                                f"{update_info.version}; not loaded")
         self._received = report
         self._stage_touched(report.kind, receiver.last_touched)
+        self._stage_changes(report.kind, receiver.last_changes)
         self.last = {"version": report.version, "kind": report.kind, "params": report.params,
                      "elements": report.changed, "bytes": report.bytes,
                      "receive_seconds": time.perf_counter() - began,
@@ -206,15 +222,16 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         if self._commit is not None:  # shm: the committed write names the parameters it carried
             commit, self._commit = self._commit, None
             version, changed = commit.version, {names[i] for i in commit.params}
+            self._changes = None  # the planes say which parameters changed, not which elements
         else:  # tcp: the receiver bumped the version counter of every staging tensor it wrote
             version = self._received.version
             changed = {n for n, t in self.staging.items() if t._version != self._loaded[n]}
             self._received = None
         load = [n for n in names if any(m in changed for m in self.groups.get(n, (n,)))]
         began = time.perf_counter()
-        self._load(load)
+        self._load(load, changed)
         self._loaded = {n: t._version for n, t in self.staging.items()}
-        touched, self._touched = self._touched, {}
+        touched, self._touched, self._changes = self._touched, {}, {}
         loaded = time.perf_counter()
         self.last.update(loaded=len(load), load_seconds=loaded - began)
         if self._check_mode is not None and load:
@@ -231,7 +248,82 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
             self._touched[name] = (rows, cols) if had is None else (
                 torch.unique(torch.cat([had[0], rows])), torch.unique(torch.cat([had[1], cols])))
 
-    def _load(self, names: list[str]) -> None:
+    def _stage_changes(self, kind: str, changes: dict[str, torch.Tensor | None] | None) -> None:
+        """Add a received delta's listed element indices to those staged since the last load."""
+        if kind != "delta" or changes is None or self._changes is None:
+            self._changes = None
+            return
+        for name, index in changes.items():
+            had = self._changes.get(name, [])
+            self._changes[name] = None if index is None or had is None else had + [index]
+
+    def _writable(self, name: str, changed: set[str]) -> bool:
+        """Whether this load can write HF tensor ``name`` in place: every member of its fused group is read
+        live by its kernel, and every changed member's changes were listed."""
+        group = self.groups.get(name, (name,))
+        if not all(self._live.get(m) for m in group):
+            return False
+        return all(m not in changed or (self._changes is not None and self._changes.get(m) is not None)
+                   for m in group)
+
+    def _load(self, names: list[str], changed: set[str]) -> None:
+        """Load these staging tensors (HF names, whole fused groups; ``changed``: those the update wrote) into
+        the model, all or nothing: where the kernels compute with the engine's tensor live and the deltas
+        listed the elements they changed, those elements are written in place (their old bits kept,
+        :class:`~faircast_ds.vllm.inplace.UndoRecord`); the rest go through vLLM's reload, whole groups, and
+        are probed afterwards. If anything fails, the in-place writes are undone."""
+        direct = [n for n in names if self._writable(n, changed)]
+        rest = [n for n in names if n not in set(direct)]
+        undo = inplace.UndoRecord()
+        began = time.perf_counter()
+        with torch.inference_mode():
+            try:
+                for n in direct:
+                    for index in (self._changes or {}).get(n) or ():
+                        undo.write(self._targets[n], self.staging[n], index)
+                wrote = time.perf_counter()
+                self._reload(rest)
+            except BaseException:
+                undo.restore()
+                raise
+        written = undo.written
+        undo.clear()
+        reloaded = time.perf_counter()
+        self._probe(rest)
+        self.last.update(inplace=len(direct), inplace_elements=written, inplace_seconds=wrote - began,
+                         reloaded=len(rest), reload_seconds=reloaded - wrote, probe_seconds=time.perf_counter() - reloaded)
+
+    def _probe(self, names: list[str]) -> None:
+        """After vLLM reloaded these tensors: which of them later loads may write in place (the kernels
+        compute with the engine's tensor, live; :func:`~faircast_ds.vllm.inplace.reads_live`). A tensor is
+        probed at its first reload in a session; at later ones only its place is taken anew (vLLM picks a
+        layer's kernel the same way at every reload, and probing every reloaded tensor again doubled the
+        load of a delta that went through vLLM's reload)."""
+        dtype = self.vllm_config.model_config.dtype
+        for n in names:
+            verdict = self._live.get(n)  # None: not probed yet in this session
+            self._live[n] = False
+            self._targets.pop(n, None)
+            if not self._inplace or verdict is False:
+                continue
+            staged = self.staging[n]
+            shape = tuple(staged.shape)
+            with torch.inference_mode():
+                target = kernels.inplace_target(self.model, n, shape, staged.dtype)
+                if target is None:
+                    continue
+                live = True
+                if verdict is None:
+                    try:
+                        rows, columns = kernels.kernel_probes(self.model, n, shape, dtype)
+                        live = inplace.reads_live(target, staged, rows, columns)
+                    except Exception as exc:  # noqa: BLE001 - a kernel that cannot be probed is reloaded
+                        logger.debug("faircast: %s cannot be probed (%s); it keeps vLLM's reload", n, exc)
+                        continue
+            if live:
+                self._live[n], self._targets[n] = True, target
+
+    def _reload(self, names: list[str]) -> None:
         """vLLM's in-place reload of these staging tensors (HF names, whole fused groups)."""
         if not names:
             return

@@ -59,7 +59,7 @@ class PlaneRoute:
 
     def __init__(self, model: Any, server: Any, *, plane: str = "shm", host: str = DEFAULT_HOST, port: int = 0,
                  timeout: float = 120.0, verify: bool | str = True, delta: bool = True,
-                 secret: str | bytes | None = None) -> None:
+                 secret: str | bytes | None = None, inplace: bool = True) -> None:
         if plane not in ("shm", "net"):
             raise ValueError(f"PlaneRoute's plane is 'shm' or 'net', not {plane!r}")
         self.plane = plane
@@ -85,6 +85,7 @@ class PlaneRoute:
             try:
                 self.server._post("init_weight_transfer_engine", {"init_info": {
                     "plane": plane, "socket": name or "", "host": host, "port": port, "timeout": self.timeout,
+                    "inplace": bool(inplace),
                     "params": [[s.name, list(s.shape), str(s.dtype)] for s in self.specs]}})
             except Exception as exc:  # noqa: BLE001 - reported on every rank
                 error = f"{type(exc).__name__}: {exc}"

@@ -41,14 +41,18 @@ class ServedPush:
     ``delta``: after an acknowledged push, carry only what changed. ``timeout`` bounds every wait, seconds.
     TCP and net: ``port``/``host`` where the engine listens (0: a free port of this host, for a local
     engine). TCP only: ``check_columns`` (columns per matrix of a sampled check; 0: every check whole).
-    shm and net: ``secret`` (default: ``FAIRCAST_DS_SYNC_SECRET``)."""
+    shm and net: ``secret`` (default: ``FAIRCAST_DS_SYNC_SECRET``). ``inplace``: the engine writes updates
+    straight into the tensors its kernels compute with, where they read them live, instead of vLLM's
+    reload (:mod:`faircast_ds.vllm.inplace`); False: every load through vLLM's reload."""
 
     def __init__(self, model: Any, server: VllmServer | str | None, *, plane: str = "tcp", verify: bool | str = True,
                  delta: bool = True, timeout: float = 120.0, port: int = 0, host: str = DEFAULT_HOST,
-                 check_columns: int = SAMPLE_COLUMNS, secret: str | bytes | None = None) -> None:
+                 check_columns: int = SAMPLE_COLUMNS, secret: str | bytes | None = None, inplace: bool = True) -> None:
         if plane not in PLANES:
             raise ValueError(f"plane must be one of {PLANES}, not {plane!r}")
         _check_verify(verify)
+        if type(inplace) is not bool:
+            raise ValueError(f"inplace must be True or False, got {inplace!r}")
         given = {k for k, v, default in (("port", port, 0), ("host", host, DEFAULT_HOST),
                                          ("check_columns", check_columns, SAMPLE_COLUMNS)) if v != default}
         foreign = sorted(given - {"shm": set(), "net": {"port", "host"}, "tcp": given}[plane])
@@ -68,12 +72,12 @@ class ServedPush:
             from faircast_ds.vllm.transfer.plane_route import PlaneRoute
 
             self.route: Any = PlaneRoute(model, server, plane=plane, host=host, port=port, timeout=timeout,
-                                         verify=verify, delta=delta, secret=secret)
+                                         verify=verify, delta=delta, secret=secret, inplace=inplace)
         else:
             from faircast_ds.vllm.transfer.tcp_route import TcpRoute
 
             self.route = TcpRoute(model, server, port=port, host=host, timeout=timeout, delta=delta, verify=verify,
-                                  check_columns=check_columns)
+                                  check_columns=check_columns, inplace=inplace)
 
     @property
     def server(self) -> VllmServer | None:

@@ -40,7 +40,7 @@ class TcpRoute:
 
     def __init__(self, model: Any, server: VllmServer | None, *, port: int = 0, host: str = DEFAULT_HOST,
                  timeout: float = 120.0, delta: bool = True, verify: bool | str = True,
-                 check_columns: int = SAMPLE_COLUMNS) -> None:
+                 check_columns: int = SAMPLE_COLUMNS, inplace: bool = True) -> None:
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import (
             WeightTransferTrainerFactory,
@@ -57,7 +57,7 @@ class TcpRoute:
         self.server = server
         client = HTTPVLLMWeightSyncClient(self.server.url, timeout=timeout + 60) if self.server is not None else None
         self.transfer = WeightTransferTrainerFactory.trainer_init(
-            FairCastTrainerInitInfo(rank=self.rank, port=port, host=host, timeout=timeout, delta=delta),
+            FairCastTrainerInitInfo(rank=self.rank, port=port, host=host, timeout=timeout, delta=delta, inplace=inplace),
             client=client, source=model)
         self.params_total = len(self.transfer.sender.specs)
         self.last_check: str | None = None  # "whole" or "sampled": how the last push was verified

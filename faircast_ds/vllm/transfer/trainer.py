@@ -50,13 +50,15 @@ def free_port(host: str = DEFAULT_HOST) -> int:
 class FairCastTrainerInitInfo(TrainerInitInfo):
     """``port``: where the engine's receiver listens (0: a free port of this host, for a loopback engine).
     ``host``: the engine's address as both ends see it (loopback or a private interface). ``timeout``
-    bounds every wait, seconds. ``delta``: sparse updates after the first (dense) one."""
+    bounds every wait, seconds. ``delta``: sparse updates after the first (dense) one. ``inplace``: the engine
+    may write updates into the tensors its kernels read live (False: vLLM's reload for every load)."""
 
     backend: ClassVar[str] = "faircast"
     port: int = 0
     host: str = DEFAULT_HOST
     timeout: float = 120.0
     delta: bool = True
+    inplace: bool = True
 
 
 def model_of(source: Any) -> Any:
@@ -96,7 +98,7 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         if self.is_sender:
             error = _call(client.init_weight_transfer_engine,
                           {"port": port, "host": init_info.host, "params": spec_list(self.sender.specs),
-                           "timeout": self.timeout})
+                           "timeout": self.timeout, "inplace": bool(init_info.inplace)})
         error = from_rank0(error)
         if error is not None:
             raise WeightSyncError(f"the vLLM engine did not initialize the faircast backend: {error}")

@@ -21,6 +21,7 @@ def model():
     ({"plane": "tcp", "secret": "s" * 32}, "secret: an option of planes 'shm' and 'net'"),
     ({"verify": "sampled"}, "verify must be True, False or 'full', got 'sampled'"),
     ({"verify": 1}, "verify must be True, False or 'full', got 1"),
+    ({"inplace": "no"}, "inplace must be True or False, got 'no'"),
 ])
 def test_options_that_do_not_fit_the_plane_are_refused_by_name(kwargs, words):
     with pytest.raises(ValueError) as err:

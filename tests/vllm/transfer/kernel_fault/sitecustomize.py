@@ -6,7 +6,9 @@ parameter's first element is moved by 1.0 — after the load, before the backend
 ``<vLLM name>@<row>,<column>`` naming a linear layer instead makes its kernel compute as if element
 (row, column) were 1.0 larger (the layer's ``quant_method.apply`` adds ``x[..., column]`` to output
 ``row``), while the flag file exists: one element in one column, the fault a sampled check finds only
-if it reads that column. Test code only: the product has no such hook."""
+if it reads that column. A flag ``fail-reload`` makes the backend's call of vLLM's reload raise (called
+on every load, after the load's in-place writes), while the flag file exists. Test code only: the
+product has no such hook."""
 from __future__ import annotations
 
 import importlib.abc
@@ -24,8 +26,8 @@ def _patch(module) -> None:
     cls = module.FairCastWeightTransferEngine
     load = cls._load
 
-    def faulty_load(self, names):
-        load(self, names)
+    def faulty_load(self, names, *args):
+        load(self, names, *args)
         try:
             with open(_FLAG) as f:
                 target = f.read().strip()
@@ -40,6 +42,20 @@ def _patch(module) -> None:
                 dict(self.model.named_parameters())[target].data.view(-1)[0] += 1.0
 
     cls._load = faulty_load
+    reload = cls._reload
+
+    def failing_reload(self, names):
+        # "fail-reload": vLLM's reload fails, after the load wrote whatever it writes in place
+        try:
+            with open(_FLAG) as f:
+                target = f.read().strip()
+        except FileNotFoundError:
+            target = ""
+        if target == "fail-reload":
+            raise RuntimeError("kernel_fault: vLLM's reload failed")
+        reload(self, names)
+
+    cls._reload = failing_reload
 
 
 def _fault_element(module) -> None:
