@@ -206,6 +206,9 @@ class Commit:
     bytes: int  # of the segment brought up to date
     stages: dict[str, float] = field(default_factory=dict)
     sent: int = 0  # of them that crossed to the engine (a delta's changed elements only, on the net plane)
+    # a net-plane delta: per carried parameter, the flat indices of the elements the ranks' change lists
+    # wrote, None where a rank sent a slice of it whole; None for a dense write and on the shm plane
+    listed: dict[int, torch.Tensor | None] | None = None
 
 
 class Ledger:
@@ -222,6 +225,10 @@ class Ledger:
         self.failure: str | None = None  # why the open write cannot commit
         self.committed: Commit | None = None  # committed, not yet taken by the engine's update call
         self.writes = self.commits = 0
+        # set by a host whose ranks send their slices (the net plane): the open write's change lists, per
+        # parameter (None once a rank sent a slice of it whole), for Commit.listed
+        self.listing = False
+        self._listed: dict[int, list[torch.Tensor] | None] = {}
 
     # -- connections -------------------------------------------------------------------------------
     def join(self, session: str, rank: int, world: int, slices: list[tuple[int, int, int]]) -> None:
@@ -282,10 +289,18 @@ class Ledger:
                 raise PlaneError(f"a delta on version {base!r} but the staging segment is {state}: send a dense update")
             self.writing, self.failure, self.committed = (version, kind, base), None, None
             self.segment_version = None  # dirty until the commit
+            self._listed = {}
             for s in self.ranks.values():
                 s.report = None
             self.writes += 1
             self.cond.notify_all()
+
+    def list_changes(self, index: int, indices: torch.Tensor | None) -> None:
+        """The open write changed parameter ``index`` at these flat element indices (a rank's change list,
+        already applied), or at elements not listed (None: a slice sent whole)."""
+        with self.cond:
+            had = self._listed.get(index, [])
+            self._listed[index] = None if indices is None or had is None else had + [indices]
 
     def written(self, rank: int, report: dict[str, Any]) -> None:
         """A rank's report of its write (checked against its declared slices and the segment now)."""
@@ -359,8 +374,11 @@ class Ledger:
             if problem is not None:
                 raise self._fail(problem)
             nbytes = sum(self.ranks[r].report["bytes"] for r in range(world))
+            listed = None
+            if kind == "delta" and self.listing:  # a parameter no rank listed: not known, so None
+                listed = {i: torch.cat(self._listed[i]) if self._listed.get(i) else None for i in want}
             done = Commit(version, kind, want, nbytes, {"commit_wait": time.perf_counter() - began},
-                          sum(self.ranks[r].report["sent"] for r in range(world)))
+                          sum(self.ranks[r].report["sent"] for r in range(world)), listed)
             self.segment_version, self.writing, self.committed = version, None, done
             self.commits += 1
             return done

@@ -409,8 +409,10 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
             f"the engine's finish, its kernels read back); deltas after one optimizer step each at lr {lr:g}",
             "push s: the trainer's whole push (walk, channel, engine load, verification); x dense: against the "
             "dense push with the default (sampled) check; vLLM reload s: inside the engine, vLLM's own "
-            "reload_weights of the tensors the update loaded; check: whole = every element read back through "
-            "the kernels, sampled = vectors and embedding whole and 64 input columns of every matrix; verify s: "
+            "reload_weights of the tensors the update loaded (a delta's: the engine's whole load, with the elements "
+            "its change lists named written in place where the kernels read them live); check: whole = every element read back through "
+            "the kernels, sampled = vectors whole, the embedding's sampled rows, 64 input columns of every matrix "
+            "and, over TCP and the net plane, the rows and columns a delta touched; verify s: "
             "dense = verified minus unverified push, delta = the check after the walk (verify x push: against "
             "the rest of the push); gathers: ZeRO-3 full-parameter gathers of the walk; x memcpy: against "
             "copying the same bf16 bytes once"]

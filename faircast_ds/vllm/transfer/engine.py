@@ -40,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from faircast_ds.export import delta
 from faircast_ds.export.channel import DEFAULT_HOST
 from faircast_ds.export.source import ServedReport
 from faircast_ds.export.sync import WeightReceiver
@@ -182,6 +183,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         self._check_mode, self._check_columns = update_info.check, columns
         if self.plane is not None:  # the ranks wrote and rank 0 committed before this call
             self._commit = self.plane.ledger.take(update_info.version)
+            self._stage_listed(self._commit.kind, self._commit.listed, update_info.check == "sampled")
             self.last = {"version": self._commit.version, "kind": self._commit.kind, "params": len(self._commit.params),
                          "bytes": self._commit.bytes, "receive_seconds": 0.0}
             return
@@ -222,7 +224,6 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         if self._commit is not None:  # shm: the committed write names the parameters it carried
             commit, self._commit = self._commit, None
             version, changed = commit.version, {names[i] for i in commit.params}
-            self._changes = None  # the planes say which parameters changed, not which elements
         else:  # tcp: the receiver bumped the version counter of every staging tensor it wrote
             version = self._received.version
             changed = {n for n, t in self.staging.items() if t._version != self._loaded[n]}
@@ -235,7 +236,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         loaded = time.perf_counter()
         self.last.update(loaded=len(load), load_seconds=loaded - began)
         if self._check_mode is not None and load:
-            self._check(load, version, touched)  # the planes stage no touched lines: {} there
+            self._check(load, version, touched)
             self.last.update(check_seconds=time.perf_counter() - loaded, checked=len(load))
 
     def _stage_touched(self, kind: str, touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
@@ -247,6 +248,22 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
             had = self._touched.get(name)
             self._touched[name] = (rows, cols) if had is None else (
                 torch.unique(torch.cat([had[0], rows])), torch.unique(torch.cat([had[1], cols])))
+
+    def _stage_listed(self, kind: str, listed: dict[int, torch.Tensor | None] | None, sampled: bool) -> None:
+        """A committed plane write's listed elements (the net plane's change lists; None on the shm plane,
+        which names changed parameters only): staged for the in-place write and, for a sampled check, as
+        the rows and columns the write touched."""
+        names = list(self.staging)
+        changes = None if listed is None else {names[i]: index for i, index in listed.items()}
+        self._stage_changes(kind, changes)
+        touched = None
+        if sampled and changes is not None:
+            touched = {}
+            for name, index in changes.items():
+                lines = None if index is None else delta.touched_lines(self.staging[name].shape, delta.COO, index)
+                if lines is not None:
+                    touched[name] = lines
+        self._stage_touched(kind, touched)
 
     def _stage_changes(self, kind: str, changes: dict[str, torch.Tensor | None] | None) -> None:
         """Add a received delta's listed element indices to those staged since the last load."""

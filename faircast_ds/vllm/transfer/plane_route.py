@@ -39,6 +39,7 @@ from faircast_ds.export.source import ServedReport, reader_of
 from faircast_ds.export.stages import Stages
 from faircast_ds.export.tracking import tracker_for
 from faircast_ds.vllm.kernels import EngineWeightsMismatch
+from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
 from faircast_ds.vllm.transfer.segment import SegmentWriter, socket_name
 from faircast_ds.vllm.transfer.trainer import free_port
 
@@ -59,9 +60,12 @@ class PlaneRoute:
 
     def __init__(self, model: Any, server: Any, *, plane: str = "shm", host: str = DEFAULT_HOST, port: int = 0,
                  timeout: float = 120.0, verify: bool | str = True, delta: bool = True,
-                 secret: str | bytes | None = None, inplace: bool = True) -> None:
+                 secret: str | bytes | None = None, inplace: bool = True, check_columns: int = SAMPLE_COLUMNS) -> None:
         if plane not in ("shm", "net"):
             raise ValueError(f"PlaneRoute's plane is 'shm' or 'net', not {plane!r}")
+        if type(check_columns) is not int or check_columns < 0:
+            raise ValueError(f"check_columns must be a non-negative integer, got {check_columns!r}")
+        self.check_columns = check_columns
         self.plane = plane
         self.model, self.verify, self.delta, self.timeout = model, verify, delta, float(timeout)
         self.rank, self.world = rank_world()
@@ -182,7 +186,8 @@ class PlaneRoute:
                 self._remember(params, dense=not use_delta)
         self.acknowledged = int(version)
         self.pushes += 1
-        self.last_check = ("whole" if verify == "full" else "sampled") if verify and params else None
+        self.last_check = (("whole" if verify == "full" or not self.check_columns else "sampled")
+                           if verify and params else None)
         if self.rank == 0 and params:
             written = self.committed_bytes  # every rank's bytes sent, as the engine counted them
         carried = sum(self.specs[i].numel for i in params) if params else 0
@@ -207,8 +212,9 @@ class PlaneRoute:
             self.committed_bytes = int(reply.get("sent", reply.get("bytes", 0)))
         except (WeightSyncError, PlaneError) as exc:
             return str(exc)
-        check = None if not verify else ("full" if verify == "full" else "sampled")
-        calls = [("start_weight_update", None), ("update_weights", {"update_info": {"version": version, "check": check}}),
+        check = None if not verify else ("full" if verify == "full" or not self.check_columns else "sampled")
+        info = {"version": version, "check": check, "check_columns": self.check_columns or SAMPLE_COLUMNS}
+        calls = [("start_weight_update", None), ("update_weights", {"update_info": info}),
                  ("finish_weight_update", {"weight_version": str(version)}), ("reset_prefix_cache", None)]
         for route, body in calls:
             try:

@@ -115,6 +115,7 @@ class SegmentHost:
             self._map = mmap.mmap(-1, self.layout.nbytes)
         self.segment = HostSegment(self._map, self.layout.nbytes)
         self.ledger = Ledger(self.layout, self.segment)
+        self.ledger.listing = self.transport == "net"  # the ranks' change lists pass through here
         self.refused = 0  # connections refused at the handshake or the hello
         self._closed = False
         if self.transport == "shm":
@@ -276,6 +277,7 @@ class SegmentHost:
         offset, nbytes = self.layout.span(*entry)
         # a bad tag leaves the segment dirty: no commit follows
         _recv_chunked(ch, memoryview(self.segment.bytes_at(offset, nbytes).numpy()))
+        self.ledger.list_changes(entry[0], None)  # a delta's slice sent whole: its elements are not listed
         return None
 
     def _receive_changes(self, ch: Channel, rank: int, msg: dict[str, Any]) -> str | None:
@@ -310,6 +312,7 @@ class SegmentHost:
             delta_encoding.apply(target, first, values)
         except ValueError as exc:
             return f"rank {rank}'s changes to {self.specs[index].name} refused: {exc}"
+        self.ledger.list_changes(index, first.to(torch.int64) + start)
         return None
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ class ServedPush:
     layers, read back through their kernels in the engine's finish), ``"full"`` (every element) or False.
     ``delta``: after an acknowledged push, carry only what changed. ``timeout`` bounds every wait, seconds.
     TCP and net: ``port``/``host`` where the engine listens (0: a free port of this host, for a local
-    engine). TCP only: ``check_columns`` (columns per matrix of a sampled check; 0: every check whole).
+    engine). ``check_columns``: columns per matrix of a sampled check (0: every check whole).
     shm and net: ``secret`` (default: ``FAIRCAST_DS_SYNC_SECRET``). ``inplace``: the engine writes updates
     straight into the tensors its kernels compute with, where they read them live, instead of vLLM's
     reload (:mod:`faircast_ds.vllm.inplace`); False: every load through vLLM's reload."""
@@ -55,7 +55,7 @@ class ServedPush:
             raise ValueError(f"inplace must be True or False, got {inplace!r}")
         given = {k for k, v, default in (("port", port, 0), ("host", host, DEFAULT_HOST),
                                          ("check_columns", check_columns, SAMPLE_COLUMNS)) if v != default}
-        foreign = sorted(given - {"shm": set(), "net": {"port", "host"}, "tcp": given}[plane])
+        foreign = sorted(given - {"shm": {"check_columns"}, "net": {"port", "host", "check_columns"}, "tcp": given}[plane])
         if foreign:
             raise ValueError(f"{', '.join(foreign)}: not an option of plane {plane!r}")
         if plane == "tcp" and secret is not None:
@@ -72,7 +72,8 @@ class ServedPush:
             from faircast_ds.vllm.transfer.plane_route import PlaneRoute
 
             self.route: Any = PlaneRoute(model, server, plane=plane, host=host, port=port, timeout=timeout,
-                                         verify=verify, delta=delta, secret=secret, inplace=inplace)
+                                         verify=verify, delta=delta, secret=secret, inplace=inplace,
+                                         check_columns=check_columns)
         else:
             from faircast_ds.vllm.transfer.tcp_route import TcpRoute
 

@@ -419,6 +419,50 @@ def test_net_plane_deltas_carry_each_slices_changed_elements_only(monkeypatch, c
         p.close()
 
 
+def test_a_net_plane_delta_commit_lists_the_elements_its_change_lists_wrote():
+    """The commit of a net-plane delta lists, per carried parameter, the flat indices the ranks' change
+    lists wrote (what the engine writes in place and checks the rows and columns of) — the oracle: the
+    test's own comparison of bits; None for a parameter a rank sent a slice of whole; nothing (None) for a
+    dense commit. The shm plane lists nothing: its ranks write the segment themselves."""
+    p = Plane(transport="net")
+    try:
+        p.write_all(1)
+        p.commit(1)
+        assert p.host.ledger.take(1).listed is None
+        before = {k: v.clone() for k, v in p.full.items()}
+        with torch.no_grad():
+            p.full["embed.weight"].view(-1)[[5, 200]] += 1  # one element in each rank's half (148 each)
+            p.full["proj.weight"].view(-1)[[1, 60]] += 1  # one in each half (52 each): change lists
+        _sparse_write(p, 2, 1, {0, 2}, before)
+        p.commit(2, {0, 2})
+        listed = p.host.ledger.take(2).listed
+        expected = {i: sorted((bits(p.full[SPECS[i].name]) != bits(before[SPECS[i].name])).nonzero().view(-1).tolist())
+                    for i in (0, 2)}
+        assert {i: sorted(t.tolist()) for i, t in listed.items()} == expected == {0: [5, 200], 2: [1, 60]}
+        before = {k: v.clone() for k, v in p.full.items()}
+        with torch.no_grad():
+            p.full["embed.weight"].view(-1)[7] += 1
+            p.full["proj.weight"].view(-1)[:52] += 1  # rank 0's half of proj.weight whole
+        _sparse_write(p, 3, 2, {0, 2}, before)
+        p.commit(3, {0, 2})
+        listed = p.host.ledger.take(3).listed
+        assert listed[0].tolist() == [7] and listed[2] is None
+    finally:
+        p.close()
+    p = Plane(transport="shm")
+    try:
+        p.write_all(1)
+        p.commit(1)
+        p.host.ledger.take(1)
+        with torch.no_grad():
+            p.full["proj.weight"][3, 4] += 1
+        p.write_all(2, "delta", 1, {2})
+        p.commit(2, {2})
+        assert p.host.ledger.take(2).listed is None
+    finally:
+        p.close()
+
+
 def _raw_changes(p: Plane, header: dict, first: torch.Tensor, values: torch.Tensor) -> None:
     """Rank 0 opens a delta of version 2 and sends one ``changes`` message as given (a hostile or broken
     rank speaking the protocol with the right secret); rank 1 writes its part honestly."""

@@ -15,8 +15,8 @@ def model():
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"plane": "nccl"}, "plane must be one of ('tcp', 'shm', 'net'), not 'nccl'"),
-    ({"plane": "shm", "check_columns": 0}, "check_columns: not an option of plane 'shm'"),
-    ({"plane": "net", "check_columns": 0}, "check_columns: not an option of plane 'net'"),
+    ({"plane": "shm", "check_columns": -1}, "check_columns must be a non-negative integer, got -1"),
+    ({"plane": "net", "check_columns": "8"}, "check_columns must be a non-negative integer, got '8'"),
     ({"plane": "shm", "port": 29650}, "port: not an option of plane 'shm'"),
     ({"plane": "tcp", "secret": "s" * 32}, "secret: an option of planes 'shm' and 'net'"),
     ({"verify": "sampled"}, "verify must be True, False or 'full', got 'sampled'"),

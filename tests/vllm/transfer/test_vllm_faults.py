@@ -407,11 +407,13 @@ def test_a_kernel_computing_with_other_bits_fails_the_verified_push(engine, plan
         push.close()
 
 
-def test_a_sampled_check_reads_the_columns_a_delta_touched(engine):
-    """Issue 32 item 5: a TCP delta that changes one element in a column the sample does not read, and a
-    kernel that computes that element wrong (tests/vllm/transfer/kernel_fault: element (row, column) read
-    as 1.0 larger): the sampled check reads the touched column too, so the verified push raises
-    EngineWeightsMismatch naming the layer; with the fault gone the next push is verified."""
+@pytest.mark.parametrize("plane", ["tcp", "net"])
+def test_a_sampled_check_reads_the_columns_a_delta_touched(engine, plane):
+    """Issue 32 item 5: a delta that changes one element in a column the sample does not read (over TCP; on
+    the net plane, in a rank's change list), and a kernel that computes that element wrong
+    (tests/vllm/transfer/kernel_fault: element (row, column) read as 1.0 larger): the sampled check reads
+    the touched column too, so the verified push raises EngineWeightsMismatch naming the layer; with the
+    fault gone the next push is verified."""
     from faircast_ds.vllm.kernels import EngineWeightsMismatch
     from faircast_ds.vllm.transfer.checksums import sample_columns
 
@@ -419,23 +421,26 @@ def test_a_sampled_check_reads_the_columns_a_delta_touched(engine):
     model = ft.build_model()
     name = "model.layers.0.mlp.down_proj.weight"
     weight = dict(model.named_parameters())[name]
-    push = connect(server, model, verify=True, check_columns=8)  # this model's widths are all <= 64 columns
+    # this model's widths are all <= 64 columns
+    push = connect(server, model, verify=True, check_columns=8) if plane == "tcp" else \
+        shm_push(server, model, plane, check_columns=8)
+    base = {"tcp": 90, "net": 95}[plane]
     try:
-        ft.set_version(model, 90)
-        assert push.push(90).kind == "dense"
-        sampled = set(sample_columns(name, weight.shape[1], 8, 91).tolist())
+        ft.set_version(model, base)
+        assert push.push(base).kind == "dense"
+        sampled = set(sample_columns(name, weight.shape[1], 8, base + 1).tolist())
         column = next(c for c in range(weight.shape[1]) if c not in sampled)
         with torch.no_grad():
             weight.view(torch.int16)[5, column] += 1  # one bf16 spacing, one element
         engine["fault"].write_text(f"{name}@5,{column}")
         try:
             with pytest.raises(EngineWeightsMismatch, match=name):
-                push.push(91)
+                push.push(base + 1)
         finally:
             engine["fault"].unlink()
-        again = push.push(92)
+        again = push.push(base + 2)
         assert again.kind == "dense" and again.verified
-        assert_serves(server, 92, model)
+        assert_serves(server, base + 2, model)
     finally:
         push.close()
 
@@ -454,20 +459,23 @@ def sparse_step(model, version: int) -> dict[str, int]:
     return moved
 
 
-def test_a_sparse_delta_is_written_in_place_where_the_kernels_read_live(engine):
-    """Issue 32 item 4: a TCP delta whose change lists name a few elements is written into the tensors the
-    kernels compute with — the final norm always; the MLP matrices on a CPU where vLLM computes linear
-    layers from their plain weights (asked of oneDNN here) — and only those elements; vLLM's reload takes
-    the rest. The engine then serves the trainer's bits (checksums with no Fair Cast code, generation)."""
+@pytest.mark.parametrize("plane", ["tcp", "net"])
+def test_a_sparse_delta_is_written_in_place_where_the_kernels_read_live(engine, plane):
+    """Issue 32 item 4: a delta whose change lists name a few elements (over TCP; on the net plane, the
+    ranks' change lists) is written into the tensors the kernels compute with — the final norm always; the
+    MLP matrices on a CPU where vLLM computes linear layers from their plain weights (asked of oneDNN
+    here) — and only those elements; vLLM's reload takes the rest. The engine then serves the trainer's
+    bits (checksums with no Fair Cast code, generation)."""
     server = engine["server"]
     model = ft.build_model()
-    push = connect(server, model, verify=True)
+    push = connect(server, model, verify=True) if plane == "tcp" else shm_push(server, model, plane)
+    base = {"tcp": 100, "net": 105}[plane]
     try:
-        ft.set_version(model, 100)
-        assert push.push(100).kind == "dense"
-        moved = sparse_step(model, 101)
-        report = push.push(101)
-        assert report.kind == "delta" and report.changed == sum(moved.values())
+        ft.set_version(model, base)
+        assert push.push(base).kind == "dense"
+        moved = sparse_step(model, base + 1)
+        report = push.push(base + 1)
+        assert report.kind == "delta" and report.params == len(moved)
         engine_side = server.engine_report()
         assert engine_side["loaded"] == engine_side["inplace"] + engine_side["reloaded"]
         mlp = [n for n in moved if ".mlp." in n]
@@ -477,7 +485,7 @@ def test_a_sparse_delta_is_written_in_place_where_the_kernels_read_live(engine):
         else:  # the norm in place, the MLPs (packed kernels) reloaded with their fused partners
             assert engine_side["inplace"] >= 1 and engine_side["reloaded"] >= len(mlp)
             assert engine_side["inplace_elements"] >= moved["model.norm.weight"]
-        assert_serves(server, 101, model)
+        assert_serves(server, base + 1, model)
     finally:
         push.close()
 
