@@ -81,7 +81,8 @@ def main() -> None:
                         rep = push.push(version)
                         engine = server.engine_report()
                         assert rep.kind == "delta" and rep.verified, rep
-                        rows[(inplace, share)].append({"push": rep.seconds, "moved": moved, **engine})
+                        rows[(inplace, share)].append({"push": rep.seconds, "moved": moved, **engine,
+                                                       **{f"stage {k}": v for k, v in (rep.stages or {}).items()}})
                         print(f"round {r + 1} inplace={inplace} {share:.1%} moved: push {rep.seconds:.3f} s, engine load "
                               f"{engine['load_seconds']:.3f} s (in place {engine.get('inplace', 0)} tensors "
                               f"{engine.get('inplace_seconds', 0.0):.3f} s, vLLM reload {engine.get('reloaded', 0)} "
@@ -104,6 +105,15 @@ def main() -> None:
                   f"{med(k, 'inplace_seconds'):>10.3f} {med(k, 'reload_seconds'):>9.3f} {med(k, 'probe_seconds'):>8.3f} "
                   f"{med(k, 'check_seconds'):>8.3f} {int(med(k, 'inplace')):>9}/{int(med(k, 'reloaded')):<8} "
                   f"{med(k, 'push') / med(base, 'push'):>15.2f} {med(k, 'load_seconds') / med(base, 'load_seconds'):>6.2f}")
+    # where an in-place push's seconds go, by the push's own stages (faircast_ds.export.stages; they overlap:
+    # the HTTP update call waits while the trainer walks and sends)
+    keys = [(True, share) for share in args.shares]
+    stages = sorted({f for k in keys for x in rows[k] for f in x if f.startswith("stage ")},
+                    key=lambda f: -max(med(k, f) for k in keys))
+    print(f"\nin place: median seconds per stage of the push\n{'stage':<34}" +
+          "".join(f"{share:>9.1%}" for share in args.shares))
+    for f in stages:
+        print(f"{f[6:]:<34}" + "".join(f"{med(k, f):>9.3f}" for k in keys))
 
 
 if __name__ == "__main__":
