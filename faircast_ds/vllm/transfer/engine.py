@@ -302,6 +302,9 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                 self._reload(rest)
             except BaseException:
                 undo.restore()
+                for n in rest:  # vLLM may have replaced some of their tensors before it failed: probe them again
+                    self._live.pop(n, None)
+                    self._targets.pop(n, None)
                 raise
         written = undo.written
         undo.clear()
