@@ -26,7 +26,7 @@ import deepspeed.comm as dist
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (ds_config, finish, full_served_bits, tampered_checkpoint_copy, tiny_qwen3, train_step,  # noqa: E402
+from common import (ds_config, finish_and_exit, full_served_bits, tampered_checkpoint_copy, tiny_qwen3, train_step,  # noqa: E402
                     write_json)
 
 from faircast_ds.casting.bits import bf16_bits, fp32_bits
@@ -345,7 +345,7 @@ def main() -> None:
         resume(args.root, out)
     else:
         elastic(args.root, out, args.load_tag, args.save_tag)
-    finish()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ds_config, finish, train_step, tiny_qwen3, write_json  # noqa: E402
+from common import ds_config, finish_and_exit, train_step, tiny_qwen3, write_json  # noqa: E402
 
 from faircast_ds.shard.adapter import UnsupportedSetupError  # noqa: E402
 from faircast_ds.casting.reference import cast_reference  # noqa: E402
@@ -177,7 +177,7 @@ def main() -> None:
             report["errors"][f"{stage}/{mode}"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2500:]}"
     report["moved_site"] = moved_site()
     write_json(os.path.join(OUT, f"copy_site_rank{rank}.json"), report)
-    finish()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

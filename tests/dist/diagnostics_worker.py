@@ -10,7 +10,7 @@ import deepspeed.comm as dist
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ds_config, finish, gather_shards, tiny_qwen3, train_step  # noqa: E402
+from common import ds_config, finish_and_exit, gather_shards, tiny_qwen3, train_step  # noqa: E402
 
 STEPS = 40
 DIAG = {"every": 5, "sample": 3000, "horizon": 64}
@@ -51,7 +51,7 @@ def main() -> None:
     results["noisy"] = {mode: run(mode, DIAG, out, lr=NOISY["lr"], trajectory=False) for mode in NOISY["modes"]}
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out, "diagnostics.pt"))
-    finish()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

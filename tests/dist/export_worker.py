@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import batch, ds_config, finish, full_served_bits, tensors_in, train_step, write_json  # noqa: E402
+from common import batch, ds_config, finish_and_exit, full_served_bits, tensors_in, train_step, write_json  # noqa: E402
 from export_common import bits_digest, greedy  # noqa: E402
 from faircast_ds.models.builders import tiny_qwen3  # noqa: E402  (as from_pretrained(dtype=bfloat16) builds it)
 
@@ -236,7 +236,7 @@ def main() -> None:
         report["sync"][f"zero3/{mode}"] = sync_session("zero3", mode, args.receiver_port, args.steps, args.lr)
     report["sync"]["zero2/stochastic"] = sync_session("zero2", "stochastic", args.receiver_port, 2, args.lr)
     write_json(os.path.join(OUT, f"export_rank{rank}.json"), report)
-    finish()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

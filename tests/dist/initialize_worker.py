@@ -11,7 +11,7 @@ import deepspeed
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ds_config, finish, tiny_qwen3, train_step, write_json  # noqa: E402
+from common import ds_config, finish_and_exit, tiny_qwen3, train_step, write_json  # noqa: E402
 
 
 def with_zero(**zero):
@@ -124,7 +124,7 @@ def main():
         out["nonfinite"] = {"ok": False, "type": type(exc).__name__, "message": str(exc), "param": slices[1].name}
     out["alignment"] = alignment_from_json()
     write_json(os.path.join(os.environ["OUT_DIR"], "initialize.json"), out)
-    finish()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

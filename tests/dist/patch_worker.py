@@ -21,7 +21,7 @@ import deepspeed.comm as dist
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (deterministic_master, ds_config, finish, full_served_bits, gather_shards,  # noqa: E402
+from common import (deterministic_master, ds_config, finish_and_exit, full_served_bits, gather_shards,  # noqa: E402
                     tiny_qwen3, train_step, write_json)
 
 from faircast_ds.shard.handle import get_fair_cast  # noqa: E402
@@ -170,7 +170,7 @@ def main() -> None:
     if rank == 0:
         torch.save({k: {"steps": v["steps"], "load": v["load"]} for k, v in results.items()},
                    os.path.join(OUT, "bits.pt"))
-    finish()
+    finish_and_exit()
 
 
 if __name__ == "__main__":

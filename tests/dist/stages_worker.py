@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (batch, deterministic_master, ds_config, finish, full_served_bits, optimizer_class,  # noqa: E402
+from common import (batch, deterministic_master, ds_config, finish_and_exit, full_served_bits, optimizer_class,  # noqa: E402
                     tensors_in, tiny_qwen3, train_step, write_json)
 
 from faircast_ds.casting.bits import bf16_bits, fp32_bits
@@ -204,7 +204,7 @@ def main() -> None:
     write_json(os.path.join(OUT, f"stages_ws{world}_rank{rank}.json"), report)
     if rank == 0:
         torch.save(invariance, os.path.join(OUT, f"invariance_ws{world}.pt"))
-    finish()
+    finish_and_exit()
 
 
 if __name__ == "__main__":
