@@ -683,6 +683,19 @@ def test_same_bits_says_whether_a_payload_would_change_the_target(encoding):
     assert torch.equal(target.view(torch.int16), torch.arange(20, dtype=torch.int16))  # nothing written
 
 
+def mixed_delta(params: dict, seed: int) -> None:
+    """Move bits so that one delta carries each encoding: 2 elements of ``2.weight`` (a change list), one of
+    the vector ``4.bias`` (a change list), ~10% of ``3.weight`` (a bitmap), every element of ``10.weight``
+    (whole)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        params["2.weight"].view(torch.int16)[[4, 60], [7, 30]] += 1
+        params["4.bias"].view(torch.int16)[3] += 1
+        pick = torch.rand(params["3.weight"].shape, generator=g) < 0.1
+        params["3.weight"].view(torch.int16)[pick] += 1
+        params["10.weight"].view(torch.int16).add_(1)
+
+
 def test_a_tracking_receiver_names_the_rows_and_columns_each_delta_changed(receiver):
     """``track_touched`` (what the vLLM engine sets for a sampled check): after each delta, per 2-D parameter
     it wrote, the rows and columns holding an element whose bits changed — whichever encoding carried it
@@ -697,13 +710,7 @@ def test_a_tracking_receiver_names_the_rows_and_columns_each_delta_changed(recei
     assert rx.last_touched is None
     params = dict(model.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        params["2.weight"].view(torch.int16)[[4, 60], [7, 30]] += 1  # 2 elements
-        pick = torch.rand(params["3.weight"].shape, generator=g) < 0.1  # ~10%
-        params["3.weight"].view(torch.int16)[pick] += 1
-        params["10.weight"].view(torch.int16).add_(1)  # every element
-        params["4.bias"].view(torch.int16)[3] += 1  # a vector
+    mixed_delta(params, seed=3)
     report = sender.sync(version=2)
     assert report.kind == "delta"
     expected = {}
@@ -737,13 +744,7 @@ def test_a_tracking_receiver_lists_the_elements_a_change_list_carried(receiver):
     assert rx.last_changes is None
     params = dict(model.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        params["2.weight"].view(torch.int16)[[4, 60], [7, 30]] += 1  # 2 elements: a change list
-        params["4.bias"].view(torch.int16)[3] += 1  # one element of a vector
-        pick = torch.rand(params["3.weight"].shape, generator=g) < 0.1  # ~10%: a bitmap
-        params["3.weight"].view(torch.int16)[pick] += 1
-        params["10.weight"].view(torch.int16).add_(1)  # every element: whole
+    mixed_delta(params, seed=4)
     assert sender.sync(version=2).kind == "delta"
     changed = {n: (p.detach().view(torch.int16) != before[n].view(torch.int16)).view(-1).nonzero().view(-1).tolist()
                for n, p in params.items()}
