@@ -290,7 +290,8 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         :class:`~faircast_ds.vllm.inplace.UndoRecord`); the rest go through vLLM's reload, whole groups, and
         are probed afterwards. If anything fails, the in-place writes are undone."""
         direct = [n for n in names if self._writable(n, changed)]
-        rest = [n for n in names if n not in set(direct)]
+        written_in_place = set(direct)
+        rest = [n for n in names if n not in written_in_place]
         undo = inplace.UndoRecord()
         began = time.perf_counter()
         with torch.inference_mode():
