@@ -97,7 +97,8 @@ VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate
 
 def vllm_keyed_checksums(named_bits: dict[str, torch.Tensor]) -> dict[str, str]:
     """SHA-256 of HF-named bf16 bits (int16 tensors) under vLLM's keys, as the engine's checksum endpoint
-    reports them: fused layers' parts concatenated in order; ±0 and subnormals (exponent field 0) as +0."""
+    reports them: fused layers' parts concatenated in order; ±0 and subnormals (exponent field 0) as +0; a
+    model that serves no head has the embedding's digest under ``lm_head.weight`` too (a tied head)."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, bits in named_bits.items():
         path, _, attr = name.rpartition(".")
@@ -111,4 +112,9 @@ def vllm_keyed_checksums(named_bits: dict[str, torch.Tensor]) -> dict[str, str]:
         bits = torch.cat([members[m].reshape(-1) for m in order]).clone()
         bits[(bits & 0x7F80) == 0] = 0
         out["dp0:pp0:pcp0:tp0:" + key] = hashlib.sha256(bits.numpy().tobytes()).hexdigest()
+    embedding = "dp0:pp0:pcp0:tp0:model.embed_tokens.weight"
+    if embedding in out and "lm_head.weight" not in named_bits:
+        # no head served: vLLM ties one to the embedding, and the endpoint reports what its logits kernel
+        # computes with under the head's name, the embedding's bits
+        out["dp0:pp0:pcp0:tp0:lm_head.weight"] = out[embedding]
     return out

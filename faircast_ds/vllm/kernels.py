@@ -73,15 +73,66 @@ def linear_readback(module: Any, dtype: torch.dtype, columns: torch.Tensor | Non
     return torch.cat(cols).t().contiguous()
 
 
+def tied_heads(model: torch.nn.Module, embedding: Any) -> list[tuple[str, Any]]:
+    """(vLLM module path, module) of every LM head that computes its logits with ``embedding``'s weight
+    (tied word embeddings). vLLM ties by handing the embedding's parameter to a separate
+    ``ParallelLMHead``, whose kernel may compute from a copy of its own (on CPU, a packed one), so reading
+    the embedding through its lookup says nothing about the logits. The model lists the shared parameter
+    once, under the embedding's name, so the head has no parameter name of its own."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    weight = getattr(embedding, "weight", None)
+    if weight is None:
+        return []
+    return [(path, m) for path, m in model.named_modules()
+            if m is not embedding and isinstance(m, ParallelLMHead) and getattr(m, "weight", None) is weight]
+
+
+def refresh_tied_heads(model: torch.nn.Module, names: Any) -> int:
+    """After a load of HF tensors ``names`` (by vLLM's reload or written in place): make every LM head tied
+    to a loaded embedding compute with the embedding's new bits. vLLM's reload rebuilds only the layers
+    that received a tensor; a tied head receives none (the checkpoint names its weight once, as the
+    embedding's), so a kernel that packed its own copy of the weight at start (vLLM's CPU GEMM on a CPU
+    where oneDNN builds a bf16 matmul) keeps computing the logits with the start's bits. Running the head's
+    ``process_weights_after_loading`` again packs the current bits (a no-op where the kernel reads the
+    weight live). Returns how many heads were refreshed."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    refreshed = 0
+    for name in names:
+        try:
+            module, attr, _ = resolve(model, name)
+        except KeyError:
+            continue
+        if attr != "weight" or not isinstance(module, VocabParallelEmbedding) or isinstance(module, ParallelLMHead):
+            continue
+        for _, head in tied_heads(model, module):
+            method = getattr(head, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(head)
+                refreshed += 1
+    return refreshed
+
+
+def ties_head(model: torch.nn.Module) -> bool:
+    """Whether an LM head of ``model`` computes its logits with the token embedding's weight."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    return any(tied_heads(model, m) for m in model.modules()
+               if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead))
+
+
 def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype, columns: Callable[[str, int], Any] | None = None,
                    names: Any = None, *, rows: Callable[[str, int, int], Any] | None = None,
                    ) -> Iterator[tuple[str, torch.Tensor, Any]]:
     """(vLLM parameter name, the tensor its kernel computes with, what was sampled: False when read whole,
     True when only some columns were, ``"rows"`` when only some embedding rows were) for every parameter of
-    ``model``. ``columns(vllm name, input width)``: the input columns to read of a matrix (a linear layer or
-    the LM head), or None to read it whole (default: every matrix whole). ``rows(vllm name, rows, width)``:
-    the ids to look up of the token embedding, or None for every id (default). ``names``: only these vLLM
-    parameter names (default: every one)."""
+    ``model``, and for a tied LM head (:func:`tied_heads`) the embedding as its logits kernel computes with
+    it, under the head's own name (``lm_head.weight``) as an untied head would be. ``columns(vllm name,
+    input width)``: the input columns to read of a matrix (a linear layer or the LM head), or None to read
+    it whole (default: every matrix whole). ``rows(vllm name, rows, width)``: the ids to look up of the
+    token embedding, or None for every id (default). ``names``: only these vLLM parameter names (default:
+    every one)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
@@ -91,10 +142,16 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype, columns: Callable
     modules = dict(model.named_modules())
     with torch.inference_mode():
         for name, param in model.named_parameters():
-            if names is not None and name not in names:
-                continue
             path, _, attr = name.rpartition(".")
             module = modules.get(path)
+            if attr == "weight" and isinstance(module, VocabParallelEmbedding) \
+                    and not isinstance(module, ParallelLMHead):
+                for head_path, head in tied_heads(model, module):
+                    head_name = f"{head_path}.weight"
+                    if names is None or head_name in names:
+                        yield _head_item(head_name, head, dtype, columns)
+            if names is not None and name not in names:
+                continue
             # an (unsharded) vocabulary the engine padded is cut back to the checkpoint's rows
             vocab = getattr(module, "org_vocab_size", None)
             if attr == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
@@ -111,6 +168,15 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype, columns: Callable
             else:
                 t = param.detach()
                 yield name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, False
+
+
+def _head_item(name: str, head: Any, dtype: torch.dtype, columns: Callable[[str, int], Any] | None,
+               ) -> tuple[str, torch.Tensor, bool]:
+    """:func:`kernel_tensors`' item of an LM head: read through its kernel, its padded vocabulary cut back."""
+    cols = columns(name, input_width(head)) if columns is not None else None
+    t = linear_readback(head, dtype, cols)
+    vocab = getattr(head, "org_vocab_size", None)
+    return name, t[:vocab] if vocab else t, cols is not None
 
 
 def resolve(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str, int | None]:
@@ -199,9 +265,9 @@ def kernel_probes(model: torch.nn.Module, name: str, shape: tuple[int, ...], dty
                   ) -> tuple[list[Callable[[int], torch.Tensor]], list[Callable[[int], torch.Tensor]]]:
     """(row readers, column readers) of what the kernels compute with for HF tensor ``name``, over its own
     rows (:func:`faircast_ds.vllm.inplace.reads_live`): a linear layer or LM head is read through its
-    ``quant_method`` one input column at a time; an embedding through its lookup, and through its
-    ``quant_method`` too (the LM head of a model that ties them computes with it); a vector is read by
-    none (the kernel reads the tensor itself)."""
+    ``quant_method`` one input column at a time; an embedding through its lookup, through its own
+    ``quant_method`` and through the kernel of every LM head tied to it (:func:`tied_heads`); a vector is
+    read by none (the kernel reads the tensor itself)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
@@ -227,5 +293,8 @@ def kernel_probes(model: torch.nn.Module, name: str, shape: tuple[int, ...], dty
         def row(i: int) -> torch.Tensor:
             return module(torch.tensor([i], device=device))[0]
 
-        return [row], [column]
+        def head_column(head: Any) -> Callable[[int], torch.Tensor]:
+            return lambda i: linear_readback(head, dtype, torch.tensor([i]))[:, 0].narrow(0, 0, shape[0])
+
+        return [row], [column] + [head_column(h) for _, h in tied_heads(model, module)]
     return [], []

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from faircast_ds.vllm.bits import canonical, digest, pack, unpack
-from faircast_ds.vllm.kernels import quiet_reload, read_back
+from faircast_ds.vllm.kernels import quiet_reload, read_back, refresh_tied_heads
 
 class FairCastWorkerExtension:
     """Methods vLLM adds to its worker when ``worker_extension_cls`` names this class
@@ -52,6 +52,7 @@ class FairCastWorkerExtension:
         items = [(n, t if isinstance(t, torch.Tensor) else unpack(t)) for n, t in items]
         with quiet_reload(), torch.inference_mode():
             self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)  # type: ignore[attr-defined]
+            refresh_tied_heads(self._faircast_model(), [n for n, _ in items])  # vLLM's reload leaves them as they were
         return {"seconds": time.perf_counter() - began, "tensors": float(len(items))}
 
     def faircast_transfer_last(self) -> dict[str, Any]:

@@ -35,9 +35,10 @@ import torch
 
 from faircast_ds.vllm import fused
 from faircast_ds.vllm.bits import bit_pattern, canonical
-from faircast_ds.vllm.kernels import kernel_tensors
+from faircast_ds.vllm.kernels import kernel_tensors, ties_head
 
 SAMPLE_COLUMNS = 64  # input columns per matrix in a sampled check
+TIED_HEAD = "lm_head.weight"  # the LM head's name, HF's and vLLM's; a tied head is checked under it too
 
 
 # the exponent field of the float dtypes whose canonical form is computed on their bits
@@ -101,13 +102,15 @@ def with_lines(sampled: torch.Tensor, extra: torch.Tensor | None) -> torch.Tenso
 
 
 def touched_lines(staged: Iterable[tuple[str, torch.Tensor]], touched: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-                  k: int, version: int) -> dict[str, torch.Tensor]:
+                  k: int, version: int, *, tied: bool = False) -> dict[str, torch.Tensor]:
     """What a sampled check at ``k`` columns per matrix adds for an update that changed the elements
     ``touched`` names (HF name -> (rows, columns) holding one, :func:`faircast_ds.export.delta.touched_lines`):
     per vLLM name, the matrix columns (a fused layer's parts' together) or the embedding rows holding a
     changed element. Bounded like the sample itself: up to ``k`` columns per matrix and
     :func:`embedding_rows` rows of the embedding; an update that touched more gets that many of them,
-    evenly spaced from an offset hashed from the version (:func:`sample_columns` over the touched lines)."""
+    evenly spaced from an offset hashed from the version (:func:`sample_columns` over the touched lines).
+    ``tied``: the engine's LM head computes with the embedding, so the embedding's touched columns are
+    ``lm_head.weight``'s too."""
     lines: dict[str, list[torch.Tensor]] = {}
     limits: dict[str, int] = {}
     for name, t in staged:
@@ -121,6 +124,9 @@ def touched_lines(staged: Iterable[tuple[str, torch.Tensor]], touched: Mapping[s
         elif is_embedding(key, t):
             lines.setdefault(key, []).append(found[0])
             limits[key] = embedding_rows(t.shape[0], t.shape[1], k)
+            if tied:
+                lines.setdefault(TIED_HEAD, []).append(found[1])
+                limits[TIED_HEAD] = int(k)
     out = {}
     for key, parts in lines.items():
         every = torch.unique(torch.cat([p.to(torch.long) for p in parts]))
@@ -146,10 +152,14 @@ class ChecksumCollector:
     """vLLM-named checksums of served HF-named tensors, added one at a time (a ZeRO-3 walk: each tensor
     valid only until the next): whole (``whole=True``) and/or sampled at ``sample=(k, version)``.
     Fused parts are kept until their group is complete — whole copies for whole checksums, only the
-    sampled columns otherwise. ``tied``: the engine has no separate ``lm_head.weight``."""
+    sampled columns otherwise. ``tied``: whether the engine's LM head computes with the embedding (True: a
+    served ``lm_head.weight`` is not counted), has a weight of its own (False), or, by default (None),
+    whether no ``lm_head.weight`` was served (right for a whole walk, which serves a head when the model has
+    one). A tied head is counted as the engine reports it (:func:`faircast_ds.vllm.kernels.kernel_tensors`):
+    the embedding a second time, under ``lm_head.weight``, as a matrix (whole, or sampled by columns)."""
 
     def __init__(self, prefix: str = "dp0:pp0:pcp0:tp0:", *, whole: bool = True,
-                 sample: tuple[int, int] | None = None, tied: bool = False,
+                 sample: tuple[int, int] | None = None, tied: bool | None = None,
                  extra: Mapping[str, torch.Tensor] | None = None) -> None:
         if not whole and sample is None:
             raise ValueError("ChecksumCollector needs whole=True or a sample")
@@ -158,6 +168,8 @@ class ChecksumCollector:
         self.full: dict[str, str] = {}
         self.sampled: dict[str, str] = {}
         self._waiting: dict[str, dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
+        self._head: tuple[str | None, str | None] | None = None  # the embedding counted as a tied head
+        self._has_head = False
 
     def _cols(self, key: str, t: torch.Tensor) -> torch.Tensor:
         k, version = self.sample  # type: ignore[misc]
@@ -176,6 +188,12 @@ class ChecksumCollector:
                 self.sampled[self.prefix + key] = sampled_digest(t.index_select(0, rows), len(rows), version, "rows")
             else:
                 self.sampled[self.prefix + key] = checksum(t)
+        if whole is not None and is_embedding(key, whole):
+            # the embedding as a tied head's logits kernel computes with it, kept until done() knows whether
+            # a head of its own was served; whole, the same tensor, so the same digest
+            self._head = (self.full[self.prefix + key] if self.whole else None,
+                          sampled_digest(self._cols(TIED_HEAD, whole), *self.sample) if self.sample is not None
+                          else None)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().cpu()
@@ -183,7 +201,9 @@ class ChecksumCollector:
         key = fused.vllm_name(name)
         matrix = is_matrix(key, t)
         if part is None:
-            if not (self.tied and name == "lm_head.weight"):
+            if name == TIED_HEAD and self.tied is not True:
+                self._has_head = True
+            if not (self.tied is True and name == TIED_HEAD):
                 sampled = self._cols(key, t) if (self.sample is not None and matrix) else None
                 self._finish(key, t if (self.whole or not matrix) else None, sampled, matrix)
             return
@@ -202,17 +222,24 @@ class ChecksumCollector:
     def done(self) -> None:
         if self._waiting:
             raise ValueError(f"fused layers with missing parts: {sorted(self._waiting)[:5]}")
+        tied = self.tied if self.tied is not None else not self._has_head
+        if tied and self._head is not None:
+            full, sampled = self._head
+            if full is not None:
+                self.full[self.prefix + TIED_HEAD] = full
+            if sampled is not None:
+                self.sampled[self.prefix + TIED_HEAD] = sampled
 
 
 # ------------------------------------------------------------------------------ trainer side
 
 def served_checksums(served: Iterable[tuple[str, torch.Tensor]], prefix: str = "dp0:pp0:pcp0:tp0:",
-                     *, tied: bool = False, sample: tuple[int, int] | None = None,
+                     *, tied: bool | None = None, sample: tuple[int, int] | None = None,
                      extra: Mapping[str, torch.Tensor] | None = None) -> dict[str, str]:
     """vLLM-named checksums of served HF-named tensors (bf16 bits as the trainer serves them): whole,
     or (``sample=(k, version)``) sampled for the matrices, with ``extra`` columns (embedding rows) per
-    vLLM name added to the sample. ``served`` may be a ZeRO-3 walk. ``tied``: the engine has no separate
-    ``lm_head.weight`` (tied embeddings)."""
+    vLLM name added to the sample. ``served`` may be a ZeRO-3 walk. ``tied``: whether the engine's LM head
+    computes with the embedding (:class:`ChecksumCollector`; by default, whether no head was served)."""
     collector = ChecksumCollector(prefix, whole=sample is None, sample=sample, tied=tied, extra=extra)
     for name, tensor in served:
         collector.add(name, tensor)
@@ -288,7 +315,7 @@ def staging_check(model: torch.nn.Module, dtype: torch.dtype, staged: list[tuple
     the embedding is read at its sampled rows (plus its ``extra`` rows; every row for 0); vectors whole."""
     sample = (columns, int(version)) if columns else None
     extra = extra if columns else None
-    expected = served_checksums(staged, prefix="", sample=sample, extra=extra)
+    expected = served_checksums(staged, prefix="", sample=sample, extra=extra, tied=ties_head(model))
     got = {name: t if isinstance(t, str) else checksum(t.cpu())
            for name, t in kernel_items(model, dtype, (columns, lambda _n: int(version)) if columns else None,
                                          names=set(expected), extra=extra)}

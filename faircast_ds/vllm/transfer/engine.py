@@ -306,13 +306,17 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                 for n in rest:  # vLLM may have replaced some of their tensors before it failed: probe them again
                     self._live.pop(n, None)
                     self._targets.pop(n, None)
+                kernels.refresh_tied_heads(self.model, names)  # the logits follow what the embedding holds now
                 raise
+            reloaded = time.perf_counter()
+            heads = kernels.refresh_tied_heads(self.model, names)
         written = undo.written
         undo.clear()
-        reloaded = time.perf_counter()
+        refreshed = time.perf_counter()
         self._probe(rest)
         self.last.update(inplace=len(direct), inplace_elements=written, inplace_seconds=wrote - began,
-                         reloaded=len(rest), reload_seconds=reloaded - wrote, probe_seconds=time.perf_counter() - reloaded)
+                         reloaded=len(rest), reload_seconds=reloaded - wrote, tied_heads=heads,
+                         tied_head_seconds=refreshed - reloaded, probe_seconds=time.perf_counter() - refreshed)
 
     def _probe(self, names: list[str]) -> None:
         """After vLLM reloaded these tensors: which of them later loads may write in place (the kernels
@@ -363,7 +367,8 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
 
         columns = 0 if self._check_mode == "full" else self._check_columns
         staged = [(n, self.staging[n]) for n in names]
-        extra = touched_lines(staged, touched, columns, version) if columns and touched else None
+        extra = (touched_lines(staged, touched, columns, version, tied=kernels.ties_head(self.model))
+                 if columns and touched else None)
         self.last.update(touched_lines=sum(t.numel() for t in extra.values()) if extra else 0)
         bad = staging_check(self.model, self.vllm_config.model_config.dtype, staged, columns, version, extra)
         if bad:

@@ -63,7 +63,10 @@ def test_sampled_digests_match_the_oracle_fused_layers_included():
     # vectors stay whole
     key = "model.layers.0.input_layernorm.weight"
     assert got[PREFIX + key] == oracle_digest(w[key].reshape(1, -1), list(range(16)))
-    assert len(got) == 5
+    # no head served: the engine's logits come from the embedding, read as a matrix by columns
+    assert got[PREFIX + "lm_head.weight"] == "cols4@v7:" + oracle_digest(
+        w["model.embed_tokens.weight"], oracle_columns("lm_head.weight", 16, 4, 7))
+    assert len(got) == 6
 
 
 def test_an_embedding_row_is_seen_only_when_sampled():
@@ -145,6 +148,8 @@ def test_touched_columns_and_rows_join_the_sample_bounded_like_it():
     lines = touched_lines(w.items(), touched, 4, 7)
     assert set(lines) == {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.down_proj.weight",
                           "model.embed_tokens.weight"}
+    # a tied head computes with the embedding: its touched columns are the head's too
+    assert touched_lines(w.items(), touched, 4, 7, tied=True)["lm_head.weight"].tolist() == [0, 1, 2]
     assert lines["model.layers.0.self_attn.qkv_proj.weight"].tolist() == [2, 9, 11]
     assert lines["model.embed_tokens.weight"].tolist() == [7, 40]  # rows, for the embedding
     down = lines["model.layers.0.mlp.down_proj.weight"].tolist()
@@ -167,3 +172,27 @@ def test_touched_columns_and_rows_join_the_sample_bounded_like_it():
     row = next(r for r in range(50) if r not in rows)
     got = served_checksums(w.items(), sample=(4, 7), extra={key: torch.tensor([row])})[PREFIX + key]
     assert got == "rows14@v7:" + oracle_digest(w[key][sorted(rows + [row])], list(range(16)))
+
+
+def test_a_tied_head_is_checked_as_the_embedding_read_by_columns_and_an_own_head_as_itself():
+    """The engine reports a tied LM head under ``lm_head.weight``, read through the head's kernel (its
+    logits; on CPU a packed copy of the embedding). The trainer side counts the embedding there when no
+    head of its own is served (or when told the engine ties), and the served head otherwise."""
+    w = weights()
+    emb = w["model.embed_tokens.weight"]
+    whole = served_checksums(w.items())
+    assert whole[PREFIX + "lm_head.weight"] == oracle_digest(emb, list(range(16)))  # every column
+    assert served_checksums(w.items(), tied=False).get(PREFIX + "lm_head.weight") is None
+
+    head = (torch.randn(50, 16, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    own = dict(w, **{"lm_head.weight": head})
+    cols = oracle_columns("lm_head.weight", 16, 4, 7)
+    assert served_checksums(own.items(), sample=(4, 7))[PREFIX + "lm_head.weight"] == \
+        "cols4@v7:" + oracle_digest(head, cols)
+    for tied in (True, None):  # told: the served head is not what the engine computes with
+        got = served_checksums(own.items(), sample=(4, 7), tied=tied)[PREFIX + "lm_head.weight"]
+        assert (got == "cols4@v7:" + oracle_digest(emb, cols)) == (tied is True)
+    # the head is read with the columns an update touched, when given
+    miss = next(c for c in range(16) if c not in cols)
+    got = served_checksums(w.items(), sample=(4, 7), extra={"lm_head.weight": torch.tensor([miss])})
+    assert got[PREFIX + "lm_head.weight"] == "cols4@v7:" + oracle_digest(emb, sorted(cols + [miss]))

@@ -6,7 +6,8 @@ parameter's first element is moved by 1.0 — after the load, before the backend
 ``<vLLM name>@<row>,<column>`` naming a linear layer instead makes its kernel compute as if element
 (row, column) were 1.0 larger (the layer's ``quant_method.apply`` adds ``x[..., column]`` to output
 ``row``), while the flag file exists: one element in one column, the fault a sampled check finds only
-if it reads that column. A flag ``fail-reload`` makes the backend's call of vLLM's reload raise (called
+if it reads that column (``lm_head.weight@<row>,<column>`` faults a tied LM head's kernel once a load
+carried the embedding). A flag ``fail-reload`` makes the backend's call of vLLM's reload raise (called
 on every load, after the load's in-place writes), while the flag file exists. Test code only: the
 product has no such hook."""
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _patch(module) -> None:
             return
         if "@" in target:
             name, _, at = target.partition("@")
-            if name in names:
+            # a tied LM head ("lm_head.weight@...") computes with the embedding, which is what a load names
+            if name in names or (name == "lm_head.weight" and "model.embed_tokens.weight" in names):
                 _fault_element(self.model.get_submodule(name.rpartition(".")[0]))
         elif target in names:
             with torch.no_grad():
