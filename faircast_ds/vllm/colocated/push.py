@@ -24,6 +24,8 @@ from faircast_ds.vllm.bits import digest
 from faircast_ds.vllm.fused import packed_groups
 from faircast_ds.vllm.kernels import EngineWeightsMismatch
 
+TIED_EMBEDDING, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
 
 class WeightPush:
     """The trainer's end of a colocated engine. Construct and :meth:`push` on every rank; ``engine``
@@ -47,6 +49,13 @@ class WeightPush:
         names = [s.name for s in self.specs]
         groups = packed_groups(names, self.engine.info["packed"]) if self.engine is not None else None
         self.groups: dict[str, tuple[str, ...]] = from_rank0(groups)  # a delta walk's groups: alike on every rank
+        # a head tied to the embedding is checked through its own kernel, as the embedding's bits
+        embedding = next((s for s in self.specs if s.name == TIED_EMBEDDING), None)
+        tied = self.engine is not None and bool(self.engine.info.get("tied_head")) and TIED_HEAD not in names
+        self.checked: list[tuple[str, Any]] = [(s.name, s.shape) for s in self.specs]
+        self.tied_head = from_rank0(tied and embedding is not None)
+        if self.tied_head:
+            self.checked.append((TIED_HEAD, embedding.shape))
         self._expected: dict[str, str] = {}  # rank 0: canonical digests of the acknowledged push
         self._expected_complete = False  # every rank: whether _expected covers every parameter
         self.last_walk = None
@@ -115,6 +124,8 @@ class _RankZeroPush:
     def _see(self, name: str, tensor: torch.Tensor) -> None:
         if self.digests:  # canonical digests: what the verification compares, now or after a later delta
             self.fresh[name] = digest(tensor)
+            if name == TIED_EMBEDDING and self.owner.tied_head:
+                self.fresh[TIED_HEAD] = self.fresh[name]  # a tied head computes with the same bits
         group = self.owner.groups.get(name, (name,))
         if len(group) == 1:
             self._stage([(name, tensor.detach().clone())])
@@ -158,14 +169,15 @@ class _RankZeroPush:
             engine.reset_prefix_cache()
             if self.verify:
                 t0 = time.perf_counter()
-                got = engine.digests([(s.name, s.shape) for s in self.owner.specs])
-                mismatched = [s.name for s in self.owner.specs if got.get(s.name) != expected.get(s.name)]
+                checked = self.owner.checked
+                got = engine.digests(checked)
+                mismatched = [n for n, _ in checked if got.get(n) != expected.get(n)]
                 verify_seconds = time.perf_counter() - t0
                 verified = not mismatched
                 if mismatched:
                     detail = "; ".join(f"{n}: {got.get(n, 'missing')[:60]}" for n in mismatched[:5])
                     self.error = (f"after the push the engine computes with other bits than the served ones in "
-                                  f"{len(mismatched)} of {len(self.owner.specs)} parameter(s) (canonical bits: "
+                                  f"{len(mismatched)} of {len(checked)} parameter(s) (canonical bits: "
                                   f"-0.0 and subnormals count as +0): {detail}")
         if self.error is None:
             self.owner._expected = expected if self.digests else {}

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from faircast_ds.vllm.bits import canonical, digest, pack, unpack
-from faircast_ds.vllm.kernels import quiet_reload, read_back, refresh_tied_heads
+from faircast_ds.vllm.kernels import quiet_reload, read_back, refresh_tied_heads, ties_head
 
 class FairCastWorkerExtension:
     """Methods vLLM adds to its worker when ``worker_extension_cls`` names this class
@@ -38,11 +38,12 @@ class FairCastWorkerExtension:
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def faircast_describe(self) -> dict[str, Any]:
-        """The model's packed (fused) modules and dtype, for the trainer side to group its pushes."""
+        """The model's packed (fused) modules and dtype, for the trainer side to group its pushes, and
+        whether its LM head computes with the embedding (then the trainer checks it as ``lm_head.weight``)."""
         model = self._faircast_model()
         packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
         return {"packed": packed, "dtype": str(self.model_config.dtype),  # type: ignore[attr-defined]
-                "architecture": type(model).__name__}
+                "architecture": type(model).__name__, "tied_head": ties_head(model)}
 
     # -- loading -----------------------------------------------------------------------------
     def faircast_reload(self, items: list[tuple[str, Any]]) -> dict[str, float]:

@@ -9,10 +9,12 @@ Checked here: the engine reports the head under ``lm_head.weight``, read through
 equals SHA-256 of the embedding's served bits (computed here with no Fair Cast code) after a dense push
 and after a delta that changes the embedding; a delta's sampled check reads the head at the column the
 delta touched (a kernel fault there fails the verified push). One server for the module (~30 s to start).
+The colocated route (an in-process engine, ``WeightPush``) is checked once by tests/dist/tied_colocated_worker.py.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import sys
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DIST, free_port
+from conftest import DIST, ROOT, cpu_env, free_port, run_logged
 
 sys.path.insert(0, str(DIST))
 import fault_trainer as ft  # noqa: E402
@@ -137,3 +139,18 @@ def test_a_tied_heads_kernel_fault_at_a_touched_column_fails_the_sampled_check(e
         assert server.compare(expected(model))["match"]
     finally:
         push.close()
+
+
+def test_the_colocated_route_checks_and_refreshes_a_tied_head(tmp_path):
+    """An in-process engine and ``WeightPush`` (tests/dist/tied_colocated_worker.py): the engine says its head is
+    tied, the push checks ``lm_head.weight`` beside the HF tensors, a delta that moves embedding elements is
+    verified and the head's kernel then computes with exactly the embedding's bits (compared in the worker
+    with the trainer's own bits), and a fault in the head's kernel fails the verified push naming it."""
+    run_logged([sys.executable, str(DIST / "tied_colocated_worker.py"), str(tmp_path)], tmp_path / "worker.log",
+               env=cpu_env(FAIRCAST_DS_SYNC_SECRET=SECRET), timeout=600, cwd=ROOT)
+    got = json.loads((tmp_path / "tied.json").read_text())
+    assert got["tied_head"] is True and got["checked"][-1] == HEAD and got["checked"].count(HEAD) == 1
+    assert got["dense"] == {"kind": "dense", "verified": True}
+    assert got["delta"] == {"kind": "delta", "verified": True}
+    assert got["head_equals_embedding_bits"]
+    assert got["fault"] == {"raised": True, "mismatched": [HEAD]}
