@@ -306,7 +306,10 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                 for n in rest:  # vLLM may have replaced some of their tensors before it failed: probe them again
                     self._live.pop(n, None)
                     self._targets.pop(n, None)
-                kernels.refresh_tied_heads(self.model, names)  # the logits follow what the embedding holds now
+                try:  # the logits follow what the embedding holds now
+                    kernels.refresh_tied_heads(self.model, names)
+                except Exception as exc:  # noqa: BLE001 - the load's own failure is what the caller must see
+                    logger.warning("faircast: refreshing tied LM heads after a failed load failed too: %s", exc)
                 raise
             reloaded = time.perf_counter()
             heads = kernels.refresh_tied_heads(self.model, names)
