@@ -96,7 +96,10 @@ def refresh_tied_heads(model: torch.nn.Module, names: Any) -> int:
     where oneDNN builds a bf16 matmul) keeps computing the logits with the start's bits. Running the head's
     ``process_weights_after_loading`` again packs the current bits (a no-op where the kernel reads the
     weight live). Returns how many heads were refreshed."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
 
     refreshed = 0
     for name in names:
@@ -116,7 +119,10 @@ def refresh_tied_heads(model: torch.nn.Module, names: Any) -> int:
 
 def ties_head(model: torch.nn.Module) -> bool:
     """Whether an LM head of ``model`` computes its logits with the token embedding's weight."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
 
     return any(tied_heads(model, m) for m in model.modules()
                if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead))

@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from faircast_ds.vllm.bits import canonical, digest, pack, unpack
-from faircast_ds.vllm.kernels import quiet_reload, read_back, refresh_tied_heads, ties_head
+from faircast_ds.vllm.kernels import (
+    quiet_reload,
+    read_back,
+    refresh_tied_heads,
+    ties_head,
+)
+
 
 class FairCastWorkerExtension:
     """Methods vLLM adds to its worker when ``worker_extension_cls`` names this class
