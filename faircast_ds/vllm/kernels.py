@@ -23,6 +23,8 @@ from faircast_ds.vllm import fused
 
 _QUIET = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
 _PROBE_ROWS = 1024  # identity rows per kernel call when reading a linear weight back
+TIED_EMBEDDING = "model.embed_tokens.weight"  # what a load names when it carries a tied head's weight
+TIED_HEAD = "lm_head.weight"  # the LM head's name, HF's and vLLM's; a tied head is checked under it too
 
 
 class EngineWeightsMismatch(RuntimeError):
@@ -155,15 +157,13 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype, columns: Callable
                 for head_path, head in tied_heads(model, module):
                     head_name = f"{head_path}.weight"
                     if names is None or head_name in names:
-                        yield _head_item(head_name, head, dtype, columns)
+                        yield _matrix_item(head_name, head, dtype, columns)
             if names is not None and name not in names:
                 continue
             # an (unsharded) vocabulary the engine padded is cut back to the checkpoint's rows
             vocab = getattr(module, "org_vocab_size", None)
             if attr == "weight" and isinstance(module, (LinearBase, ParallelLMHead)):
-                cols = columns(name, input_width(module)) if columns is not None else None
-                t = linear_readback(module, dtype, cols)
-                yield name, t[:vocab] if isinstance(module, ParallelLMHead) and vocab else t, cols is not None
+                yield _matrix_item(name, module, dtype, columns)
             elif attr == "weight" and isinstance(module, VocabParallelEmbedding):
                 count = vocab or param.shape[0]
                 ids = rows(name, count, module.embedding_dim) if rows is not None else None
@@ -176,12 +176,13 @@ def kernel_tensors(model: torch.nn.Module, dtype: torch.dtype, columns: Callable
                 yield name, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, False
 
 
-def _head_item(name: str, head: Any, dtype: torch.dtype, columns: Callable[[str, int], Any] | None,
-               ) -> tuple[str, torch.Tensor, bool]:
-    """:func:`kernel_tensors`' item of an LM head: read through its kernel, its padded vocabulary cut back."""
-    cols = columns(name, input_width(head)) if columns is not None else None
-    t = linear_readback(head, dtype, cols)
-    vocab = getattr(head, "org_vocab_size", None)
+def _matrix_item(name: str, module: Any, dtype: torch.dtype, columns: Callable[[str, int], Any] | None,
+                 ) -> tuple[str, torch.Tensor, bool]:
+    """:func:`kernel_tensors`' item of a linear layer or LM head: read through its kernel (the sampled columns,
+    or whole), an LM head's padded vocabulary cut back (a linear layer has no ``org_vocab_size``)."""
+    cols = columns(name, input_width(module)) if columns is not None else None
+    t = linear_readback(module, dtype, cols)
+    vocab = getattr(module, "org_vocab_size", None)
     return name, t[:vocab] if vocab else t, cols is not None
 
 
@@ -285,9 +286,11 @@ def kernel_probes(model: torch.nn.Module, name: str, shape: tuple[int, ...], dty
     if attr != "weight" or len(shape) != 2:
         return [], []
 
-    def column(i: int) -> torch.Tensor:
-        out = linear_readback(module, dtype, torch.tensor([i]))[:, 0]
-        return out.narrow(0, start, shape[0])
+    def column_of(kernel: Any) -> Callable[[int], torch.Tensor]:
+        """One input column of what ``kernel`` computes with, cut to this tensor's rows."""
+        return lambda i: linear_readback(kernel, dtype, torch.tensor([i]))[:, 0].narrow(0, start, shape[0])
+
+    column = column_of(module)
 
     if isinstance(module, LinearBase):
         return [], [column]
@@ -299,8 +302,5 @@ def kernel_probes(model: torch.nn.Module, name: str, shape: tuple[int, ...], dty
         def row(i: int) -> torch.Tensor:
             return module(torch.tensor([i], device=device))[0]
 
-        def head_column(head: Any) -> Callable[[int], torch.Tensor]:
-            return lambda i: linear_readback(head, dtype, torch.tensor([i]))[:, 0].narrow(0, 0, shape[0])
-
-        return [row], [column] + [head_column(h) for _, h in tied_heads(model, module)]
+        return [row], [column] + [column_of(h) for _, h in tied_heads(model, module)]
     return [], []

@@ -35,10 +35,9 @@ import torch
 
 from faircast_ds.vllm import fused
 from faircast_ds.vllm.bits import bit_pattern, canonical
-from faircast_ds.vllm.kernels import kernel_tensors, ties_head
+from faircast_ds.vllm.kernels import TIED_HEAD, kernel_tensors, ties_head
 
 SAMPLE_COLUMNS = 64  # input columns per matrix in a sampled check
-TIED_HEAD = "lm_head.weight"  # the LM head's name, HF's and vLLM's; a tied head is checked under it too
 
 
 # the exponent field of the float dtypes whose canonical form is computed on their bits
@@ -307,15 +306,19 @@ def install_checksums() -> None:
 
 
 def staging_check(model: torch.nn.Module, dtype: torch.dtype, staged: list[tuple[str, torch.Tensor]], columns: int,
-                version: int, extra: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+                version: int, extra: Mapping[str, torch.Tensor] | None = None, *, tied: bool | None = None,
+                ) -> list[str]:
     """After a load from the staging copy (either plane): the vLLM names among the loaded layers whose
     kernels compute with other bits than ``staged`` (HF-named staging tensors, whole fused groups).
     ``columns`` > 0 reads that many input columns of each matrix (at ``version``'s sample), plus the
     ``extra`` ones per vLLM name (:func:`touched_lines`: those an update changed), 0 reads every element;
-    the embedding is read at its sampled rows (plus its ``extra`` rows; every row for 0); vectors whole."""
+    the embedding is read at its sampled rows (plus its ``extra`` rows; every row for 0); vectors whole.
+    ``tied``: whether the model's LM head computes with the embedding (asked of the model when None)."""
+    if tied is None:
+        tied = ties_head(model)
     sample = (columns, int(version)) if columns else None
     extra = extra if columns else None
-    expected = served_checksums(staged, prefix="", sample=sample, extra=extra, tied=ties_head(model))
+    expected = served_checksums(staged, prefix="", sample=sample, extra=extra, tied=tied)
     got = {name: t if isinstance(t, str) else checksum(t.cpu())
            for name, t in kernel_items(model, dtype, (columns, lambda _n: int(version)) if columns else None,
                                          names=set(expected), extra=extra)}

@@ -370,10 +370,11 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
 
         columns = 0 if self._check_mode == "full" else self._check_columns
         staged = [(n, self.staging[n]) for n in names]
-        extra = (touched_lines(staged, touched, columns, version, tied=kernels.ties_head(self.model))
-                 if columns and touched else None)
+        tied = kernels.ties_head(self.model)
+        extra = touched_lines(staged, touched, columns, version, tied=tied) if columns and touched else None
         self.last.update(touched_lines=sum(t.numel() for t in extra.values()) if extra else 0)
-        bad = staging_check(self.model, self.vllm_config.model_config.dtype, staged, columns, version, extra)
+        bad = staging_check(self.model, self.vllm_config.model_config.dtype, staged, columns, version, extra,
+                            tied=tied)
         if bad:
             raise RuntimeError(f"faircast: after loading version {version} the kernels compute with other "
                                f"bits than the staging copy in {len(bad)} tensor(s) ({self._check_mode} check): "
