@@ -17,11 +17,12 @@ import traceback
 from pathlib import Path
 
 import torch
+from fault_trainer import canonical_bits
+from vllm_worker import KV_CACHE_GIB, exported
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-KV_CACHE_GIB = 1 / 16
 ROW, COLUMN = 9, 5  # the element the head's faulty kernel reads wrong
 
 
@@ -49,21 +50,12 @@ def head_fault(worker) -> bool:
     return True
 
 
-def bits(t: torch.Tensor) -> list[int]:
-    b = t.detach().contiguous().reshape(-1).view(torch.int16)
-    return torch.where((b & 0x7F80) == 0, torch.zeros_like(b), b).tolist()  # ±0 and subnormals as +0
-
-
 def main(out_dir: str) -> None:
-    from faircast_ds.export import save_hf
     from faircast_ds.vllm import EngineWeightsMismatch, VllmEngine, WeightPush
 
     out: dict = {}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("FAIRCAST_DS_SYNC_SECRET", "faircast-ds vllm test secret 0123456789")
     model = build()
-    export = Path(out_dir) / "export"
-    save_hf(model, export, version=0)
+    export = exported(model, out_dir)
     engine = VllmEngine(export, max_model_len=64, seed=0, kv_cache_gib=KV_CACHE_GIB)
     out["tied_head"] = engine.info["tied_head"]
     push = WeightPush(model, engine)
@@ -77,7 +69,7 @@ def main(out_dir: str) -> None:
     r = push.push(version=1)
     out["delta"] = {"kind": r.kind, "verified": r.verified}
     head = engine.read("lm_head.weight", list(embedding.shape))
-    out["head_equals_embedding_bits"] = bits(head) == bits(embedding)
+    out["head_equals_embedding_bits"] = torch.equal(canonical_bits(head), canonical_bits(embedding))
     engine.llm.collective_rpc(head_fault)
     with torch.no_grad():
         embedding.view(torch.int16)[ROW, COLUMN] += 1

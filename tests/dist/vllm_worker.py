@@ -76,17 +76,24 @@ def alignment_checks(model, engine, out: dict) -> None:
                      "aligned": gaps(trainer(seqs, "vllm-cpu")[:, 3:], logps)}
 
 
-def main(out_dir: str) -> None:
+def exported(model, out_dir: str) -> Path:
+    """OUT_DIR/export: ``model`` saved as the engine loads it (version 0), with the sync secret set."""
     from faircast_ds.export import save_hf
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("FAIRCAST_DS_SYNC_SECRET", "faircast-ds vllm test secret 0123456789")
+    export = Path(out_dir) / "export"
+    save_hf(model, export, version=0)
+    return export
+
+
+def main(out_dir: str) -> None:
     from faircast_ds.vllm import EngineWeightsMismatch, VllmEngine, WeightPush, canonical
     from faircast_ds.vllm.bits import bit_pattern, differing
 
     out: dict = {}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("FAIRCAST_DS_SYNC_SECRET", "faircast-ds vllm test secret 0123456789")
     model = build()
-    export = Path(out_dir) / "export"
-    save_hf(model, export, version=0)
+    export = exported(model, out_dir)
     out["config_architectures"] = json.loads((export / "config.json").read_text()).get("architectures")
     bare = Path(out_dir) / "export-without-architectures"
     shutil.copytree(export, bare, dirs_exist_ok=True)
