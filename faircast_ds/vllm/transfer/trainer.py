@@ -85,6 +85,7 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         self.sender: WeightSender | None = None
         self.timeout = 120.0
         self.last: ServedReport | None = None
+        self.version_settable = False  # agreed by every rank in trainer_init
 
     @classmethod
     def trainer_init(cls, init_info: FairCastTrainerInitInfo, *, client: Any, source: Any = None
@@ -94,12 +95,16 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         model = model_of(source)
         port = from_rank0(init_info.port or free_port(init_info.host) if rank_world()[0] == 0 else None)
         self.sender = WeightSender(model, init_info.host, port, timeout=self.timeout, delta=init_info.delta)
-        error = None
+        outcome = None
         if self.is_sender:
-            error = _call(client.init_weight_transfer_engine,
-                          {"port": port, "host": init_info.host, "params": spec_list(self.sender.specs),
-                           "timeout": self.timeout, "inplace": bool(init_info.inplace)})
-        error = from_rank0(error)
+            outcome = (_call(client.init_weight_transfer_engine,
+                             {"port": port, "host": init_info.host, "params": spec_list(self.sender.specs),
+                              "timeout": self.timeout, "inplace": bool(init_info.inplace)}),
+                       version_setter(client) is not None)
+        # whether a push that changes nothing can set the version alone: only the sending rank holds the
+        # client, and every rank must take the same path (one rank on the short path, the others on the
+        # whole round, wait for each other forever)
+        error, self.version_settable = from_rank0(outcome)
         if error is not None:
             raise WeightSyncError(f"the vLLM engine did not initialize the faircast backend: {error}")
         return self
@@ -124,9 +129,8 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         collectives = 0
         # a delta's changed count comes first: a push that changes nothing only sets vLLM's version
         walk = sender.delta_walk(kind, int(version))
-        setter = version_setter(self.client)
-        if walk is not None and walk.changed == 0 and setter is not None:
-            return self._same_bits(walk, int(version), setter, stages)
+        if walk is not None and walk.changed == 0 and self.version_settable:
+            return self._same_bits(walk, int(version), stages)
         if self.is_sender:
             error = _timed(stages, "http.start", self.client.start_weight_update)
             if error is not None:  # a session a dead trainer left open: end it, then start ours
@@ -183,13 +187,14 @@ class FairCastTrainerWeightTransferEngine(TrainerWeightTransferEngine[FairCastTr
         self.last = report
         return report
 
-    def _same_bits(self, walk: Any, version: int, setter: Callable[[str], None], stages: Stages) -> ServedReport:
+    def _same_bits(self, walk: Any, version: int, stages: Stages) -> ServedReport:
         """Nothing changed since the acknowledged version: one call sets vLLM's weight version. The
         engine's receiver keeps the acknowledged version (the next delta is against it: the same bits),
         and nothing is loaded, so there is nothing to check and no cache to reset."""
         sender = self.sender
         walk.close()
-        error = _timed(stages, "http.update_weight_version", setter, str(version)) if self.is_sender else None
+        error = _timed(stages, "http.update_weight_version", version_setter(self.client), str(version)) \
+            if self.is_sender else None
         collectives = sender.collectives + (2 if sender.world > 1 else 0)  # the count's all-reduce, the outcome
         with stages("trainer.collectives"):
             error = from_rank0(error)
