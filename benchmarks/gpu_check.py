@@ -79,11 +79,11 @@ def time_all(numel: int, repeats: int, device: str) -> tuple[list[str], list[dic
             key = modes.noise_key(mode, **kw)
             no_count = time_ms(lambda: triton_cast.cast_into(out, x, mode, key=key, start=0, residual=res,
                                                              count_changed=False), repeats)
-        xe, re = x[:eager_n], (residual[:eager_n] if res is not None else None)
-        eager = time_ms(lambda: cast(xe, mode, residual=re, **kw), max(2, repeats // 3)) * numel / eager_n
+        x_eager, res_eager = x[:eager_n], (residual[:eager_n] if res is not None else None)
+        eager = time_ms(lambda: cast(x_eager, mode, residual=res_eager, **kw), max(2, repeats // 3)) * numel / eager_n
         rows.append(dict(mode=mode, numel=numel, rn_ms=rn, fused_ms=fused, fused_no_count_ms=no_count,
                          eager_ms_scaled=eager, eager_numel=eager_n))
-        del xe, re
+        x_eager = res_eager = None
         if device == "cuda":
             torch.cuda.empty_cache()
     head = f"{'mode':15s} {'RN copy_ ms':>11s} {'fused ms':>9s} {'fused/RN':>8s} {'no-count ms':>11s} " \

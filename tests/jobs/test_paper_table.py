@@ -6,7 +6,6 @@ import csv
 import json
 import math
 
-import pytest
 
 from faircast_ds.jobs import paper_table
 

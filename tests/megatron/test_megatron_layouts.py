@@ -135,7 +135,7 @@ def test_global_names_number_layers_globally_and_name_the_tied_copy():
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory, patched_megatron):
+def layout_runs(tmp_path_factory, patched_megatron):  # noqa: F811 (the fixture imported above)
     """Two launches of tests/dist/megatron_layout_worker.py: 2 ranks (4 layouts) on the hook route (a copy of
     Megatron-Core with patches/megatron-core-0.16.1-fair-cast.patch first on the path), 4 ranks (2 layouts,
     the refusal, the checkpoint) on the runtime route."""

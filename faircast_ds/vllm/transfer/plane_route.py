@@ -221,6 +221,7 @@ class PlaneRoute:
                 with stages(_STAGE[route]):
                     server._post(route, body)
             except Exception as exc:  # noqa: BLE001
+                error: Exception = exc
                 if route == "start_weight_update":  # a session a dead trainer left open: end it, start ours
                     try:
                         server._post("update_weights", {"update_info": {"abandon": True}})
@@ -228,8 +229,8 @@ class PlaneRoute:
                         server._post("start_weight_update", None)
                         continue
                     except Exception as again:  # noqa: BLE001
-                        exc = again
-                return f"{route} failed: {exc}"
+                        error = again
+                return f"{route} failed: {error}"
         return None
 
     def _remember(self, params: set[int], dense: bool) -> None:
