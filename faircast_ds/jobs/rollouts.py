@@ -105,6 +105,7 @@ class VllmRollouts:
         report = self.push.push(kind="dense")  # every run starts from its own initial weights
         if report.verified is not True:
             raise RuntimeError(f"the vLLM engine does not hold the served weights after the first push: {report}")
+        self.engine_equal = True  # what the last loading push's check found
         self.measure_ms = math.nan
 
     def rollout(self, task: Any, seed: int, step: int, prompts: torch.Tensor,
@@ -158,7 +159,11 @@ class VllmRollouts:
     def after_step(self) -> dict[str, Any]:
         """Push the new served weights (a collective) and report the check."""
         report = self.push.push()
-        return {"engine_weights_equal": bool(report.verified), "engine_sync_ms": 1e3 * report.seconds,
+        if report.params:
+            self.engine_equal = bool(report.verified)
+        # else the push changed nothing, so it loaded and checked nothing: the engine still holds the bits its
+        # last loading push was checked against, and they are the served bits (the step changed none)
+        return {"engine_weights_equal": self.engine_equal, "engine_sync_ms": 1e3 * report.seconds,
                 "engine_sync_params": report.params, "engine_sync_bytes": report.bytes,
                 "engine_load_ms": 1e3 * report.load_seconds, "engine_verify_ms": 1e3 * report.verify_seconds,
                 "engine_measure_ms": self.measure_ms}
