@@ -43,7 +43,7 @@ COVERAGE: list[tuple[str, str, str]] = [
     (r"^python3 -m faircast_ds\.config\.keys", "quick", "test_config_and_check_commands_run"),
     (r"^faircast-ds check", "quick", "test_config_and_check_commands_run"),
     (r"^faircast-ds predict", "test", "tests/tools/test_predict.py::test_text_report"),
-    (r"^python3 -m faircast_ds\.jobs\.paper_table docs/pretrained/steps\.csv", "test",
+    (r"^python3 -m faircast_ds\.jobs\.paper_table docs/pretrained/(tied-head-fixed/)?steps\.csv", "test",
      "tests/jobs/test_paper_table.py::test_the_committed_table_rebuilds_from_the_committed_rows"),
     (r"^faircast-ds inspect", "test", "tests/export/test_export_zero.py::test_inspect_checkpoint_reports_residuals_per_module_type"),
     (r"^faircast-ds to-universal", "test", "tests/deepspeed/test_checkpoint.py::test_elastic_resume_2_to_3_to_1_ranks"),
