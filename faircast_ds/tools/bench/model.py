@@ -434,7 +434,9 @@ def push_stages(data: dict[str, Any]) -> dict[str, dict[str, float]]:
 
     def of(q: dict[str, Any]) -> dict[str, float]:
         out = dict(q["stages"])
-        for key, stage in (("load_seconds", "engine.load"), ("check_seconds", "engine.check")):
+        for key, stage in (("load_seconds", "engine.load"), ("check_seconds", "engine.check"),
+                           ("check_staged_seconds", "engine.check.staged"),
+                           ("check_kernels_seconds", "engine.check.kernels")):
             if q.get("engine", {}).get(key) is not None:
                 out[stage] = q["engine"][key]
         out["push"] = q["seconds"]

@@ -29,6 +29,7 @@ backend's ``finish_weight_update`` (:func:`staging_check`, the loaded layers aga
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -307,19 +308,25 @@ def install_checksums() -> None:
 
 def staging_check(model: torch.nn.Module, dtype: torch.dtype, staged: list[tuple[str, torch.Tensor]], columns: int,
                 version: int, extra: Mapping[str, torch.Tensor] | None = None, *, tied: bool | None = None,
-                ) -> list[str]:
+                times: dict[str, float] | None = None) -> list[str]:
     """After a load from the staging copy (either plane): the vLLM names among the loaded layers whose
     kernels compute with other bits than ``staged`` (HF-named staging tensors, whole fused groups).
     ``columns`` > 0 reads that many input columns of each matrix (at ``version``'s sample), plus the
     ``extra`` ones per vLLM name (:func:`touched_lines`: those an update changed), 0 reads every element;
     the embedding is read at its sampled rows (plus its ``extra`` rows; every row for 0); vectors whole.
-    ``tied``: whether the model's LM head computes with the embedding (asked of the model when None)."""
+    ``tied``: whether the model's LM head computes with the embedding (asked of the model when None).
+    ``times``: gets the seconds of each side, ``staged_seconds`` (the staging copy's digests) and
+    ``kernels_seconds`` (reading the kernels back and their digests)."""
     if tied is None:
         tied = ties_head(model)
     sample = (columns, int(version)) if columns else None
     extra = extra if columns else None
+    began = time.perf_counter()
     expected = served_checksums(staged, prefix="", sample=sample, extra=extra, tied=tied)
+    staged_at = time.perf_counter()
     got = {name: t if isinstance(t, str) else checksum(t.cpu())
            for name, t in kernel_items(model, dtype, (columns, lambda _n: int(version)) if columns else None,
                                          names=set(expected), extra=extra)}
+    if times is not None:
+        times.update(staged_seconds=staged_at - began, kernels_seconds=time.perf_counter() - staged_at)
     return compare(got, expected)

@@ -373,8 +373,10 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         tied = kernels.ties_head(self.model)
         extra = touched_lines(staged, touched, columns, version, tied=tied) if columns and touched else None
         self.last.update(touched_lines=sum(t.numel() for t in extra.values()) if extra else 0)
+        times: dict[str, float] = {}
         bad = staging_check(self.model, self.vllm_config.model_config.dtype, staged, columns, version, extra,
-                            tied=tied)
+                            tied=tied, times=times)
+        self.last.update({f"check_{k}": v for k, v in times.items()})
         if bad:
             raise RuntimeError(f"faircast: after loading version {version} the kernels compute with other "
                                f"bits than the staging copy in {len(bad)} tensor(s) ({self._check_mode} check): "

@@ -383,7 +383,7 @@ def test_two_ranks_agree_on_a_push_that_changes_nothing(engine, tmp_path, plane)
     server = engine["server"]
     marks = tmp_path / "marks"
     marks.mkdir()
-    base = {"tcp": 100, "shm": 110, "net": 120}[plane]
+    base = {"tcp": 140, "shm": 150, "net": 160}[plane]
     procs = start_ranks(server, marks, [base, base + 1], plane=plane, unchanged=1)
     try:
         codes = [p.wait(WAIT) for p in procs]
@@ -504,6 +504,9 @@ def test_a_sparse_delta_is_written_in_place_where_the_kernels_read_live(engine, 
         assert report.kind == "delta" and report.params == len(moved)
         engine_side = server.engine_report()
         assert engine_side["loaded"] == engine_side["inplace"] + engine_side["reloaded"]
+        # the check's two sides, timed apart (the staging copy's digests, the kernels read back)
+        assert 0 < engine_side["check_staged_seconds"] and 0 < engine_side["check_kernels_seconds"]
+        assert engine_side["check_staged_seconds"] + engine_side["check_kernels_seconds"] <= engine_side["check_seconds"]
         mlp = [n for n in moved if ".mlp." in n]
         if plain_linear_kernels():  # every changed tensor in place, its listed elements only
             assert engine_side["reloaded"] == 0 and engine_side["inplace"] == engine_side["loaded"]
