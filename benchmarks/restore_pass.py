@@ -21,14 +21,7 @@ import zlib
 
 import torch
 
-
-def _time(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+from timing import best
 
 
 def child(path: str, n: int, threads: int, repeat: int) -> None:
@@ -60,10 +53,10 @@ def child(path: str, n: int, threads: int, repeat: int) -> None:
 
     timings = {
         "whole pass (first, fresh mapping)": first,
-        "whole pass (again)": _time(lambda: state._copy_verified(piece, residual, served), repeat),
-        "CRC of both arrays": _time(crcs, repeat),
-        "compare: (a != b).sum()": _time(parts(lambda a, b: int(torch.ne(a, b).sum())), repeat),
-        "compare: count_nonzero(a ^ b)": _time(parts(state._differing), repeat),
+        "whole pass (again)": best(lambda: state._copy_verified(piece, residual, served), repeat),
+        "CRC of both arrays": best(crcs, repeat),
+        "compare: (a != b).sum()": best(parts(lambda a, b: int(torch.ne(a, b).sum())), repeat),
+        "compare: count_nonzero(a ^ b)": best(parts(state._differing), repeat),
     }
     for what, s in timings.items():
         print(f"  {what:<36} {s:7.3f} s")
