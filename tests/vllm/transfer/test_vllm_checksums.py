@@ -196,3 +196,78 @@ def test_a_tied_head_is_checked_as_the_embedding_read_by_columns_and_an_own_head
     miss = next(c for c in range(16) if c not in cols)
     got = served_checksums(w.items(), sample=(4, 7), extra={"lm_head.weight": torch.tensor([miss])})
     assert got[PREFIX + "lm_head.weight"] == "cols4@v7:" + oracle_digest(emb, sorted(cols + [miss]))
+
+
+def oracle_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Canonical-bit equality written from the module docstring with numpy: ±0 and subnormals count as +0."""
+    exponent = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}[a.dtype]
+    itype = {2: "int16", 4: "int32"}[a.element_size()]
+    x = a.contiguous().view(getattr(torch, itype)).numpy().astype("int64")
+    y = b.contiguous().view(getattr(torch, itype)).numpy().astype("int64")
+    x[(x & exponent) == 0] = 0
+    y[(y & exponent) == 0] = 0
+    return x.shape == y.shape and bool((x == y).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_reading_is_equal_exactly_when_the_canonical_bits_are(dtype):
+    from faircast_ds.vllm.transfer.checksums import Reading
+
+    g = torch.Generator().manual_seed(5)
+    tiny = torch.finfo(dtype).tiny
+    base = torch.randn(40, 7, generator=g).to(dtype)
+    base.view(-1)[:4] = torch.tensor([float("nan"), 1.0, tiny, -3.0], dtype=torch.float64).to(dtype)
+    cases = []
+    for flat, value in ((5, -0.0), (6, tiny / 4), (7, -tiny / 2)):  # flushed: counts as +0 against a +0
+        a, b = base.clone(), base.clone()
+        a.view(-1)[flat], b.view(-1)[flat] = 0.0, value
+        cases.append((a, b))
+    ints = {2: torch.int16, 4: torch.int32}[base.element_size()]
+    one = base.clone()
+    one.view(-1)[100:101].view(ints).add_(1)  # one element, its last mantissa bit
+    cases += [(base, base.clone()), (base, one)]
+    nan2 = base.clone()  # another NaN payload is another value
+    nan2.view(-1)[0:1].view(ints).add_(1)
+    cases.append((base, nan2))
+    seen = []
+    for a, b in cases:
+        got = Reading("cols4@v7", a) == Reading("cols4@v7", b)
+        assert got == oracle_equal(a, b)
+        seen.append(got)
+    assert seen == [True, True, True, True, False, False]  # the cases cover both answers
+    assert Reading("cols4@v7", base) != Reading("cols4@v8", base.clone())  # another sample is never equal
+    assert Reading("whole", base) != Reading("whole", base[:39].clone())
+    assert Reading("whole", base) != "whole"  # never equal to a digest
+
+
+def test_readings_agree_with_the_digests_on_every_name():
+    """The engine compares readings in process; the trainer side and /weight_checker use digests. The two must
+    say the same thing about the same pair of weight sets, changed and unchanged names alike."""
+    w = weights()
+    cols = oracle_columns("model.layers.0.self_attn.o_proj.weight", 16, 4, 7)
+    changed = {k: v.clone() for k, v in w.items()}
+    changed["model.layers.0.self_attn.o_proj.weight"][3, cols[2]] += 0.5     # sampled: seen
+    down = "model.layers.0.mlp.down_proj.weight"
+    at = oracle_columns(down, 48, 4, 7)[0]                       # a sampled column
+    w[down][1, at], changed[down][1, at] = 0.0, -0.0                          # -0 counts as +0: unchanged
+    changed["model.layers.0.input_layernorm.weight"][2] += 1.0                # vector: always seen
+    changed["model.layers.0.self_attn.k_proj.weight"][0, :] += 1.0            # a fused part: seen in qkv
+    for kw in ({"sample": (4, 7)}, {"sample": (4, 7), "extra": {"model.embed_tokens.weight": torch.tensor([3])}}):
+        digests = [served_checksums(x.items(), **kw) for x in (w, changed)]
+        readings = [served_checksums(x.items(), readings=True, **kw) for x in (w, changed)]
+        assert set(digests[0]) == set(readings[0]) == set(readings[1])
+        verdict = {k: digests[0][k] == digests[1][k] for k in digests[0]}
+        assert verdict == {k: readings[0][k] == readings[1][k] for k in readings[0]}
+        assert sorted(k for k, same in verdict.items() if not same) == sorted(
+            PREFIX + k for k in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.input_layernorm.weight",
+                                 "model.layers.0.self_attn.qkv_proj.weight"))
+
+
+def test_taking_columns_is_index_select_whether_evenly_spaced_or_not():
+    from faircast_ds.vllm.transfer.checksums import take_columns
+
+    t = torch.randn(9, 50, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for cols in ([3, 10, 17, 24], [0, 49], [7], [2, 3, 9], [5, 9, 13, 40], list(range(50)), [49, 30]):
+        c = torch.tensor(cols)
+        assert torch.equal(take_columns(t, c).view(torch.int16), t.view(torch.int16)[:, cols]), cols
+        assert take_columns(t, c).is_contiguous()
