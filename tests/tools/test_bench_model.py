@@ -219,3 +219,27 @@ def test_launches_import_this_package_and_the_standard_library(tmp_path):
     lib, pkg = out.stdout.split()
     assert os.path.dirname(lib) == os.path.dirname(os.__file__)
     assert pkg == faircast_ds.__file__
+
+
+def test_cpu_time_and_page_faults_per_step_are_the_busier_ranks_medians_beside_plains():
+    from faircast_ds.tools.bench.model import format_usage
+
+    def ranked(config, seconds, cpu, faults):
+        r = _rank(config, seconds, 0.05, 3000, 4.0, 100)
+        for step, c, f in zip(r["steps"], cpu, faults):
+            step.update(cpu_s=c, minor_faults=f, major_faults=0)
+        return r
+
+    plain = figures(3, "plain", [[ranked("plain", [20, 10, 10, 10], [40, 19, 18, 20], [9, 100, 120, 110]),
+                                  ranked("plain", [20, 10, 10, 10], [40, 18, 18, 18], [9, 90, 130, 100])]])
+    ef = figures(3, "error_feedback", [[ranked("error_feedback", [20, 11, 11, 12], [40, 22, 21, 23], [9, 300, 310, 290]),
+                                        ranked("error_feedback", [20, 11, 11, 12], [40, 20, 20, 20], [9, 5, 5, 5])]])
+    # the busier rank per step, the warm-up skipped, then the median: CPU max(19,18), max(18,18), max(20,18)
+    assert (plain.cpu_s, plain.minor_faults) == (19, 110)  # faults: max(100,90), max(120,130), max(110,100)
+    assert (ef.cpu_s, ef.minor_faults) == (22, 300)
+    text = format_usage([plain, ef])
+    row = next(line for line in text.splitlines() if line.startswith("3 ") and "error_feedback" in line).split()
+    assert row[2:] == ["11.00", "1.100", "22.00", "1.158", "2.000", "300", "2.727"]
+    # a worker that did not record them (older results): no figure rather than a made-up one
+    old = figures(3, "plain", [[_rank("plain", [20, 10, 10, 10], 0.0, 3000, 4.0, 100)] * 2])
+    assert old.cpu_s is None and format_usage([old]) == ""

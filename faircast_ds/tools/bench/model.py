@@ -72,6 +72,10 @@ class Figures:
     round_steps: list[list[float]] = field(default_factory=list)  # per round: the timed steps (the slower rank)
     round_cast: list[list[float]] = field(default_factory=list)  # per round: the cast's seconds in those steps
     round_peaks: list[float] = field(default_factory=list)  # per round: the larger rank's training peak RSS
+    # per timed step, the busier rank's: CPU seconds (user + system, all threads) and minor page faults;
+    # None from a worker that did not record them. Both move far less with other load than wall time does.
+    cpu_s: float | None = None
+    minor_faults: float | None = None
 
 
 def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup: int, steps: int,
@@ -159,10 +163,13 @@ def figures(stage: int, config: str, runs: list[list[dict[str, Any]]]) -> Figure
         this_round = []
         for per_rank in by_step[warm:]:
             this_round.append({k: max(r[k] for r in per_rank) for k in ("seconds", "cast_s", "guard_s", "diagnostics_s")})
+            for k in ("cpu_s", "minor_faults"):
+                this_round[-1][k] = max(r[k] for r in per_rank) if all(k in r for r in per_rank) else None
         timed += this_round
         round_steps.append([t["seconds"] for t in this_round])
         round_cast.append([t["cast_s"] for t in this_round])
     med = lambda k: statistics.median(t[k] for t in timed)  # noqa: E731
+    usage = lambda k: med(k) if timed and all(t[k] is not None for t in timed) else None  # noqa: E731
     flat = [r for ranks in runs for r in ranks]
     return Figures(stage=stage, config=config, step_s=med("seconds"), cast_ms=1e3 * med("cast_s"),
                    guard_first_ms=1e3 * statistics.median(max(r["guard_s"] for r in f) for f in first),
@@ -176,7 +183,8 @@ def figures(stage: int, config: str, runs: list[list[dict[str, Any]]]) -> Figure
                    checkpoint_bytes=max(r["checkpoint_bytes"] for r in flat),
                    shard_elements=max((r["shard_elements"] or 0) for r in flat) or None,
                    params=flat[0]["params"], round_steps=round_steps, round_cast=round_cast,
-                   round_peaks=[max(r["train_peak_mib"] for r in ranks) for ranks in runs])
+                   round_peaks=[max(r["train_peak_mib"] for r in ranks) for ranks in runs],
+                   cpu_s=usage("cpu_s"), minor_faults=usage("minor_faults"))
 
 
 def _verdict(ok: bool) -> str:
@@ -268,6 +276,31 @@ def format_settled(rows: list[Figures]) -> str:
             "time in those same steps / their wall time; peak RSS: the larger rank's training peak, median over "
             "rounds; plain spread: plain's largest minus smallest peak over the rounds; with ckpt: the peak including "
             "the checkpoint save and load after the steps (median over rounds)"]
+    return "\n".join(head + [""] + columns(lines))
+
+
+def format_usage(rows: list[Figures]) -> str:
+    """Where a step's time goes besides the cast, in figures other load moves far less than wall time: each
+    configuration's CPU seconds and minor page faults per timed step (medians, the busier rank), beside
+    plain's. Empty when the workers did not record them."""
+    if not any(r.cpu_s is not None for r in rows):
+        return ""
+    lines = [("ZeRO", "config", "step s", "x plain", "CPU s/step", "x plain", "CPU / wall", "minor faults/step",
+              "x plain")]
+    for r in rows:
+        plain = next((p for p in rows if p.stage == r.stage and p.config == "plain"), None)
+
+        def ratio(mine: float | None, theirs: float | None) -> str:
+            return f"{mine / theirs:.3f}" if mine is not None and theirs else "-"
+
+        lines.append((str(r.stage), r.config, f"{r.step_s:.2f}", ratio(r.step_s, plain and plain.step_s),
+                      "-" if r.cpu_s is None else f"{r.cpu_s:.2f}", ratio(r.cpu_s, plain and plain.cpu_s),
+                      ratio(r.cpu_s, r.step_s),
+                      "-" if r.minor_faults is None else f"{r.minor_faults:,.0f}",
+                      ratio(r.minor_faults, plain and plain.minor_faults)))
+    head = ["per timed step, the busier rank: CPU s = user + system seconds of the rank's process (all its "
+            "threads; a core idle or taken by other work is not counted); CPU / wall: how many cores the step kept "
+            "busy; minor faults: pages the kernel mapped in (memory freed and touched again shows here)"]
     return "\n".join(head + [""] + columns(lines))
 
 
@@ -512,6 +545,9 @@ def main_from_args(args) -> int:  # type: ignore[no-untyped-def]
                       failures=failures, planes=planes) if push_modes else []
     table = format_table(rows, model=args.model, layers=layers, rounds=args.rounds, steps=args.steps, command=command)
     table += "\n\n" + format_settled(rows)
+    usage = format_usage(rows)
+    if usage:
+        table += "\n\n" + usage
     if pushes:
         table += "\n\n" + format_push_table(pushes, model=args.model, layers=layers, lr=lr)
         stage_table = format_stage_table(pushes)

@@ -30,6 +30,12 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _usage() -> tuple[float, int, int]:
+    """This process's CPU seconds (user + system, every thread), minor and major page faults so far."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime, u.ru_minflt, u.ru_majflt
+
+
 class _Clock:
     """Seconds spent inside wrapped methods, outermost calls only (a wrapped method calling another
     is counted once)."""
@@ -139,12 +145,14 @@ def main(argv: list[str]) -> None:
             prof.enable()
         x = torch.randint(0, vocab, (1, SEQUENCE), generator=torch.Generator().manual_seed(1000 * step + rank))
         dist.barrier()
+        usage = _usage()
         t = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
         seconds = time.perf_counter() - t
-        rows.append({"step": step + 1, "seconds": seconds,
+        cpu, minor, major = (b - a for a, b in zip(usage, _usage()))
+        rows.append({"step": step + 1, "seconds": seconds, "cpu_s": cpu, "minor_faults": minor, "major_faults": major,
                      "cast_s": fc.caster.last.seconds if fc is not None else 0.0,
                      "guard_s": guard_clock.take(), "diagnostics_s": diag_clock.take(), "peak_mib": _peak_mib()})
         if rank == 0:
