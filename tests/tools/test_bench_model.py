@@ -239,7 +239,9 @@ def test_cpu_time_and_page_faults_per_step_are_the_busier_ranks_medians_beside_p
     assert (ef.cpu_s, ef.minor_faults) == (22, 300)
     text = format_usage([plain, ef])
     row = next(line for line in text.splitlines() if line.startswith("3 ") and "error_feedback" in line).split()
-    assert row[2:] == ["11.00", "1.100", "22.00", "1.158", "2.000", "300", "2.727"]
+    assert row[2:6] + row[8:] == ["11.00", "1.100", "22.00", "1.158", "<=1.03", "MISS", "2.000", "300", "2.727"]
+    lo, hi = float(row[6].strip("[,")), float(row[7].strip("]"))
+    assert 1.03 < lo <= 1.158 <= hi  # every resampled CPU ratio is above the goal: 20-23 s against 18-20 s
     # a worker that did not record them (older results): no figure rather than a made-up one
     old = figures(3, "plain", [[_rank("plain", [20, 10, 10, 10], 0.0, 3000, 4.0, 100)] * 2])
     assert old.cpu_s is None and format_usage([old]) == ""

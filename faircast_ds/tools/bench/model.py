@@ -76,6 +76,7 @@ class Figures:
     # None from a worker that did not record them. Both move far less with other load than wall time does.
     cpu_s: float | None = None
     minor_faults: float | None = None
+    round_cpu: list[list[float]] = field(default_factory=list)  # per round: the timed steps' CPU seconds
 
 
 def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup: int, steps: int,
@@ -155,7 +156,7 @@ def _bar(done: int, total: int, label: str, started: float) -> str:
 
 def figures(stage: int, config: str, runs: list[list[dict[str, Any]]]) -> Figures:
     """Pool the ranks' JSON of every round of one (stage, configuration)."""
-    timed, first, round_steps, round_cast = [], [], [], []
+    timed, first, round_steps, round_cast, round_cpu = [], [], [], [], []
     for ranks in runs:
         by_step = list(zip(*[r["steps"] for r in ranks]))
         warm = ranks[0]["warmup"]
@@ -168,6 +169,7 @@ def figures(stage: int, config: str, runs: list[list[dict[str, Any]]]) -> Figure
         timed += this_round
         round_steps.append([t["seconds"] for t in this_round])
         round_cast.append([t["cast_s"] for t in this_round])
+        round_cpu.append([t["cpu_s"] for t in this_round])
     med = lambda k: statistics.median(t[k] for t in timed)  # noqa: E731
     usage = lambda k: med(k) if timed and all(t[k] is not None for t in timed) else None  # noqa: E731
     flat = [r for ranks in runs for r in ranks]
@@ -184,7 +186,8 @@ def figures(stage: int, config: str, runs: list[list[dict[str, Any]]]) -> Figure
                    shard_elements=max((r["shard_elements"] or 0) for r in flat) or None,
                    params=flat[0]["params"], round_steps=round_steps, round_cast=round_cast,
                    round_peaks=[max(r["train_peak_mib"] for r in ranks) for ranks in runs],
-                   cpu_s=usage("cpu_s"), minor_faults=usage("minor_faults"))
+                   cpu_s=usage("cpu_s"), minor_faults=usage("minor_faults"),
+                   round_cpu=round_cpu if all(c is not None for r in round_cpu for c in r) else [])
 
 
 def _verdict(ok: bool) -> str:
@@ -285,22 +288,30 @@ def format_usage(rows: list[Figures]) -> str:
     plain's. Empty when the workers did not record them."""
     if not any(r.cpu_s is not None for r in rows):
         return ""
-    lines = [("ZeRO", "config", "step s", "x plain", "CPU s/step", "x plain", "CPU / wall", "minor faults/step",
-              "x plain")]
+    lines = [("ZeRO", "config", "step s", "x plain", "CPU s/step", "x plain", "95% interval", "step goal",
+              "CPU / wall", "minor faults/step", "x plain")]
     for r in rows:
         plain = next((p for p in rows if p.stage == r.stage and p.config == "plain"), None)
 
         def ratio(mine: float | None, theirs: float | None) -> str:
             return f"{mine / theirs:.3f}" if mine is not None and theirs else "-"
 
+        interval, verdict = "-", "-"
+        if (plain is not None and r.config != "plain" and r.config in STEP_GOAL and r.round_cpu
+                and len(plain.round_cpu) == len(r.round_cpu)):
+            lo, hi = bootstrap_ratio_interval(r.round_cpu, plain.round_cpu)
+            interval = f"[{lo:.3f}, {hi:.3f}]"
+            verdict = f"<={STEP_GOAL[r.config]} {_interval_verdict(lo, hi, STEP_GOAL[r.config])}"
         lines.append((str(r.stage), r.config, f"{r.step_s:.2f}", ratio(r.step_s, plain and plain.step_s),
                       "-" if r.cpu_s is None else f"{r.cpu_s:.2f}", ratio(r.cpu_s, plain and plain.cpu_s),
-                      ratio(r.cpu_s, r.step_s),
+                      interval, verdict, ratio(r.cpu_s, r.step_s),
                       "-" if r.minor_faults is None else f"{r.minor_faults:,.0f}",
                       ratio(r.minor_faults, plain and plain.minor_faults)))
     head = ["per timed step, the busier rank: CPU s = user + system seconds of the rank's process (all its "
-            "threads; a core idle or taken by other work is not counted); CPU / wall: how many cores the step kept "
-            "busy; minor faults: pages the kernel mapped in (memory freed and touched again shows here)"]
+            "threads; a core idle or taken by other work is not counted); 95% interval and step goal: as above, "
+            "for the CPU seconds (the goal is set on wall time; this is the same question asked of a figure "
+            "other load moves less); CPU / wall: how many cores the step kept busy; minor faults: pages the "
+            "kernel mapped in (memory freed and touched again shows here)"]
     return "\n".join(head + [""] + columns(lines))
 
 
