@@ -73,7 +73,7 @@ class Figures:
     round_cast: list[list[float]] = field(default_factory=list)  # per round: the cast's seconds in those steps
     round_peaks: list[float] = field(default_factory=list)  # per round: the larger rank's training peak RSS
     # per timed step, the busier rank's: CPU seconds (user + system, all threads) and minor page faults;
-    # None from a worker that did not record them. Both move far less with other load than wall time does.
+    # None from a worker that did not record them. A core taken by other work is not counted in CPU seconds.
     cpu_s: float | None = None
     minor_faults: float | None = None
     round_cpu: list[list[float]] = field(default_factory=list)  # per round: the timed steps' CPU seconds
@@ -283,9 +283,9 @@ def format_settled(rows: list[Figures]) -> str:
 
 
 def format_usage(rows: list[Figures]) -> str:
-    """Where a step's time goes besides the cast, in figures other load moves far less than wall time: each
-    configuration's CPU seconds and minor page faults per timed step (medians, the busier rank), beside
-    plain's. Empty when the workers did not record them."""
+    """Where a step's time goes besides the cast: each configuration's CPU seconds (a core taken by other
+    work is not counted) and minor page faults per timed step (medians, the busier rank), beside plain's.
+    Empty when the workers did not record them."""
     if not any(r.cpu_s is not None for r in rows):
         return ""
     lines = [("ZeRO", "config", "step s", "x plain", "CPU s/step", "x plain", "95% interval", "step goal",

@@ -271,3 +271,54 @@ def test_taking_columns_is_index_select_whether_evenly_spaced_or_not():
         c = torch.tensor(cols)
         assert torch.equal(take_columns(t, c).view(torch.int16), t.view(torch.int16)[:, cols]), cols
         assert take_columns(t, c).is_contiguous()
+
+
+def test_readings_of_a_walk_that_reuses_its_buffer_are_copies():
+    """A ZeRO-3 walk hands each tensor in a buffer valid only until the next: a reading keeps its own bits."""
+    w = weights()
+    digests = served_checksums(w.items(), sample=(4, 7))
+
+    def walk():
+        buffer = torch.empty(10_000, dtype=torch.bfloat16)
+        for name, t in w.items():
+            view = buffer[:t.numel()].view(t.shape)
+            view.copy_(t)
+            yield name, view
+            view.fill_(7.0)  # the next tensor overwrites the buffer
+
+    readings = served_checksums(walk(), sample=(4, 7), readings=True)
+    again = served_checksums(w.items(), sample=(4, 7), readings=True)
+    assert set(readings) == set(digests) and all(readings[k] == again[k] for k in again)
+
+
+def test_taking_columns_out_of_range_is_refused_as_index_select_refuses_it():
+    from faircast_ds.vllm.transfer.checksums import take_columns
+
+    t = torch.zeros(3, 16, dtype=torch.bfloat16)
+    with pytest.raises((IndexError, RuntimeError)):
+        take_columns(t, torch.tensor([8, 16]))
+
+
+def test_the_engine_check_compares_in_process_and_names_every_difference():
+    """staging_check on a module with vectors only (no vLLM kernel involved): ±0 passes, a changed element,
+    a staged name the engine lacks and a whole (verify=full) check are each reported as the digests say."""
+    from faircast_ds.vllm.transfer.checksums import staging_check
+
+    class Norms(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.randn(32).to(torch.bfloat16))
+            self.b = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
+
+    model = Norms()
+    model.a.data[3] = 0.0
+    staged = [("a", model.a.detach().clone()), ("b", model.b.detach().clone())]
+    staged[0][1][3] = -0.0
+    for columns in (64, 0):
+        assert staging_check(model, torch.bfloat16, staged, columns, 5, tied=False) == []
+    moved = [("a", staged[0][1].clone()), ("b", staged[1][1])]
+    moved[0][1][7] += 1.0
+    for columns in (64, 0):
+        assert staging_check(model, torch.bfloat16, moved, columns, 5, tied=False) == ["a"]
+        assert staging_check(model, torch.bfloat16, staged + [("c", torch.ones(4, dtype=torch.bfloat16))],
+                             columns, 5, tied=False) == ["c"]
