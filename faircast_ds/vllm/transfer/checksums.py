@@ -61,9 +61,13 @@ def checksum(t: torch.Tensor) -> str:
     bits = t.contiguous().view(-1).cpu().view(itype)
     h = hashlib.sha256()
     for at in range(0, bits.numel(), _HASH_CHUNK):
-        chunk = bits.narrow(0, at, min(_HASH_CHUNK, bits.numel() - at))
-        h.update(torch.where((chunk & exponent) == 0, 0, chunk).numpy())
+        h.update(_flushed(bits.narrow(0, at, min(_HASH_CHUNK, bits.numel() - at)), exponent).numpy())
     return h.hexdigest()
+
+
+def _flushed(bits: torch.Tensor, exponent: int) -> torch.Tensor:
+    """Float bits (as integers) with every element whose ``exponent`` field is zero (±0, subnormals) set to +0."""
+    return torch.where((bits & exponent) == 0, 0, bits)
 
 
 class Reading:
@@ -77,17 +81,16 @@ class Reading:
     __slots__ = ("label", "dtype", "bits")
 
     def __init__(self, label: str, t: torch.Tensor) -> None:
-        t = t.detach()
-        kept = t.cpu().contiguous()
-        if kept.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
-            kept = kept.clone()  # never a view of the caller's tensor: a walk may reuse it for the next one
-        t = kept
+        source = t.detach()
+        t = source.cpu().contiguous()
+        if t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+            t = t.clone()  # never a view of the caller's tensor: a walk may reuse it for the next one
         self.label, self.dtype = label, t.dtype
         self.bits = t.view(_EXPONENT[t.dtype][0]) if t.dtype in _EXPONENT else t
 
     def _canonical(self) -> torch.Tensor:
         if self.dtype in _EXPONENT:
-            return torch.where((self.bits & _EXPONENT[self.dtype][1]) == 0, 0, self.bits)
+            return _flushed(self.bits, _EXPONENT[self.dtype][1])
         return bit_pattern(canonical(self.bits))
 
     def __eq__(self, other: object) -> bool:
