@@ -18,36 +18,22 @@ import argparse
 
 import torch
 
+from faircast_ds.models.builders import ARCHITECTURES, real_causal_lm
 from timing import best
 
-SHAPES = {  # hidden, intermediate, layers, vocabulary, kv width; tied head
-    "qwen2.5-0.5b": (896, 4864, 24, 151936, 128),
-    "qwen3-0.6b": (1024, 3072, 28, 151936, 1024),
-}
 
-
-def staged(model: str) -> list[tuple[str, torch.Tensor]]:
-    h, inter, layers, vocab, kv = SHAPES[model]
-    q = 2048 if model == "qwen3-0.6b" else h
+def staged(model: str) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    """The model's served tensors (its own parameter names and shapes, random bf16 values) and whether it
+    ties its LM head to the embedding."""
+    shapes = real_causal_lm(model, device="meta")
     g = torch.Generator().manual_seed(0)
-
-    def w(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
-
-    out = [("model.embed_tokens.weight", w(vocab, h))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", w(q, h)), (p + "self_attn.k_proj.weight", w(kv, h)),
-                (p + "self_attn.v_proj.weight", w(kv, h)), (p + "self_attn.o_proj.weight", w(h, q)),
-                (p + "mlp.gate_proj.weight", w(inter, h)), (p + "mlp.up_proj.weight", w(inter, h)),
-                (p + "mlp.down_proj.weight", w(h, inter)),
-                (p + "input_layernorm.weight", w(h)), (p + "post_attention_layernorm.weight", w(h))]
-    return out + [("model.norm.weight", w(h))]
+    return ([(name, (torch.randn(*p.shape, generator=g) * 0.02).to(torch.bfloat16))
+             for name, p in shapes.named_parameters()], bool(shapes.config.tie_word_embeddings))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    ap.add_argument("--model", choices=sorted(ARCHITECTURES), default="qwen2.5-0.5b")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--columns", type=int, default=64)
@@ -56,12 +42,12 @@ def main() -> None:
     from faircast_ds.vllm.transfer.checksums import served_checksums
 
     torch.set_num_threads(args.threads)
-    tensors = staged(args.model)
+    tensors, tied = staged(args.model)
     sample = (args.columns, 7)
-    digests = served_checksums(tensors, prefix="", sample=sample, tied=True)
-    readings = served_checksums(tensors, prefix="", sample=sample, tied=True, readings=True)
-    other = served_checksums(tensors, prefix="", sample=sample, tied=True, readings=True)
-    other_digests = served_checksums(tensors, prefix="", sample=sample, tied=True)
+    digests = served_checksums(tensors, prefix="", sample=sample, tied=tied)
+    readings = served_checksums(tensors, prefix="", sample=sample, tied=tied, readings=True)
+    other = served_checksums(tensors, prefix="", sample=sample, tied=tied, readings=True)
+    other_digests = served_checksums(tensors, prefix="", sample=sample, tied=tied)
     assert set(digests) == set(readings) and all(readings[k] == other[k] for k in readings)
     elements = sum(r.bits.numel() for r in readings.values())
     strided = checksums.take_columns
@@ -72,20 +58,21 @@ def main() -> None:
     def before() -> None:  # every column sample gathered by index_select, then hashed
         checksums.take_columns = gathered_by_index
         try:
-            served_checksums(tensors, prefix="", sample=sample, tied=True)
+            served_checksums(tensors, prefix="", sample=sample, tied=tied)
         finally:
             checksums.take_columns = strided
 
     rows = {
         "staged side, before": best(before, args.repeat),
-        "staged side, SHA-256 digests": best(lambda: served_checksums(tensors, prefix="", sample=sample, tied=True),
+        "staged side, SHA-256 digests": best(lambda: served_checksums(tensors, prefix="", sample=sample, tied=tied),
                                              args.repeat),
-        "staged side, readings": best(lambda: served_checksums(tensors, prefix="", sample=sample, tied=True,
+        "staged side, readings": best(lambda: served_checksums(tensors, prefix="", sample=sample, tied=tied,
                                                                readings=True), args.repeat),
         "compare: digests": best(lambda: [digests[k] == other_digests[k] for k in digests], args.repeat),
         "compare: readings": best(lambda: [readings[k] == other[k] for k in readings], args.repeat),
     }
-    print(f"# {args.model} shapes, {sum(t.numel() for _, t in tensors) / 1e6:.1f}M parameters, tied head, "
+    print(f"# {args.model} shapes, {sum(t.numel() for _, t in tensors) / 1e6:.1f}M parameters, "
+          f"{'tied' if tied else 'own'} head, "
           f"{args.columns} columns per matrix: {len(readings)} readings of {elements / 1e6:.1f}M elements; "
           f"{args.threads} threads, best of {args.repeat}")
     for name, seconds in rows.items():
