@@ -82,6 +82,27 @@ def test_push_table_prints_the_push_goals():
     assert "<=0.25" not in delta_bad  # the delta goal is dither's
 
 
+def test_width_table_prints_each_sampled_check_beside_the_reload_and_its_floor():
+    """Pushes 7 and 8 (32 and 16 columns) join the default's push 4 in their own table; the deltas are still
+    pushes 5 and 6 only, and results from before the narrower pushes print no width table."""
+    from faircast_ds.tools.bench.model import format_width_table, push_figures
+
+    data = _push("dither", dense=6.0, bare=5.0, reload=5.0, delta=1.0, verify=0.2)
+    assert format_width_table([data]) == ""  # six pushes: no widths measured
+    for q in data["pushes"]:
+        q["check"], q["check_columns"] = "sampled", 64
+    data["pushes"][3]["engine"].update(check_seconds=0.5, check_kernels_seconds=0.4)
+    for version, (columns, seconds, kernels) in enumerate(((32, 5.6, 0.2), (16, 5.3, 0.1)), start=6):
+        data["pushes"].append({"version": version, "kind": "dense", "seconds": seconds, "check": "sampled",
+                               "check_columns": columns, "engine": {"load_seconds": 4.0, "check_seconds": kernels + 0.1,
+                                                                    "check_kernels_seconds": kernels}})
+    rows = [line.split() for line in format_width_table([data]).splitlines() if line.startswith("dither")]
+    assert rows == [["dither", "64", "6.00", "1.20", "0.500", "0.400", "1.08"],  # (5.0 + 0.4) / 5.0
+                    ["dither", "32", "5.60", "1.40", "0.300", "0.200", "1.05"],
+                    ["dither", "16", "5.30", "1.32", "0.200", "0.100", "1.02"]]  # 5.3 / 4.0; (4.0 + 0.1) / 4.0
+    assert push_figures(data)["delta_s"] == 1.0 and push_figures(data)["delta_changed"] == [0.007, 0.009]
+
+
 def test_a_stopped_run_is_resumed_and_a_failed_launch_is_reported(tmp_path, monkeypatch):
     import json
 

@@ -387,7 +387,7 @@ def _read_push(stem: str, layers: int, lr: float) -> dict[str, Any] | None:
             data = json.load(f)
     except (OSError, ValueError):
         return None
-    return data if data.get("layers") == layers and data.get("lr") == lr and len(data.get("pushes", ())) == 6 else None
+    return data if data.get("layers") == layers and data.get("lr") == lr and len(data.get("pushes", ())) >= 6 else None
 
 
 def _verify_s(row: dict[str, Any]) -> float:
@@ -400,7 +400,7 @@ def push_figures(data: dict[str, Any]) -> dict[str, Any]:
     """The push worker's six pushes (dense verified whole, dense unverified, dense verified whole, dense
     verified sampled, delta, delta) as the figures the table prints."""
     p = data["pushes"]
-    first, bare, dense, dense_sampled, deltas = p[0], p[1], p[2], p[3], p[4:]
+    first, bare, dense, dense_sampled, deltas = p[0], p[1], p[2], p[3], p[4:6]
     delta_s = statistics.median(d["seconds"] for d in deltas)
     reload_s = dense["engine"].get("load_seconds") or float("nan")
     plane = data.get("plane", "tcp")
@@ -486,10 +486,42 @@ def push_stages(data: dict[str, Any]) -> dict[str, dict[str, float]]:
         out["push"] = q["seconds"]
         return out
 
-    deltas = [of(q) for q in p[4:]]
+    deltas = [of(q) for q in p[4:6]]
     names = {n for d in deltas for n in d}
     return {"dense, no check": of(p[1]), "dense, sampled check": of(p[3]),
             "delta (median)": {n: statistics.median(d.get(n, 0.0) for d in deltas) for n in names}}
+
+
+def check_widths(data: dict[str, Any]) -> list[dict[str, float]]:
+    """The dense pushes verified by a sampled check, one per width (input columns read per matrix): the
+    default's (push 4) and the narrower ones of pushes 7 and later; empty before the worker made those."""
+    p = data["pushes"]
+    rows = [q for q in [p[3], *p[6:]] if q.get("check_columns") and q.get("check") == "sampled"]
+    if len(rows) < 2:
+        return []
+    return [{"columns": q["check_columns"], "push_s": q["seconds"],
+             "reload_s": q["engine"].get("load_seconds") or float("nan"),
+             "check_s": q["engine"].get("check_seconds") or float("nan"),
+             "kernels_s": q["engine"].get("check_kernels_seconds") or float("nan")} for q in rows]
+
+
+def format_width_table(pushes: list[dict[str, Any]]) -> str:
+    """What the width of the sampled check costs: the same dense push verified at each width, against vLLM's
+    own reload in the same push, and the floor reload + kernel read-back puts under any push at that width."""
+    lines = [("mode", "columns per matrix", "push s", "push x reload", "engine check s", "kernel read-back s",
+              "(reload + read-back) x reload")]
+    for data in pushes:
+        mode = data["mode"] + ("" if data.get("plane", "tcp") == "tcp" else "/" + data["plane"])
+        for w in check_widths(data):
+            lines.append((mode, str(w["columns"]), f"{w['push_s']:.2f}", f"{w['push_s'] / w['reload_s']:.2f}",
+                          f"{w['check_s']:.3f}", f"{w['kernels_s']:.3f}",
+                          f"{(w['reload_s'] + w['kernels_s']) / w['reload_s']:.2f}"))
+    if len(lines) == 1:
+        return ""
+    head = ["the sampled check's width: the same dense push verified by reading back k input columns of every "
+            "matrix through its kernel (vectors whole and the embedding's sampled rows at every width); the last "
+            "column is what vLLM's reload and the read-back alone take, before any transfer"]
+    return "\n".join(head + [""] + columns(lines))
 
 
 def format_stage_table(pushes: list[dict[str, Any]]) -> str:
@@ -561,9 +593,9 @@ def main_from_args(args) -> int:  # type: ignore[no-untyped-def]
         table += "\n\n" + usage
     if pushes:
         table += "\n\n" + format_push_table(pushes, model=args.model, layers=layers, lr=lr)
-        stage_table = format_stage_table(pushes)
-        if stage_table:
-            table += "\n\n" + stage_table
+        for extra in (format_stage_table(pushes), format_width_table(pushes)):
+            if extra:
+                table += "\n\n" + extra
     if failures:
         table += "\n\nFAILED (not in the tables above; logs in " + out_dir + "):\n" + "\n".join(f"- {f}" for f in failures)
     print(table)

@@ -9,7 +9,9 @@ Arguments (after the script): STEM MODEL LAYERS MODE LR. The pushes, each with i
 2. dense, not verified (the push alone),
 3. dense, verified whole (after an unverified push; against 2: what a whole check costs),
 4. dense, verified by the default later check (every matrix on sampled columns),
-5. one optimizer step at LR, then a verified delta; 6. the same again.
+5. one optimizer step at LR, then a verified delta; 6. the same again;
+7., 8. dense, verified by a sampled check of 32 and then 16 input columns per matrix (the default's 64 is
+   push 4): what the width of the sample costs.
 
 For each: the trainer's report (seconds, bytes on the channel, parameters walked = ZeRO-3 gathers,
 changed elements, verification seconds) and the engine's (seconds receiving, seconds inside vLLM's
@@ -91,9 +93,12 @@ def main(argv: list[str]) -> None:
         out["server_start_s"] = time.perf_counter() - t
     try:
         push = ServedPush(engine, server, plane=plane)
-        plan = [("dense", True, 0), ("dense", False, 0), ("dense", True, 0), ("dense", True, 0), ("delta", True, 1),
-                ("delta", True, 1)]
-        for version, (kind, verify, steps) in enumerate(plan):
+        default = push.route.check_columns
+        plan = [("dense", True, 0, default), ("dense", False, 0, default), ("dense", True, 0, default),
+                ("dense", True, 0, default), ("delta", True, 1, default), ("delta", True, 1, default),
+                ("dense", True, 0, 32), ("dense", True, 0, 16)]
+        for version, (kind, verify, steps, columns) in enumerate(plan):
+            push.route.check_columns = columns
             for _ in range(steps):
                 x = torch.randint(0, vocab, (1, SEQUENCE),
                                   generator=torch.Generator().manual_seed(1000 * version + rank))
@@ -107,6 +112,7 @@ def main(argv: list[str]) -> None:
                                                   "verified", "stages", "http_calls", "collectives")}
                 row["engine"] = server.engine_report()
                 row["check"] = push.last_check
+                row["check_columns"] = columns
                 out["pushes"].append(row)
                 print(f"[bench] push {mode} v{version} {kind}{' ' + push.last_check + ' check' if verify else ' (unverified)'}: {r.seconds:.2f} s, "
                       f"{r.bytes / 2**20:.0f} MiB, {r.changed / r.numel:.2%} changed, engine load "
