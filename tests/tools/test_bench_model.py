@@ -103,6 +103,33 @@ def test_width_table_prints_each_sampled_check_beside_the_reload_and_its_floor()
     assert push_figures(data)["delta_s"] == 1.0 and push_figures(data)["delta_changed"] == [0.007, 0.009]
 
 
+def test_deltas_are_also_compared_with_dense_pushes_after_a_step():
+    """Pushes 9-12 (a step before each): their dense pushes get their own row against their own reload, their
+    deltas join the delta median, and the header gives delta / dense-after-a-step; none of them is a width."""
+    from faircast_ds.tools.bench.model import format_push_table, format_width_table, push_figures
+
+    data = _push("dither", dense=6.0, bare=5.0, reload=5.0, delta=4.0, verify=0.2)
+    for version, (kind, seconds, load) in enumerate((("dense", 16.0, 9.0), ("dense", 12.0, 8.0)), start=6):
+        data["pushes"].append({"version": version, "kind": kind, "seconds": seconds, "check": "sampled",
+                               "check_columns": 64, "steps_before": 0, "engine": {"load_seconds": load}})
+    for version, (kind, seconds, load) in enumerate((("dense", 7.0, 5.0), ("delta", 5.0, 1.0), ("dense", 9.0, 7.0),
+                                                     ("delta", 4.5, 1.0)), start=8):
+        data["pushes"].append({"version": version, "kind": kind, "seconds": seconds, "check": "sampled",
+                               "check_columns": 64, "steps_before": 1, "changed": 10, "numel": 1000,
+                               "bytes": 20, "gathers": 0, "params": 5, "verify_seconds": 0.5,
+                               "engine": {"load_seconds": load}})
+    f = push_figures(data)
+    assert f["stepped_dense_s"] == 8.0 and f["stepped_reload_s"] == 6.0  # medians of 7, 9 and 5, 7
+    assert f["delta_s"] == 4.25  # median of 4, 4, 5, 4.5
+    text = format_push_table([data], model="qwen3-0.6b", layers=28, lr=1e-6)
+    row = next(line.split() for line in text.splitlines() if line.startswith("dither ") and "dense after a step" in line)
+    assert row[5:] == ["sampled", "100%", "0", "311", "8.00", "1.333", "-", "6.00", "1.33", "<=1.5", "pass", "-", "-",
+                       "-", "80"]  # 8 / 6 (dense sampled push 4); 8 / 6 reload; 8 / 0.1 memcpy
+    assert "delta after a step / dense after a step (both medians, one optimizer step before each push): 0.531" in text
+    widths = [line.split()[1] for line in format_width_table([data]).splitlines() if line.startswith("dither")]
+    assert widths == ["64", "64"]  # pushes 7, 8 (no step before them; push 4 here names no width)
+
+
 def test_a_stopped_run_is_resumed_and_a_failed_launch_is_reported(tmp_path, monkeypatch):
     import json
 

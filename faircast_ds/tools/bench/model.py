@@ -397,10 +397,13 @@ def _verify_s(row: dict[str, Any]) -> float:
 
 
 def push_figures(data: dict[str, Any]) -> dict[str, Any]:
-    """The push worker's six pushes (dense verified whole, dense unverified, dense verified whole, dense
-    verified sampled, delta, delta) as the figures the table prints."""
+    """The push worker's pushes (dense verified whole, dense unverified, dense verified whole, dense verified
+    sampled, delta, delta; then, where the worker made them, the narrower checks and the dense pushes and deltas
+    after a step each: :mod:`faircast_ds.tools.bench.push_worker`) as the figures the table prints."""
     p = data["pushes"]
-    first, bare, dense, dense_sampled, deltas = p[0], p[1], p[2], p[3], p[4:6]
+    first, bare, dense, dense_sampled = p[0], p[1], p[2], p[3]
+    deltas = [q for q in p[4:] if q["kind"] == "delta"]  # each after one step: pushes 5, 6 and 10, 12
+    stepped = [q for q in p[6:] if q["kind"] == "dense" and q.get("steps_before")]  # dense after a step: 9, 11
     delta_s = statistics.median(d["seconds"] for d in deltas)
     reload_s = dense["engine"].get("load_seconds") or float("nan")
     plane = data.get("plane", "tcp")
@@ -417,6 +420,9 @@ def push_figures(data: dict[str, Any]) -> dict[str, Any]:
             "delta_params": [d["params"] for d in deltas],
             "delta_verify_s": statistics.median(_verify_s(d) for d in deltas),
             "delta_reload_s": statistics.median(d["engine"].get("load_seconds") or 0.0 for d in deltas),
+            "stepped_dense_s": statistics.median(q["seconds"] for q in stepped) if stepped else None,
+            "stepped_reload_s": statistics.median(q["engine"].get("load_seconds") or 0.0 for q in stepped)
+            if stepped else None,
             "memcpy_s": data["memcpy_s"], "server_start_s": data.get("server_start_s"), "export_s": data.get("export_s")}
 
 
@@ -438,6 +444,13 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
         lines.append((f["mode"], "dense", "none", "100%", f"{f['dense_bytes'] / MIB:.0f}", str(f["dense_gathers"]),
                       f"{bare:.2f}", f"{bare / f['dense_sampled_s']:.3f}", "-", f"{f['bare_reload_s']:.2f}",
                       f"{bare / f['bare_reload_s']:.2f}", "-", "-", "-", "-", f"{bare / f['memcpy_s']:.0f}"))
+        if f["stepped_dense_s"] is not None:
+            s_x = f["stepped_dense_s"] / f["stepped_reload_s"]
+            lines.append((f["mode"], "dense after a step", "sampled", "100%", f"{f['dense_bytes'] / MIB:.0f}",
+                          str(f["dense_gathers"]), f"{f['stepped_dense_s']:.2f}",
+                          f"{f['stepped_dense_s'] / f['dense_sampled_s']:.3f}", "-", f"{f['stepped_reload_s']:.2f}",
+                          f"{s_x:.2f}", f"<={RELOAD_GOAL} {_verdict(s_x <= RELOAD_GOAL)}", "-", "-", "-",
+                          f"{f['stepped_dense_s'] / f['memcpy_s']:.0f}"))
         delta_x = f["delta_s"] / f["dense_sampled_s"]
         mode = f["mode"].split("/")[0]  # a plane's rows are labelled "MODE/PLANE"
         goal = f"<={DELTA_GOAL[mode]} {_verdict(delta_x <= DELTA_GOAL[mode])}" if mode in DELTA_GOAL else "-"
@@ -460,6 +473,11 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
             "dense = verified minus unverified push, delta = the check after the walk (verify x push: against "
             "the rest of the push); gathers: ZeRO-3 full-parameter gathers of the walk; x memcpy: against "
             "copying the same bf16 bytes once"]
+    for f in map(push_figures, pushes):
+        if f["stepped_dense_s"] is not None:
+            head.append(f"{f['mode']}: delta after a step / dense after a step (both medians, one optimizer step "
+                        f"before each push): {f['delta_s'] / f['stepped_dense_s']:.3f}; x dense compares with the "
+                        "dense push no step preceded")
     if pushes:
         f = push_figures(pushes[0])
         head.append(f"first push (dense, the engine's first update, whole check) {f['first_s']:.2f} s; export "
@@ -486,7 +504,7 @@ def push_stages(data: dict[str, Any]) -> dict[str, dict[str, float]]:
         out["push"] = q["seconds"]
         return out
 
-    deltas = [of(q) for q in p[4:6]]
+    deltas = [of(q) for q in p[4:] if q["kind"] == "delta"]
     names = {n for d in deltas for n in d}
     return {"dense, no check": of(p[1]), "dense, sampled check": of(p[3]),
             "delta (median)": {n: statistics.median(d.get(n, 0.0) for d in deltas) for n in names}}
@@ -496,7 +514,8 @@ def check_widths(data: dict[str, Any]) -> list[dict[str, float]]:
     """The dense pushes verified by a sampled check, one per width (input columns read per matrix): the
     default's (push 4) and the narrower ones of pushes 7 and later; empty before the worker made those."""
     p = data["pushes"]
-    rows = [q for q in [p[3], *p[6:]] if q.get("check_columns") and q.get("check") == "sampled"]
+    rows = [q for q in [p[3], *p[6:]] if q.get("check_columns") and q.get("check") == "sampled"
+            and q["kind"] == "dense" and not q.get("steps_before")]
     if len(rows) < 2:
         return []
     return [{"columns": q["check_columns"], "push_s": q["seconds"],

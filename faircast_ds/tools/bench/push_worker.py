@@ -11,7 +11,9 @@ Arguments (after the script): STEM MODEL LAYERS MODE LR. The pushes, each with i
 4. dense, verified by the default later check (every matrix on sampled columns),
 5. one optimizer step at LR, then a verified delta; 6. the same again;
 7., 8. dense, verified by a sampled check of 32 and then 16 input columns per matrix (the default's 64 is
-   push 4): what the width of the sample costs.
+   push 4): what the width of the sample costs;
+9.-12. one optimizer step before each of a dense push, a delta, a dense push, a delta (sampled checks): a
+   delta against a dense push that, like it, follows a step (a step moves the engine's reload too).
 
 For each: the trainer's report (seconds, bytes on the channel, parameters walked = ZeRO-3 gathers,
 changed elements, verification seconds) and the engine's (seconds receiving, seconds inside vLLM's
@@ -96,7 +98,8 @@ def main(argv: list[str]) -> None:
         default = push.route.check_columns
         plan = [("dense", True, 0, default), ("dense", False, 0, default), ("dense", True, 0, default),
                 ("dense", True, 0, default), ("delta", True, 1, default), ("delta", True, 1, default),
-                ("dense", True, 0, 32), ("dense", True, 0, 16)]
+                ("dense", True, 0, 32), ("dense", True, 0, 16), ("dense", True, 1, default), ("delta", True, 1, default),
+                ("dense", True, 1, default), ("delta", True, 1, default)]
         for version, (kind, verify, steps, columns) in enumerate(plan):
             push.route.check_columns = columns
             for _ in range(steps):
@@ -113,6 +116,7 @@ def main(argv: list[str]) -> None:
                 row["engine"] = server.engine_report()
                 row["check"] = push.last_check
                 row["check_columns"] = columns
+                row["steps_before"] = steps
                 out["pushes"].append(row)
                 print(f"[bench] push {mode} v{version} {kind}{' ' + push.last_check + ' check' if verify else ' (unverified)'}: {r.seconds:.2f} s, "
                       f"{r.bytes / 2**20:.0f} MiB, {r.changed / r.numel:.2%} changed, engine load "
