@@ -1,6 +1,6 @@
 """Time the GPU (Triton) casts, for a session that has a CUDA machine (e.g. one H200).
 
-    python benchmarks/gpu_check.py [--numel 1.7e9] [--repeats 10] [--out DIR]
+    python benchmarks/gpu_check.py [--numel 1.7e9] [--repeats 10] [--out DIR] [--ipc [--ipc-mib 1137]]
 
 Casting ``--numel`` fp32 elements to bf16, per mode, as multiples of a plain round-to-nearest
 ``bf16.copy_(fp32)`` of the same tensor (the memory floor: ~10.2 GB moved for 1.7e9 elements, ~2.4 ms
@@ -11,6 +11,10 @@ stacks.
 The bits are checked by tests/casting/test_gpu.py (the Triton kernel against ``cast`` on the GPU and on the
 CPU and against the slow reference, on awkward inputs, residual and counts included); run it first:
 ``python -m pytest -q tests/casting/test_gpu.py``.
+
+``--ipc`` adds the bucket part (``benchmarks/gpu_buckets.py``): served slices moved from a trainer-rank
+process into an engine process through CUDA IPC bucket slots, in GB/s against a device memcpy, the bits
+checked against a direct write.
 
 Prints one table and writes it, with the raw numbers as JSON, to benchmarks/results/ (and to $OUT
 when that is set, so a device session gets the files back). Needs only torch with CUDA, Triton, and
@@ -107,6 +111,9 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: a dry run of this script with the CPU kernel (tiny --numel), no GPU needed")
+    parser.add_argument("--ipc", action="store_true", help="also time the bucket stream between two processes")
+    parser.add_argument("--ipc-mib", type=int, default=1137, help="served MiB the bucket stream moves")
+    parser.add_argument("--bucket-mib", type=int, default=256, help="bytes per bucket slot, MiB")
     args = parser.parse_args()
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -122,6 +129,12 @@ def main() -> int:
         name = "cpu (dry run)"
         header = [f"faircast-ds GPU timing, DRY RUN on the CPU kernel: torch {torch.__version__}"]
     time_lines, rows = time_all(int(args.numel), args.repeats, args.device)
+    stream = None
+    if args.ipc:
+        import gpu_buckets
+
+        stream_lines, stream = gpu_buckets.run(args.ipc_mib << 20, args.bucket_mib << 20, args.device)
+        time_lines += [""] + stream_lines
     text = "\n".join(header + [""] + time_lines)
     print(text)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -129,8 +142,8 @@ def main() -> int:
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / f"gpu_check_{stamp}.txt").write_text(text + "\n")
         (Path(folder) / f"gpu_check_{stamp}.json").write_text(json.dumps(
-            dict(device=name, timing=rows), indent=2))
-    return 0
+            dict(device=name, timing=rows, bucket_stream=stream), indent=2))
+    return 1 if stream is not None and not stream["bits_equal"] else 0
 
 
 if __name__ == "__main__":

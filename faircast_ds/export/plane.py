@@ -4,8 +4,8 @@ and the engine's ledger that turns the ranks' reports into one all-or-nothing co
 
 Nothing here moves bytes or knows a socket. A transport supplies a :class:`Segment` (bytes the engine
 owns and the trainer ranks may write): :class:`HostSegment` is the CPU one (a ``memfd`` mapped in both
-processes, :mod:`faircast_ds.vllm.transfer.segment`); a GPU transport (CUDA IPC buckets on one node) would
-supply the same four operations on device memory. The tests drive the ledger, the layout and the
+processes, :mod:`faircast_ds.vllm.transfer.segment`); :class:`TensorSegment` is any uint8 tensor, a GPU
+engine's staging included, which :mod:`faircast_ds.export.bucket_stream` fills bucket by bucket. The tests drive the ledger, the layout and the
 digests through :class:`HostSegment` alone.
 
 **Layout.** Parameter ``i`` occupies ``[offset[i], offset[i] + numel * element_size)``, offsets in
@@ -122,6 +122,23 @@ class HostSegment:
     def close(self) -> None:
         self.flat = torch.empty(0, dtype=torch.uint8)
         self._buffer = None
+
+
+class TensorSegment:
+    """A :class:`Segment` over a uint8 tensor on any device (a GPU engine's staging buffer; no copy)."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        if flat.dtype != torch.uint8 or flat.dim() != 1:
+            raise ValueError(f"a segment is a 1-D uint8 tensor, got {flat.dtype} {tuple(flat.shape)}")
+        self.flat, self.nbytes = flat, flat.numel()
+
+    def bytes_at(self, offset: int, nbytes: int) -> torch.Tensor:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) outside the segment of {self.nbytes}")
+        return self.flat.narrow(0, offset, nbytes)
+
+    def close(self) -> None:
+        self.flat = torch.empty(0, dtype=torch.uint8)
 
 
 def _sample_positions(numel: int, samples: int = SAMPLES) -> torch.Tensor:
