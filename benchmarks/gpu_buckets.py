@@ -126,7 +126,10 @@ def run(total_bytes: int, bucket_bytes: int, device: str) -> tuple[list[str], di
             memcpy.append(time.perf_counter() - began)
         digest = hashlib.sha256(staging.flat.cpu().numpy().tobytes()).hexdigest()[:16]
     finally:
-        proc.join(120)
+        proc.join(30)
+        if proc.is_alive():  # a stream that failed on this side: the channel told the rank; do not wait on it
+            proc.kill()
+            proc.join(5)
         for slot in slots:
             sharing.release(slot)
         listener.close()
@@ -134,11 +137,12 @@ def run(total_bytes: int, bucket_bytes: int, device: str) -> tuple[list[str], di
     row = {"device": device, "sharing": sharing.kind, "bytes": moved, "bucket_bytes": bucket_bytes,
            "buckets": len(plan), "receive_s": best, "send_s": min(sent), "memcpy_s": floor,
            "gb_per_s": moved / best / 1e9, "memcpy_gb_per_s": moved / floor / 1e9, "bits_equal": equal,
-           "staging_sha256_16": digest}
+           "staging_sha256_16": digest, "trainer_exit": proc.exitcode}
     lines = [f"bucket stream ({sharing.kind}, {device}): {moved / 2**20:.0f} MiB of served slices in {len(plan)} "
              f"buckets of {bucket_bytes / 2**20:.0f} MiB through {bucket_stream.SLOTS} lent slots, best of {ROUNDS}",
              f"  engine side {best * 1e3:.1f} ms = {row['gb_per_s']:.2f} GB/s; trainer side {min(sent) * 1e3:.1f} ms; "
              f"device memcpy of the same bytes {floor * 1e3:.1f} ms = {row['memcpy_gb_per_s']:.2f} GB/s; "
              f"stream / memcpy {best / floor:.2f}x",
-             f"  staging bits equal to a direct write of the same values: {'yes' if equal else 'NO'}"]
+             f"  staging bits equal to a direct write of the same values: {'yes' if equal else 'NO'}; trainer "
+             f"process exit code {proc.exitcode}"]
     return lines, row

@@ -143,7 +143,7 @@ def main() -> int:
         (Path(folder) / f"gpu_check_{stamp}.txt").write_text(text + "\n")
         (Path(folder) / f"gpu_check_{stamp}.json").write_text(json.dumps(
             dict(device=name, timing=rows, bucket_stream=stream), indent=2))
-    return 1 if stream is not None and not stream["bits_equal"] else 0
+    return 1 if stream is not None and (not stream["bits_equal"] or stream["trainer_exit"] != 0) else 0
 
 
 if __name__ == "__main__":

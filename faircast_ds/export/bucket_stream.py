@@ -37,6 +37,8 @@ from faircast_ds.export.channel import Channel
 from faircast_ds.export.plane import Layout, PlaneError, Segment
 
 SLOTS = 2  # bucket buffers per rank: one filled while the other is drained
+MEMFD_NAME = "faircast-ds-bucket"  # the stand-in's slots (a rank opens nothing else)
+IPC_HANDLE_BYTES = 64  # a CUDA IPC memory or event handle (cudaIpcMemHandle_t, cudaIpcEventHandle_t)
 
 
 class SlotSharing(Protocol):
@@ -67,21 +69,27 @@ class HostSharing:
 
     def __init__(self) -> None:
         self._fds: dict[int, int] = {}  # id(slot) -> the engine's descriptor
-        self._maps: dict[int, mmap.mmap] = {}
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        fd = os.memfd_create("faircast-ds-bucket")
-        os.ftruncate(fd, nbytes)
-        return self._map(fd, nbytes, own=True)
+        fd = os.memfd_create(MEMFD_NAME)
+        try:
+            os.ftruncate(fd, nbytes)
+            return self._map(fd, nbytes, own=True)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _map(self, fd: int, nbytes: int, *, own: bool) -> torch.Tensor:
-        mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            if not own:
+                os.close(fd)  # the mapping keeps the memory
+        # the tensor holds the mmap object: the mapping lives as long as any view of the slot (never closed
+        # by hand, which would unmap memory a live view still points at)
         slot = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)
-        self._maps[id(slot)] = mapped
         if own:
             self._fds[id(slot)] = fd
-        else:
-            os.close(fd)
         return slot
 
     def export(self, slot: torch.Tensor) -> dict[str, Any]:
@@ -89,8 +97,14 @@ class HostSharing:
 
     def open(self, desc: dict[str, Any]) -> torch.Tensor:
         _expect(desc, self.kind, {"pid": int, "fd": int, "nbytes": int})
+        if desc["nbytes"] == 0:
+            raise PlaneError("bucket slot description: 'nbytes' must be positive")
+        path = f"/proc/{desc['pid']}/fd/{desc['fd']}"
         try:
-            fd = os.open(f"/proc/{desc['pid']}/fd/{desc['fd']}", os.O_RDWR)
+            target = os.readlink(path)
+            if not target.startswith(f"/memfd:{MEMFD_NAME}"):  # only ever a slot, never another open file
+                raise PlaneError(f"the engine's bucket slot {path} is not a bucket memfd ({target})")
+            fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             raise PlaneError(f"cannot open the engine's bucket slot: {exc}") from None
         if os.fstat(fd).st_size < desc["nbytes"]:
@@ -102,16 +116,9 @@ class HostSharing:
         pass  # a CPU copy is done when it returns
 
     def release(self, slot: torch.Tensor) -> None:
-        mapped = self._maps.pop(id(slot), None)
         fd = self._fds.pop(id(slot), None)
-        del slot
-        if mapped is not None:
-            try:
-                mapped.close()
-            except BufferError:  # a view of the slot is still alive: the mapping goes with it
-                pass
         if fd is not None:
-            os.close(fd)
+            os.close(fd)  # the memory goes when the last mapping (the last view of the slot) does
 
 
 class CudaIpcSharing:
@@ -124,9 +131,17 @@ class CudaIpcSharing:
 
     def __init__(self, device: int | None = None) -> None:
         self.device = torch.cuda.current_device() if device is None else int(device)
+        self._pools: dict[int, Any] = {}
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+        # A CUDA IPC handle names the whole allocation a tensor sits in, not the tensor: a slot carved out of
+        # the caching allocator's shared segments would hand the rank its neighbours too. Each slot gets a
+        # private pool, so its allocation holds nothing else; export refuses a slot not at its start.
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool, device=self.device):
+            slot = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+        self._pools[id(slot)] = pool
+        return slot
 
     def export(self, slot: torch.Tensor) -> dict[str, Any]:
         from torch.multiprocessing.reductions import reduce_tensor
@@ -137,29 +152,48 @@ class CudaIpcSharing:
         # event_handle, event_sync_required); only the device-memory fields travel, the rest is fixed here
         (_, size, stride, offset, _, dtype, device, handle, storage_size, storage_offset, _, ref_handle,
          ref_offset, event_handle, event_sync) = args
-        if dtype != torch.uint8 or tuple(size) != (slot.numel(),) or tuple(stride) != (1,) or offset != 0:
-            raise PlaneError("a bucket slot must be a whole 1-D uint8 allocation")
+        if dtype != torch.uint8 or tuple(size) != (slot.numel(),) or tuple(stride) != (1,) or offset != 0 \
+                or storage_offset != 0 or storage_size != slot.numel():
+            raise PlaneError("a bucket slot must be a whole 1-D uint8 allocation of its own")
         return {"kind": self.kind, "device": int(device), "handle": bytes(handle).hex(),
                 "storage_size_bytes": int(storage_size), "storage_offset_bytes": int(storage_offset),
                 "ref_counter_handle": bytes(ref_handle).hex(), "ref_counter_offset": int(ref_offset),
-                "event_handle": bytes(event_handle).hex() if event_handle else "",
+                "event_handle": bytes(event_handle).hex(),
                 "event_sync_required": bool(event_sync), "nbytes": slot.numel()}
 
     def open(self, desc: dict[str, Any]) -> torch.Tensor:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         _expect(desc, self.kind, self._FIELDS)
+        handles = {}
+        for name in ("handle", "ref_counter_handle", "event_handle"):
+            try:
+                handles[name] = bytes.fromhex(desc[name])
+            except ValueError:
+                raise PlaneError(f"bucket slot description: {name!r} is not hex") from None
+        for name in ("handle", "event_handle"):
+            if len(handles[name]) != IPC_HANDLE_BYTES:
+                raise PlaneError(f"bucket slot description: {name!r} holds {len(handles[name])} bytes, a CUDA IPC "
+                                 f"handle {IPC_HANDLE_BYTES}")
+        if not handles["ref_counter_handle"]:
+            raise PlaneError("bucket slot description: 'ref_counter_handle' is empty")
+        if desc["device"] != self.device:
+            raise PlaneError(f"bucket slot on cuda:{desc['device']}, this transport's device is cuda:{self.device}")
+        if not 0 < desc["nbytes"] == desc["storage_size_bytes"] or desc["storage_offset_bytes"] != 0:
+            raise PlaneError(f"bucket slot description: {desc['nbytes']} bytes at offset "
+                             f"{desc['storage_offset_bytes']} of a {desc['storage_size_bytes']}-byte allocation; a "
+                             "slot is a whole allocation of its own")
         return rebuild_cuda_tensor(
             torch.Tensor, (desc["nbytes"],), (1,), 0, torch.storage.TypedStorage, torch.uint8, desc["device"],
-            bytes.fromhex(desc["handle"]), desc["storage_size_bytes"], desc["storage_offset_bytes"], False,
-            bytes.fromhex(desc["ref_counter_handle"]), desc["ref_counter_offset"],
-            bytes.fromhex(desc["event_handle"]) if desc["event_handle"] else None, desc["event_sync_required"])
+            handles["handle"], desc["storage_size_bytes"], desc["storage_offset_bytes"], False,
+            handles["ref_counter_handle"], desc["ref_counter_offset"], handles["event_handle"],
+            desc["event_sync_required"])
 
     def fence(self) -> None:
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.synchronize(self.device)  # every stream of the device: a loader may copy on its own
 
     def release(self, slot: torch.Tensor) -> None:
-        del slot
+        self._pools.pop(id(slot), None)  # the pool goes with the slot's last reference
 
 
 def _expect(desc: Any, kind: str, fields: dict[str, type]) -> None:
@@ -203,21 +237,24 @@ def send_buckets(ch: Channel, sharing: SlotSharing, buckets: Sequence[Bucket], v
     """The rank's side: every bucket packed into the engine's slots in turn, announced on ``ch``, each slot
     reused only after the engine freed it. Returns the bytes sent. ``layout``/``pieces``: check ``values``
     against the write list first."""
-    if layout is not None and pieces is not None:
-        check_values(layout, pieces, values)
-    if not slots:
-        raise ValueError("send_buckets needs at least one slot")
     sent = 0
-    for b, bucket in enumerate(buckets):
-        slot = b % len(slots)
-        if b >= len(slots):
-            _expect_free(ch, b - len(slots), slot)
-        pack(bucket, values, slots[slot])
-        sharing.fence()
-        ch.send_json({"type": "filled", "bucket": b, "slot": slot, "bytes": bucket.nbytes})
-        sent += sum(c.nbytes for c in bucket.copies)
-    for b in range(max(0, len(buckets) - len(slots)), len(buckets)):
-        _expect_free(ch, b, b % len(slots))
+    try:
+        if layout is not None and pieces is not None:
+            check_values(layout, pieces, values)
+        _check_slots(buckets, slots)
+        for b, bucket in enumerate(buckets):
+            slot = b % len(slots)
+            if b >= len(slots):
+                _expect_free(ch, b - len(slots), slot)
+            pack(bucket, values, slots[slot])
+            sharing.fence()
+            ch.send_json({"type": "filled", "bucket": b, "slot": slot, "bytes": bucket.nbytes})
+            sent += sum(c.nbytes for c in bucket.copies)
+        for b in range(max(0, len(buckets) - len(slots)), len(buckets)):
+            _expect_free(ch, b, b % len(slots))
+    except BaseException as exc:
+        ch.close(reason=f"bucket stream stopped on the trainer's side: {exc}")  # the engine stops waiting
+        raise
     return sent
 
 
@@ -232,18 +269,32 @@ def receive_buckets(ch: Channel, sharing: SlotSharing, buckets: Sequence[Bucket]
             raise ValueError("receive_buckets needs a consumer or a segment to unpack into")
         consume = lambda bucket, slot: unpack(bucket, slot, segment)  # noqa: E731
     done = 0
-    for b, bucket in enumerate(buckets):
-        msg = ch.recv_json()
-        slot = b % len(slots)
-        if msg.get("type") != "filled" or msg.get("bucket") != b or msg.get("slot") != slot \
-                or msg.get("bytes") != bucket.nbytes:
-            raise PlaneError(f"bucket stream: expected bucket {b} filled in slot {slot} ({bucket.nbytes} bytes), "
-                             f"got {_brief(msg)}")
-        consume(bucket, slots[slot])
-        sharing.fence()
-        ch.send_json({"type": "free", "bucket": b, "slot": slot})
-        done += sum(c.nbytes for c in bucket.copies)
+    try:
+        _check_slots(buckets, slots)
+        for b, bucket in enumerate(buckets):
+            msg = ch.recv_json()
+            slot = b % len(slots)
+            if msg.get("type") != "filled" or msg.get("bucket") != b or msg.get("slot") != slot \
+                    or msg.get("bytes") != bucket.nbytes:
+                raise PlaneError(f"bucket stream: expected bucket {b} filled in slot {slot} ({bucket.nbytes} "
+                                 f"bytes), got {_brief(msg)}")
+            consume(bucket, slots[slot])
+            sharing.fence()
+            ch.send_json({"type": "free", "bucket": b, "slot": slot})
+            done += sum(c.nbytes for c in bucket.copies)
+    except BaseException as exc:
+        ch.close(reason=f"bucket stream stopped on the engine's side: {exc}")  # the rank stops waiting
+        raise
     return done
+
+
+def _check_slots(buckets: Sequence[Bucket], slots: Sequence[torch.Tensor]) -> None:
+    if not slots:
+        raise ValueError("a bucket stream needs at least one slot")
+    need = max((b.nbytes for b in buckets), default=0)
+    small = [s.numel() for s in slots if s.numel() < need]
+    if small:
+        raise ValueError(f"bucket slots of {small} bytes cannot hold the plan's largest bucket ({need} bytes)")
 
 
 def _expect_free(ch: Channel, bucket: int, slot: int) -> None:

@@ -62,8 +62,8 @@ def plan(layout: Layout, pieces: Sequence[tuple[int, int, int]], bucket_bytes: i
         copies, at = [], 0
 
     for k, (index, start, numel) in enumerate(pieces):
+        offset, _ = layout.span(index, start, numel)  # ValueError outside the layout or the parameter
         size = element_size(layout.specs[index].dtype)
-        offset, _ = layout.span(index, start, numel)  # ValueError outside the parameter
         if size > bucket_bytes:
             raise ValueError(f"bucket_bytes {bucket_bytes} cannot hold one {size}-byte element")
         done = 0

@@ -25,6 +25,7 @@ FREE = ("out", "name", "session_steps")
 ADDED = {"gemm": "native"}
 INTEGER_COLUMNS = ("seed", "step", "changed", "numel", "sync_bytes", "sync_bytes_dense", "engine_sync_params",
                    "engine_sync_bytes")
+BOOL_COLUMNS = ("engine_weights_equal",)  # written as True/False, read back by steps_csv as 1.0/0.0
 
 
 def run_key(mode: str, seed: int) -> str:
@@ -107,10 +108,15 @@ def _norm(value: Any) -> Any:
 
 
 def tidy(rows: list[dict]) -> list[dict]:
-    """Rows read back from steps.csv with their integer columns as integers again."""
+    """Rows read back from steps.csv with their integer columns as integers and their True/False columns as
+    booleans again, so a resumed run rewrites them as the run that never stopped wrote them."""
     for row in rows:
         for key in INTEGER_COLUMNS:
             value = row.get(key)
             if isinstance(value, float) and not math.isnan(value):
                 row[key] = int(value)
+        for key in BOOL_COLUMNS:
+            value = row.get(key)
+            if isinstance(value, float) and value in (0.0, 1.0):
+                row[key] = value == 1.0
     return rows

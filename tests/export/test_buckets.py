@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import re
 import socket
 
 import pytest
@@ -134,7 +135,8 @@ def _trainer(sock: socket.socket, bucket_bytes: int, misbehave: str | None) -> N
 
 
 def _engine(bucket_bytes: int, misbehave: str | None = None, slots: int = 2):
-    """The engine in this process: lend slots, receive the stream into a host segment."""
+    """The engine in this process: lend slots, receive the stream into a host segment. Returns (bytes
+    received or the engine's PlaneError, the segment's bytes, the trainer process's exit code)."""
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = multiprocessing.get_context("fork").Process(target=_trainer, args=(child, bucket_bytes, misbehave))
     proc.start()
@@ -149,11 +151,15 @@ def _engine(bucket_bytes: int, misbehave: str | None = None, slots: int = 2):
         try:
             got = bucket_stream.receive_buckets(ch, sharing, buckets.plan(layout, PIECES, bucket_bytes), lent,
                                                 segment=segment)
-        finally:
             ch.send_json({"type": "done"})
-        return got, bytes(segment.flat.numpy().tobytes())
-    finally:
+        except PlaneError as exc:  # the channel is closed with the reason: the trainer stops waiting
+            got = exc
         proc.join(30)
+        return got, bytes(segment.flat.numpy().tobytes()), proc.exitcode
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
         for slot in lent:
             sharing.release(slot)
         parent.close()
@@ -164,7 +170,8 @@ def test_a_trainer_process_streams_its_pieces_through_two_lent_slots(bucket_byte
     layout = Layout.of(SPECS)
     values = values_for(layout, PIECES, seed=1)
     assert len(buckets.plan(layout, PIECES, bucket_bytes)) > 2 or bucket_bytes == 4096  # slots are reused
-    got, segment = _engine(bucket_bytes)
+    got, segment, trainer_exit = _engine(bucket_bytes)
+    assert trainer_exit == 0  # the trainer's side finished too: every slot freed back to it
     assert segment == direct(layout, PIECES, values)
     assert got == sum(v.numel() * v.element_size() for v in values)
     assert hashlib.sha256(segment).digest() != hashlib.sha256(bytes(layout.nbytes)).digest()
@@ -175,8 +182,10 @@ def test_a_trainer_process_streams_its_pieces_through_two_lent_slots(bucket_byte
     ("wrong_slot", r"expected bucket 0 filled in slot 0 \(\d+ bytes\), got \{'type': 'filled', 'bucket': 0, 'slot': 1"),
 ])
 def test_a_stream_out_of_plan_is_refused(misbehave, message):
-    with pytest.raises(PlaneError, match=message):
-        _engine(96, misbehave)
+    got, _, trainer_exit = _engine(96, misbehave)
+    assert isinstance(got, PlaneError)
+    assert re.search(message, str(got))
+    assert trainer_exit == 1  # told by the closed channel, not left waiting for a free slot until its timeout
 
 
 def test_slot_descriptions_are_checked_before_use():
@@ -203,8 +212,8 @@ def test_a_cuda_ipc_slot_description_is_checked_before_any_cuda_call():
     wrong type is refused before torch rebuilds anything from it."""
     sharing = bucket_stream.CudaIpcSharing(device=0)
     good = {"kind": "cuda_ipc", "device": 0, "handle": "00" * 64, "storage_size_bytes": 1 << 20,
-            "storage_offset_bytes": 0, "ref_counter_handle": "ab", "ref_counter_offset": 0, "event_handle": "",
-            "event_sync_required": False, "nbytes": 1 << 20}
+            "storage_offset_bytes": 0, "ref_counter_handle": "ab", "ref_counter_offset": 0, "event_handle": "11" * 64,
+            "event_sync_required": True, "nbytes": 1 << 20}
     with pytest.raises(PlaneError, match="a bucket slot of kind 'host' offered to a 'cuda_ipc' transport"):
         sharing.open(dict(good, kind="host"))
     with pytest.raises(PlaneError, match=r"'handle' must be a str, got b'\\x00'"):
@@ -213,6 +222,82 @@ def test_a_cuda_ipc_slot_description_is_checked_before_any_cuda_call():
         sharing.open(dict(good, nbytes=-1))
     with pytest.raises(PlaneError, match=r"'event_sync_required' must be a bool, got 1"):
         sharing.open(dict(good, event_sync_required=1))
+    with pytest.raises(PlaneError, match=r"'handle' is not hex"):
+        sharing.open(dict(good, handle="zz"))
+    with pytest.raises(PlaneError, match=r"'event_handle' holds 0 bytes, a CUDA IPC handle 64"):
+        sharing.open(dict(good, event_handle=""))
+    with pytest.raises(PlaneError, match=r"bucket slot on cuda:1, this transport's device is cuda:0"):
+        sharing.open(dict(good, device=1))
+    with pytest.raises(PlaneError, match=r"1048576 bytes at offset 4096 of a 2097152-byte allocation; a slot is a "
+                                         r"whole allocation of its own"):
+        sharing.open(dict(good, storage_offset_bytes=4096, storage_size_bytes=2 << 20))  # its neighbours too
+    with pytest.raises(PlaneError, match=r"0 bytes at offset 0"):
+        sharing.open(dict(good, nbytes=0, storage_size_bytes=0))  # torch would build fresh private memory
+
+
+def test_a_cuda_ipc_slot_round_trips_through_json_to_torchs_own_rebuild(monkeypatch):
+    """export() takes torch's IPC reduction apart into JSON and open() hands rebuild_cuda_tensor the same
+    fields in torch's order (both torch calls replaced by recorders: no GPU here)."""
+    import json
+
+    import torch.multiprocessing.reductions as reductions
+
+    slot = torch.zeros(4096, dtype=torch.uint8)
+    handle, ref, event = bytes(range(64)), b"refcounter-file", bytes(range(64, 128))
+    torch_args = (torch.Tensor, slot.size(), slot.stride(), 0, torch.storage.TypedStorage, torch.uint8, 0, handle,
+                  4096, 0, False, ref, 128, event, True)
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, torch_args))
+    seen = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: seen.append(args) or slot)
+    sharing = bucket_stream.CudaIpcSharing(device=0)
+    desc = json.loads(json.dumps(sharing.export(slot)))  # what crosses the channel
+    assert sharing.open(desc) is slot
+    assert seen == [(torch.Tensor, (4096,), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0, handle, 4096, 0,
+                     False, ref, 128, event, True)]
+    shared = list(torch_args)
+    shared[9] = 2048  # a slot carved out of a larger allocation: the handle would give away its neighbours
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, tuple(shared)))
+    with pytest.raises(PlaneError, match="a bucket slot must be a whole 1-D uint8 allocation of its own"):
+        sharing.export(slot)
+
+
+def test_host_slots_outlive_their_release_while_a_view_is_alive_and_only_bucket_memfds_open(tmp_path):
+    sharing = bucket_stream.HostSharing()
+    slot = sharing.allocate(4096)
+    desc = sharing.export(slot)
+    view = sharing.open(desc)[:8]
+    sharing.release(slot)
+    del slot
+    view[:] = 5  # the mapping is still there (it used to be unmapped under a live view: a crash)
+    assert view.tolist() == [5] * 8
+    with open(tmp_path / "other", "wb") as f:
+        f.write(b"x" * 8192)
+        f.flush()
+        with pytest.raises(PlaneError, match=r"is not a bucket memfd \(.*other\)"):
+            sharing.open(dict(desc, fd=f.fileno()))
+
+
+def test_slots_smaller_than_the_plans_buckets_are_refused_before_anything_moves():
+    layout = Layout.of(SPECS)
+    plan = buckets.plan(layout, PIECES, 256)
+    small = [torch.zeros(256, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8)]
+    segment = HostSegment(bytearray(layout.nbytes), layout.nbytes)
+
+    class Channel:  # records the reason the stream gives its peer
+        reason = None
+
+        def close(self, reason=None):
+            self.reason = reason
+
+    message = r"bucket slots of \[128\] bytes cannot hold the plan's largest bucket \(2\d\d bytes\)"
+    sender, receiver = Channel(), Channel()
+    with pytest.raises(ValueError, match=message):
+        bucket_stream.send_buckets(sender, bucket_stream.HostSharing(), plan, values_for(layout, PIECES), small)
+    with pytest.raises(ValueError, match=message):
+        bucket_stream.receive_buckets(receiver, bucket_stream.HostSharing(), plan, small, segment=segment)
+    assert sender.reason.startswith("bucket stream stopped on the trainer's side: bucket slots of [128] bytes")
+    assert receiver.reason.startswith("bucket stream stopped on the engine's side: bucket slots of [128] bytes")
+    assert not any(segment.flat.tolist())  # nothing written
 
 
 def test_gpu_check_bucket_part_dry_run(tmp_path):

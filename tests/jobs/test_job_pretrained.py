@@ -198,3 +198,19 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path
     assert "| nearest | 0 | 2 |" in (tmp_path / "resumed" / "results.md").read_text()
     assert resume.is_done(str(tmp_path / "resumed"), "nearest", 0)
     assert json.loads((tmp_path / "resumed" / "job.json").read_text())["model"] == NAME
+
+
+def test_a_resumed_job_rewrites_the_rows_it_read_back_as_it_wrote_them(tmp_path):
+    """steps.csv read back on resume (numbers parsed) and written again is the same file: integers stay
+    integers and engine_weights_equal stays True/False (it used to come back as 1.0)."""
+    from faircast_ds.jobs.report import write_csv
+    from faircast_ds.jobs.steps_csv import read_csv
+
+    rows = [{"mode": "dither", "seed": 0, "step": s, "reward": 0.25 * s, "changed": 12 * s, "numel": 1000,
+             "engine_weights_equal": s % 2 == 0, "engine_sync_ms": 1.5} for s in (1, 2, 3)]
+    path = str(tmp_path / "steps.csv")
+    write_csv(path, rows)
+    first = open(path).read()
+    assert "True" in first and "False" in first
+    write_csv(path, resume.tidy(read_csv(path)))
+    assert open(path).read() == first
