@@ -5,16 +5,19 @@ written (atomically, fsynced) before the framework writes its own files. Each fi
 seed and noise step, the framework's own step counter at save time (``engine_step``: a load checks
 it against the framework's files, so a tag holding parts of two saves is refused), and, for
 ``error_feedback``, every local slice's residual (fp32) and served bits keyed by (parameter name, start
-index) with a CRC32 per slice. Format ``faircast-ds/2`` stores the served bits as int16 (the bf16 bit
-pattern itself: 6 bytes per element with the residual); ``faircast-ds/1`` files, which stored them as
-int32 in [0, 2^16) (8 bytes per element), still load. Because the key is (parameter, index) and not (rank,
+index) with a CRC32 per slice. Format ``faircast-ds/3`` keeps the served bits as one bit per element
+(which bf16 neighbour of the master was served, :mod:`faircast_ds.shard.neighbour`; the load rebuilds
+the pattern from the restored master) plus the rare elements that bit cannot give, whole: 4.125 bytes
+per element with the residual. ``faircast-ds/2`` files (the 16-bit patterns, 6 bytes per element) and
+``faircast-ds/1`` files (patterns as int32, 8 bytes) still load. Because the key is (parameter, index) and not (rank,
 offset), a checkpoint saved at one world size or ZeRO stage restores at any other: each rank reads
 only the pieces that overlap its own slices (files are memory-mapped, so no rank reads the whole
 model's residual).
 
 Restoring reproduces the served copy bit for bit: ``stochastic``/``dither``/``nearest`` recompute it
 from the restored fp32 master at the saved step; ``error_feedback`` puts back the saved served
-bits and residual (the served value depends on the residual before the last cast, which is gone).
+bits (a /3 file: rebuilt from the restored masters and the neighbour bits) and residual (the served value
+depends on the residual before the last cast, which is gone).
 Where a load rebuilds the master from the model's bf16 weights instead (a module-only load),
 :class:`SavedCast` gives those weights as they were served.
 """
@@ -29,17 +32,20 @@ from typing import Any, Mapping
 
 import torch
 
-from faircast_ds.casting.bits import bf16_from_bits
+from faircast_ds.casting.bits import bf16_from_bits, bf16_spacing
 from faircast_ds.casting.modes import spec
 from faircast_ds.casting.rules import cast
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.shard.adapter import Adapter
+from faircast_ds.shard import neighbour
 from faircast_ds.shard.caster import ShardCaster
 
-FORMAT = "faircast-ds/2"  # what save_state writes
+FORMAT = "faircast-ds/3"  # what save_state writes
 # the formats a load reads, and the dtype each stores the served bits in (/1: int32 holding the bf16 pattern
-# in [0, 2^16); /2: int16, the pattern itself). A reader that knows only /1 refuses a /2 file by its format.
-SERVED_DTYPES = {"faircast-ds/1": torch.int32, FORMAT: torch.int16}
+# in [0, 2^16); /2: int16, the pattern itself; /3: int16 patterns of the exceptions only, the rest as
+# neighbour bits). A reader that knows only an older format refuses a newer file by its format.
+SERVED_DTYPES = {"faircast-ds/1": torch.int32, "faircast-ds/2": torch.int16, FORMAT: torch.int16}
+NEIGHBOUR_FORMATS = (FORMAT,)  # formats whose served bits are neighbour bits and exceptions
 STATE_DIR = "fair_cast"
 
 
@@ -94,32 +100,46 @@ def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int
     complete_step(adapter, caster)  # never a served copy half of one step and half of the next
     cfg = caster.config
     keep_values = cfg.spec.residual
-    groups = [(key, served, [s for s in group_slices if not s.is_padding])
-              for key, _, served, group_slices in adapter.flat_groups()]
-    total = sum(s.numel for _, _, parts in groups for s in parts) if keep_values else 0
-    # Written in place, slice by slice, into the two arrays the file holds: no per-slice copies joined
-    # at the end, no int64 bits (issue 23: at a real size those made the save's peak ~3x the payload).
+    groups = [(key, master, served, [s for s in group_slices if not s.is_padding])
+              for key, master, served, group_slices in adapter.flat_groups()]
+    total = sum(s.numel for _, _, _, parts in groups for s in parts) if keep_values else 0
+    packed = sum(neighbour.nbytes(s.numel) for _, _, _, parts in groups for s in parts) if keep_values else 0
+    # Written in place, slice by slice, into the arrays the file holds: no per-slice copies joined at the
+    # end, no int64 bits (issue 23: at a real size those made the save's peak ~3x the payload).
     residuals = torch.empty(total, dtype=torch.float32)
-    served_bits = torch.empty(total, dtype=SERVED_DTYPES[FORMAT])
-    slices, at = [], 0
-    for key, served, parts in groups:
+    neighbours = torch.empty(packed, dtype=torch.uint8)
+    exception_at: list[torch.Tensor] = []
+    exception_bits: list[torch.Tensor] = []
+    slices, at, packed_at = [], 0, 0
+    for key, master, served, parts in groups:
         residual = caster.residuals.get(key)
+        flat_master, flat_served = master.detach().view(-1), served.detach().view(-1)
         for s in parts:
             entry: dict[str, Any] = {"name": s.name, "start": s.start, "numel": s.numel}
             if keep_values:
-                res, bits = residuals.narrow(0, at, s.numel), served_bits.narrow(0, at, s.numel)
+                res = residuals.narrow(0, at, s.numel)
                 if residual is not None:
                     res.copy_(residual.detach().narrow(0, s.offset, s.numel))
                 else:
                     res.zero_()
-                bits.copy_(served.detach().narrow(0, s.offset, s.numel).view(torch.int16))  # the bit pattern
-                entry.update(crc_residual=_crc(res), crc_served=_crc(bits))
+                bits = flat_served.narrow(0, s.offset, s.numel)
+                flags = neighbours.narrow(0, packed_at, neighbour.nbytes(s.numel))
+                where, patterns = neighbour.encode(flat_master.narrow(0, s.offset, s.numel), bits, flags)
+                exception_at.append(where + at)
+                exception_bits.append(patterns)
+                entry.update(crc_residual=_crc(res), crc_neighbour=_crc(flags), neighbour_at=packed_at,
+                             exceptions=where.numel(), sum_abs_residual_spacings=_residual_spacings(res, bits))
                 at += s.numel
+                packed_at += flags.numel()
             slices.append(entry)
+    exceptions = torch.cat(exception_at) if exception_at else torch.zeros(0, dtype=torch.int64)
+    exception_served = torch.cat(exception_bits) if exception_bits else torch.zeros(0, dtype=torch.int16)
     payload = {
         "format": FORMAT, "mode": cfg.mode, "seed": cfg.seed, "step": caster.step, "engine_step": engine_step,
         **adapter.setup.state(), "rank": rank, "world_size": world, "slices": slices,
-        "residual": residuals, "served": served_bits,
+        "residual": residuals, "neighbour": neighbours, "exception_at": exceptions, "served": exception_served,
+        "crc_exceptions": zlib.crc32(exception_served.view(torch.uint8).numpy(),
+                                     zlib.crc32(exceptions.view(torch.uint8).numpy())),
         # the diagnostics' sampled master history (their lag needs the steps before the save)
         "diagnostics": next((o.checkpoint_state() for o in caster.observers if hasattr(o, "checkpoint_state")), None),
     }
@@ -128,6 +148,17 @@ def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int
     path = os.path.join(directory, f"rank{rank:05d}-of-{world:05d}.pt")
     _write_atomically(payload, path)
     return path
+
+
+def _residual_spacings(residual: torch.Tensor, served: torch.Tensor, chunk: int = 1 << 18) -> float:
+    """Sum of |residual| in bf16 spacings at the served value over one slice (what ``faircast-ds inspect``
+    averages; kept in the file, whose served bits no longer say the spacing without the masters)."""
+    total = 0.0
+    for at in range(0, residual.numel(), chunk):
+        k = min(chunk, residual.numel() - at)
+        sp = bf16_spacing(served.narrow(0, at, k).to(residual.device))
+        total += float((residual.narrow(0, at, k).abs() / sp).sum(dtype=torch.float64))
+    return total
 
 
 @dataclass
@@ -161,6 +192,8 @@ def read_records(tag_dir: str) -> list[tuple[str, dict[str, Any]]]:
         if not isinstance(served, torch.Tensor) or served.dtype != want:
             raise FairCastStateError(f"{f}: a {record['format']} state file stores its served bits as {want}, this one "
                                      f"as {getattr(served, 'dtype', type(served).__name__)}: the file is corrupted")
+        if record["format"] in NEIGHBOUR_FORMATS:
+            _check_neighbour_arrays(f, record)
         records.append((f, record))
     worlds = {r["world_size"] for _, r in records}
     if len(worlds) != 1 or len(records) != worlds.pop():
@@ -172,6 +205,50 @@ def read_records(tag_dir: str) -> list[tuple[str, dict[str, Any]]]:
         raise FairCastStateError(f"{state_dir(tag_dir)} holds rank files of different saves ({steps}): a save into "
                                  "this tag was interrupted after some ranks had written theirs")
     return records
+
+
+def _check_neighbour_arrays(f: str, record: dict[str, Any]) -> None:
+    """A /3 file's neighbour bits and exceptions: their dtypes, lengths, order and CRC (they are small)."""
+    flags, at, served = record.get("neighbour"), record.get("exception_at"), record["served"]
+    if not isinstance(flags, torch.Tensor) or flags.dtype != torch.uint8 or not isinstance(at, torch.Tensor) \
+            or at.dtype != torch.int64 or at.dim() != 1 or at.numel() != served.numel():
+        raise FairCastStateError(f"{f}: its neighbour bits or exception list are missing or of the wrong type: the "
+                                 "file is corrupted")
+    crc = zlib.crc32(served.view(torch.uint8).numpy(), zlib.crc32(at.view(torch.uint8).numpy()))
+    if crc != record.get("crc_exceptions"):
+        raise FairCastStateError(f"{f}: CRC mismatch for its exception list: the state file is corrupted")
+    if at.numel() and (bool((at[1:] <= at[:-1]).any()) or int(at[0]) < 0
+                       or int(at[-1]) >= record["residual"].numel()):
+        raise FairCastStateError(f"{f}: its exception list is not increasing inside the file's elements: the file is "
+                                 "corrupted")
+
+
+def _exceptions(p: "_Piece", first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A /3 piece's exceptions among its elements ``[first, first + count)``: (positions relative to
+    ``first``, their 16-bit patterns)."""
+    at = p.record["exception_at"]
+    if not at.numel():
+        return at, p.record["served"]
+    lo_hi = torch.tensor([p.offset + first, p.offset + first + count], dtype=torch.int64)
+    lo, hi = torch.searchsorted(at, lo_hi).tolist()
+    return at[lo:hi] - (p.offset + first), p.record["served"][lo:hi]
+
+
+def _neighbour_bytes(p: "_Piece") -> torch.Tensor:
+    return p.record["neighbour"].narrow(0, p.entry["neighbour_at"], neighbour.nbytes(p.numel))
+
+
+def _rebuild_bits(out: torch.Tensor, master: torch.Tensor, p: "_Piece", first: int, count: int,
+                  flags: torch.Tensor | None = None) -> int:
+    """A /3 piece's served patterns of elements ``[first, first + count)`` rebuilt from ``master`` (the same
+    elements' restored fp32 masters) into the bf16 ``out``; returns how many elements changed bits."""
+    if flags is None:
+        flags = neighbour.unpack(_neighbour_bytes(p), first, count)
+    patterns = neighbour.served_bits(master, flags)
+    neighbour.apply_exceptions(patterns, *_exceptions(p, first, count))
+    changed = _differing(out.view(torch.int16), patterns)
+    out.view(torch.int16).copy_(patterns)
+    return changed
 
 
 def _index(records: list[tuple[str, dict[str, Any]]]) -> dict[str, list[_Piece]]:
@@ -188,8 +265,11 @@ def _verified(p: _Piece, verified: set[tuple[str, int]]) -> None:
     if (p.file, p.offset) in verified:
         return
     whole_res = p.record["residual"].narrow(0, p.offset, p.numel)
-    whole_bits = p.record["served"].narrow(0, p.offset, p.numel)
-    if _crc(whole_res) != p.entry["crc_residual"] or _crc(whole_bits) != p.entry["crc_served"]:
+    if p.record["format"] in NEIGHBOUR_FORMATS:
+        bits_ok = _crc(_neighbour_bytes(p)) == p.entry["crc_neighbour"]
+    else:
+        bits_ok = _crc(p.record["served"].narrow(0, p.offset, p.numel)) == p.entry["crc_served"]
+    if _crc(whole_res) != p.entry["crc_residual"] or not bits_ok:
         raise FairCastStateError(f"{p.file}: CRC mismatch for {p.entry['name']} [{p.start}, "
                                  f"{p.start + p.numel}): the state file is corrupted")
     verified.add((p.file, p.offset))
@@ -229,23 +309,32 @@ def _copy_bits(out: torch.Tensor, bits: torch.Tensor) -> int:
     return changed
 
 
-def _copy_verified(p: _Piece, residual: torch.Tensor, served: torch.Tensor) -> int:
+def _copy_verified(p: _Piece, residual: torch.Tensor, served: torch.Tensor, master: torch.Tensor) -> int:
     """Copy a whole saved piece into ``residual`` and ``served`` chunk by chunk, each chunk's CRC taken just
-    before it is copied (the file is read once: the copy reads what the CRC brought into cache). A CRC
-    mismatch raises after the copy: the caller then stops the load or resets the state, which rewrites both.
-    Returns how many served elements the copy changed."""
+    before it is copied (the file is read once: the copy reads what the CRC brought into cache); a /3 piece's
+    served bits are rebuilt from ``master`` (the piece's restored fp32 masters). A CRC mismatch raises after
+    the copy: the caller then stops the load or resets the state, which rewrites both. Returns how many
+    served elements the copy changed."""
     changed = 0
     res_all = p.record["residual"].narrow(0, p.offset, p.numel)
-    bits_all = p.record["served"].narrow(0, p.offset, p.numel)
+    by_neighbour = p.record["format"] in NEIGHBOUR_FORMATS
+    bits_all = _neighbour_bytes(p) if by_neighbour else p.record["served"].narrow(0, p.offset, p.numel)
     crc_res = crc_bits = 0
-    for at in range(0, p.numel, _COPY_CHUNK):
-        k = min(_COPY_CHUNK, p.numel - at)
-        res, bits = res_all.narrow(0, at, k), bits_all.narrow(0, at, k)
+    chunk = -(-_COPY_CHUNK // 8) * 8 if by_neighbour else _COPY_CHUNK  # neighbour bits: a chunk starts on a byte
+    for at in range(0, p.numel, chunk):
+        k = min(chunk, p.numel - at)
+        res = res_all.narrow(0, at, k)
+        bits = bits_all.narrow(0, at // 8, neighbour.nbytes(k)) if by_neighbour else bits_all.narrow(0, at, k)
         crc_res = zlib.crc32(res.view(torch.uint8).numpy(), crc_res)
         crc_bits = zlib.crc32(bits.view(torch.uint8).numpy(), crc_bits)
         residual.narrow(0, at, k).copy_(res)
-        changed += _copy_bits(served.narrow(0, at, k), bits)
-    if crc_res != p.entry["crc_residual"] or crc_bits != p.entry["crc_served"]:
+        if by_neighbour:
+            changed += _rebuild_bits(served.narrow(0, at, k), master.narrow(0, at, k), p, at, k,
+                                     neighbour.unpack(bits, 0, k))
+        else:
+            changed += _copy_bits(served.narrow(0, at, k), bits)
+    want_bits = p.entry["crc_neighbour"] if by_neighbour else p.entry["crc_served"]
+    if crc_res != p.entry["crc_residual"] or crc_bits != want_bits:
         raise FairCastStateError(f"{p.file}: CRC mismatch for {p.entry['name']} [{p.start}, "
                                  f"{p.start + p.numel}): the state file is corrupted")
     return changed
@@ -303,15 +392,19 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
                     continue
                 dst = s.offset + lo - s.start
                 res_out, bits_out = residual.narrow(0, dst, hi - lo), served.detach().narrow(0, dst, hi - lo)
+                master_in = master.detach().view(-1).narrow(0, dst, hi - lo)
                 if lo == p.start and hi == p.start + p.numel and (p.file, p.offset) not in verified:
                     # the same layout as saved: one pass over the piece
-                    changed += _copy_verified(p, res_out, bits_out)
+                    changed += _copy_verified(p, res_out, bits_out, master_in)
                     verified.add((p.file, p.offset))
                     continue
                 _verified(p, verified)
                 src = p.offset + lo - p.start
                 res_out.copy_(p.record["residual"].narrow(0, src, hi - lo))
-                changed += _copy_bits(bits_out, p.record["served"].narrow(0, src, hi - lo))
+                if p.record["format"] in NEIGHBOUR_FORMATS:
+                    changed += _rebuild_bits(bits_out, master_in, p, lo - p.start, hi - lo)
+                else:
+                    changed += _copy_bits(bits_out, p.record["served"].narrow(0, src, hi - lo))
             if covered != s.numel:
                 raise FairCastStateError(f"checkpoint {tag_dir} does not cover {s.name} elements "
                                          f"[{s.start}, {s.start + s.numel}) (covered {covered})")
@@ -383,7 +476,13 @@ class SavedCast:
             covered = 0
             for p in self._index.get(name, []):
                 _verified(p, self._verified)
-                bits[p.start:p.start + p.numel] = saved_bits(p.record["served"].narrow(0, p.offset, p.numel))
+                if p.record["format"] in NEIGHBOUR_FORMATS:  # rebuilt from this load's fp32 masters
+                    patterns = neighbour.served_bits(flat[p.start:p.start + p.numel],
+                                                     neighbour.unpack(_neighbour_bytes(p), 0, p.numel))
+                    neighbour.apply_exceptions(patterns, *_exceptions(p, 0, p.numel))
+                    bits[p.start:p.start + p.numel] = saved_bits(patterns)
+                else:
+                    bits[p.start:p.start + p.numel] = saved_bits(p.record["served"].narrow(0, p.offset, p.numel))
                 covered += p.numel
             if covered != flat.numel():
                 raise FairCastStateError(f"the checkpoint's Fair Cast state covers {covered} of {flat.numel()} "

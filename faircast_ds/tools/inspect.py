@@ -56,8 +56,11 @@ class _Acc:
         self.shapes: dict[str, list[int]] = {}
 
     def add(self, stat: str, values: torch.Tensor) -> None:
-        self.sums[stat] += float(values.sum())
-        self.counts[stat] += values.numel()
+        self.add_sum(stat, float(values.sum()), values.numel())
+
+    def add_sum(self, stat: str, total: float, count: int) -> None:
+        self.sums[stat] += float(total)
+        self.counts[stat] += int(count)
 
     def row(self) -> dict[str, Any]:
         row: dict[str, Any] = {"params": len(self.names), "elements": self.elements}
@@ -100,7 +103,10 @@ def inspect_checkpoint(tag_dir: str, by: str = "type") -> dict[str, Any]:
             acc = groups[group_of(entry["name"], by)]
             acc.names.add(entry["name"])
             acc.elements += entry["numel"]
-            if has_values:
+            if has_values and "sum_abs_residual_spacings" in entry:
+                # faircast-ds/3 keeps the served bits relative to the masters: the save summed this for us
+                acc.add_sum("mean_abs_residual_spacings", entry["sum_abs_residual_spacings"], entry["numel"])
+            elif has_values:
                 r = residual.narrow(0, offset, entry["numel"]).double()
                 bits = saved_bits(served.narrow(0, offset, entry["numel"]))
                 sp = bf16_spacing(bf16_from_bits(bits)).double()

@@ -210,11 +210,11 @@ def test_save_at_world_2_restore_at_world_3(tmp_path, mode, use_previous):
 
 
 def test_error_feedback_served_bits_restored_in_chunks(tmp_path, monkeypatch):
-    """The restore copies saved pieces a chunk at a time (bounded temporaries): with 7-element chunks,
-    chunk edges fall inside every slice, and the round trip is the same."""
+    """The restore copies saved pieces a chunk at a time (bounded temporaries): with 8-element chunks (the
+    neighbour bits' byte), chunk edges fall inside every slice, and the round trip is the same."""
     from faircast_ds.shard import state as cast_state
 
-    monkeypatch.setattr(cast_state, "_COPY_CHUNK", 7)
+    monkeypatch.setattr(cast_state, "_COPY_CHUNK", 8)
     test_save_at_world_2_restore_at_world_3(tmp_path, "error_feedback", False)
 
 
@@ -232,17 +232,31 @@ def test_state_file_contents(tmp_path, mode):
         n = sum(e["numel"] for e in record["slices"])
         if mode == "error_feedback":
             assert record["residual"].dtype == torch.float32 and record["residual"].numel() == n
-            assert record["served"].dtype == torch.int16 and record["served"].numel() == n  # the bf16 patterns
-            served = torch.cat([w2[r].served[key][s.offset:s.offset + s.numel]
-                                for key, _, _, sl in w2[r].flat_groups() for s in sl if not s.is_padding])
-            assert torch.equal(record["served"], bf16_bits(served).to(torch.int16))
-            offset = 0
-            for e in record["slices"]:
+            # the served bits as which bf16 neighbour of the master each is, 8 to a byte from the lowest bit, each
+            # slice from a byte of its own; worked out here with Python integers from the rank's own tensors
+            mine_slices = [(key, s) for key, _, _, sl in w2[r].flat_groups() for s in sl if not s.is_padding]
+            offset, packed_at = 0, 0
+            for e, (key, s) in zip(record["slices"], mine_slices):
+                masters = w2[r].masters[key][s.offset:s.offset + s.numel]
+                served = bf16_bits(w2[r].served[key][s.offset:s.offset + s.numel]).tolist()
+                flags = [(b - (m >> 16)) % 65536 for b, m in zip(served, (fp32_bits(masters) & 0xFFFFFFFF).tolist())]
+                assert set(flags) <= {0, 1} and 1 in flags  # error feedback serves both neighbours
+                want = bytes(sum(f << i for i, f in enumerate(flags[j:j + 8])) for j in range(0, len(flags), 8))
+                assert e["neighbour_at"] == packed_at and e["exceptions"] == 0
+                got = record["neighbour"][packed_at:packed_at + len(want)]
+                assert got.numpy().tobytes() == want
                 assert e["crc_residual"] == crc32(record["residual"][offset:offset + e["numel"]])
-                assert e["crc_served"] == crc32(record["served"][offset:offset + e["numel"]])
+                assert e["crc_neighbour"] == crc32(got)
+                res = record["residual"][offset:offset + e["numel"]].tolist()
+                spacing = [2.0 ** (max((b >> 7) & 0xFF, 1) - 134) for b in served]
+                assert e["sum_abs_residual_spacings"] == pytest.approx(sum(abs(x) / y for x, y in zip(res, spacing)))
                 offset += e["numel"]
+                packed_at += len(want)
+            assert record["neighbour"].numel() == packed_at
+            assert record["exception_at"].numel() == 0 and record["served"].numel() == 0  # all masters finite
         else:  # the served copy is recomputed from the master: nothing but the step is kept
             assert record["residual"].numel() == 0 and record["served"].numel() == 0
+            assert record["neighbour"].numel() == 0
             assert all("crc_residual" not in e for e in record["slices"])
         for e in record["slices"]:
             pieces.setdefault(e["name"], []).append((e["start"], e["numel"]))
@@ -292,26 +306,51 @@ def tensor_entries(path: str) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("entry", (0, 1))  # the two arrays a rank file holds: residual and served bits
-def test_a_flipped_byte_is_caught_by_the_crc(tmp_path, entry):
+@pytest.mark.parametrize("array", ("residual", "neighbour"))  # the two arrays of a rank file with bytes in them
+def test_a_flipped_byte_is_caught_by_the_crc(tmp_path, array):
     _, _, tag, files = saved_at_world_2(tmp_path, "error_feedback")
     before = torch.load(files[1], weights_only=True)
-    offset, size = tensor_entries(files[1])[entry]
+    sizes = {before[k].numel() * before[k].element_size(): k for k in ("residual", "neighbour")}
+    assert len(sizes) == 2  # tell the two arrays apart by their byte counts
+    offset, size = next((o, n) for o, n in tensor_entries(files[1]) if sizes.get(n) == array)
     raw = bytearray(open(files[1], "rb").read())
     raw[offset + size // 2 + 1] ^= 0x5A
     open(files[1], "wb").write(raw)
     after = torch.load(files[1], weights_only=True)  # still a readable file: only a value changed
-    changed = [k for k in ("residual", "served") if not torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))]
-    assert len(changed) == 1
+    changed = [k for k in ("residual", "neighbour") if not torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))]
+    assert changed == [array]
     w3 = make_world(3, "error_feedback", initial_params())
     with pytest.raises(FairCastStateError, match=r"rank00001-of-00002\.pt: CRC mismatch for .* the state file is corrupted"):
         for a in w3:
             restore_state(a, a.caster, tag)
 
 
+def as_format_2(path: str, adapter) -> None:
+    """Rewrite a rank file the way faircast-ds/2 wrote it: every served element's 16-bit pattern (taken from
+    the saving rank's own served shard), each slice's CRC over them (zlib here, not the library's)."""
+    record = torch.load(path, weights_only=True)
+    bits = []
+    for key, _, served, slices in adapter.flat_groups():
+        bits += [bf16_bits(served[s.offset:s.offset + s.numel]).to(torch.int16) for s in slices if not s.is_padding]
+    old = torch.cat(bits) if bits else torch.zeros(0, dtype=torch.int16)
+    if record["residual"].numel() == 0:
+        old = old[:0]
+    offset = 0
+    for e in record["slices"]:
+        for k in ("crc_neighbour", "neighbour_at", "exceptions", "sum_abs_residual_spacings"):
+            e.pop(k, None)
+        if "crc_residual" in e:
+            e["crc_served"] = crc32(old[offset:offset + e["numel"]])
+        offset += e["numel"]
+    for k in ("neighbour", "exception_at", "crc_exceptions"):
+        record.pop(k)
+    record.update(format="faircast-ds/2", served=old)
+    torch.save(record, path)
+
+
 def as_format_1(path: str) -> None:
-    """Rewrite a rank file the way faircast-ds/1 wrote it: served bits as int32 in [0, 2^16), each slice's
-    CRC over those int32 bytes (zlib here, not the library's)."""
+    """Rewrite a faircast-ds/2 rank file the way faircast-ds/1 wrote it: served bits as int32 in [0, 2^16),
+    each slice's CRC over those int32 bytes (zlib here, not the library's)."""
     record = torch.load(path, weights_only=True)
     old = record["served"].to(torch.int32) & 0xFFFF
     offset = 0
@@ -323,25 +362,29 @@ def as_format_1(path: str) -> None:
     torch.save(record, path)
 
 
+@pytest.mark.parametrize("fmt", ("faircast-ds/1", "faircast-ds/2"))
 @pytest.mark.parametrize("mode", ("error_feedback", "dither"))
-def test_a_format_1_checkpoint_still_restores(tmp_path, mode):
-    """Checkpoints saved before the served bits went to int16 load to the same bits and residual, and the
-    next step equals the run that never stopped."""
+def test_an_older_format_checkpoint_still_restores(tmp_path, mode, fmt):
+    """Checkpoints saved before the served bits went to int16 (/1) or to neighbour bits (/2) load to the same
+    bits and residual, and the next step equals the run that never stopped."""
     full, w2, tag, files = saved_at_world_2(tmp_path, mode)
-    for f in files:
-        as_format_1(f)
-    assert torch.load(files[0], weights_only=True)["format"] == "faircast-ds/1"
+    for f, adapter in zip(files, w2):
+        as_format_2(f, adapter)
+        if fmt == "faircast-ds/1":
+            as_format_1(f)
+    assert torch.load(files[0], weights_only=True)["format"] == fmt
     w3 = make_world(3, mode, full, use_previous=True)
     assert [restore_state(a, a.caster, tag) for a in w3] == [3, 3, 3]
     for a in w3:
         publish_restored(a, a.caster)
-    assert_same(gather(w3), gather(w2), f"{mode} restored from faircast-ds/1", residual=mode == "error_feedback")
+    assert_same(gather(w3), gather(w2), f"{mode} restored from {fmt}", residual=mode == "error_feedback")
     train_step(w2, full, 4, w3)
-    assert_same(gather(w3), gather(w2), f"{mode} step 4 after a faircast-ds/1 restore",
+    assert_same(gather(w3), gather(w2), f"{mode} step 4 after a {fmt} restore",
                 residual=mode == "error_feedback")
 
 
-@pytest.mark.parametrize("fmt, dtype", [("faircast-ds/2", torch.int32), ("faircast-ds/1", torch.int16)])
+@pytest.mark.parametrize("fmt, dtype", [("faircast-ds/3", torch.int32), ("faircast-ds/2", torch.int32),
+                                        ("faircast-ds/1", torch.int16)])
 def test_served_bits_of_the_other_formats_dtype_are_refused(tmp_path, fmt, dtype):
     _, _, tag, files = saved_at_world_2(tmp_path, "error_feedback")
     record = torch.load(files[0], weights_only=True)
@@ -353,7 +396,7 @@ def test_served_bits_of_the_other_formats_dtype_are_refused(tmp_path, fmt, dtype
         restore_state(a, a.caster, tag)
 
 
-SERVED = {"faircast-ds/1": torch.int32, "faircast-ds/2": torch.int16}
+SERVED = {"faircast-ds/1": torch.int32, "faircast-ds/2": torch.int16, "faircast-ds/3": torch.int16}
 
 
 def test_a_missing_rank_file(tmp_path):
@@ -382,7 +425,8 @@ def test_not_a_state_file(tmp_path):
     _, _, tag, files = saved_at_world_2(tmp_path, "stochastic")
     torch.save({"format": "something-else/9"}, files[0])
     a = make_world(3, "stochastic", initial_params())[0]
-    with pytest.raises(FairCastStateError, match=r"rank00000-of-00002\.pt is not a faircast-ds/2 state file \(nor an earlier faircast-ds/1 one\)"):
+    with pytest.raises(FairCastStateError, match=r"rank00000-of-00002\.pt is not a faircast-ds/3 state file \(nor an "
+                                                 r"earlier faircast-ds/1, faircast-ds/2 one\)"):
         restore_state(a, a.caster, tag)
     open(files[0], "wb").write(b"not a zip at all")
     with pytest.raises(FairCastStateError, match=r"cannot read Fair Cast state file .*rank00000-of-00002\.pt"):
@@ -421,3 +465,66 @@ def test_incomplete_coverage(tmp_path, mode):
     with pytest.raises(FairCastStateError, match=r"does not cover new\.w elements"):
         for a in ranks:
             restore_state(a, a.caster, tag)
+
+
+# ---- faircast-ds/3: served bits as neighbour bits, and the exceptions they cannot give --------------------------
+
+def test_neighbour_bits_give_back_any_served_patterns_exactly():
+    """Whatever the served patterns (the rule's on awkward masters, or anything at all), packing them against
+    the masters and rebuilding gives them back bit for bit: those that are not a neighbour of their master
+    are kept as exceptions."""
+    from faircast_ds.shard import neighbour
+
+    g = torch.Generator().manual_seed(3)
+    awkward = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-42, -1e-42, 3.3895e38,
+                            -3.3895e38, 1.0, -1.0, 2.0 ** -126])
+    masters = torch.cat([awkward, torch.randn(5000, generator=g) * 0.02])
+    residual = torch.randn(masters.numel(), generator=g) * 1e-4
+    ruled = cast(masters, "error_feedback", seed=1, step=1, name="w", residual=residual.clone())
+    anything = torch.randint(-32768, 32768, (masters.numel(),), generator=g, dtype=torch.int16)
+    for served16, what in ((bf16_bits(ruled).to(torch.int16), "the rule's"), (anything, "random patterns")):
+        packed = torch.empty(neighbour.nbytes(masters.numel()), dtype=torch.uint8)
+        where, patterns = neighbour.encode(masters, served16.view(torch.bfloat16), packed, chunk=64)
+        rebuilt = neighbour.served_bits(masters, neighbour.unpack(packed, 0, masters.numel()))
+        neighbour.apply_exceptions(rebuilt, where, patterns)
+        assert torch.equal(rebuilt, served16), what
+        lower = (fp32_bits(masters) >> 16) & 0xFFFF
+        step = (served16.to(torch.int64) & 0xFFFF) - lower
+        assert sorted(where.tolist()) == [i for i, d in enumerate(step.tolist()) if d % 65536 > 1], what
+        for first, count in ((0, 7), (3, 100), (61, 4000)):  # any window of the packed bits
+            window = neighbour.served_bits(masters[first:first + count], neighbour.unpack(packed, first, count))
+            keep = (where >= first) & (where < first + count)
+            neighbour.apply_exceptions(window, where[keep] - first, patterns[keep])
+            assert torch.equal(window, served16[first:first + count]), (what, first, count)
+    assert where.numel() > 4000  # random patterns are mostly exceptions
+
+
+@pytest.mark.parametrize("chunk", (1 << 20, 8))
+@pytest.mark.parametrize("world", (2, 3))
+def test_exceptions_restore_at_the_same_and_another_world_size(tmp_path, world, chunk, monkeypatch):
+    """Served elements that are not a neighbour of their master (written here by hand before the save) come
+    back exactly, through the same layout's one-pass copy (world 2; in one chunk, or in 8-element chunks so
+    that exceptions fall in later chunks) and through pieces cut differently (world 3)."""
+    monkeypatch.setattr(checkpoint, "_COPY_CHUNK", chunk)
+    full = initial_params()
+    w2 = make_world(2, "error_feedback", full)
+    for step in (1, 2, 3):
+        train_step(w2, full, step)
+    odd = {}
+    for a in w2:  # three elements per rank: patterns no rule would serve for their masters
+        for key, _, served, slices in a.flat_groups():
+            s = next(s for s in slices if not s.is_padding)
+            for i in (0, s.numel // 2, s.numel - 1):
+                served.view(torch.int16)[s.offset + i] = 0x1234 + i
+                odd[(s.name, s.start + i)] = 0x1234 + i
+    tag = str(tmp_path / "global_step3")
+    files = [save_state(a, a.caster, tag, rank=r, world=2) for r, a in enumerate(w2)]
+    assert sum(int(torch.load(f, weights_only=True)["exception_at"].numel()) for f in files) == len(odd)
+    saved = gather(w2)
+    for (name, index), pattern in odd.items():
+        assert int(saved["served"][name][index]) == pattern
+    restored = make_world(world, "error_feedback", full, use_previous=True)
+    assert [restore_state(a, a.caster, tag) for a in restored] == [3] * world
+    for a in restored:
+        publish_restored(a, a.caster)
+    assert_same(gather(restored), saved, f"restored at world {world}", residual=True)

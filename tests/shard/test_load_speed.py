@@ -54,7 +54,7 @@ def test_error_feedback_restores_the_saved_layout_in_one_pass(tmp_path, monkeypa
     monkeypatch.setattr(checkpoint, "_COPY_CHUNK", 7)  # many chunks per saved piece
     copied = []
     real = checkpoint._copy_verified
-    monkeypatch.setattr(checkpoint, "_copy_verified", lambda p, r, s: copied.append(p.numel) or real(p, r, s))
+    monkeypatch.setattr(checkpoint, "_copy_verified", lambda p, *rest: copied.append(p.numel) or real(p, *rest))
     full, w2, tag, _ = saved_at_world_2(tmp_path, "error_feedback")
     saved = gather(w2)
     again = make_world(2, "error_feedback", full)
@@ -68,7 +68,7 @@ def test_error_feedback_restores_the_saved_layout_in_one_pass(tmp_path, monkeypa
     assert_same(gather(again), gather(w2), "step 4 after the restore", residual=True)
 
 
-@pytest.mark.parametrize("entry", (0, 1))  # residual, served bits
+@pytest.mark.parametrize("entry", (0, 1))  # residual, neighbour bits (the first two arrays of the file)
 def test_a_flipped_byte_is_caught_at_the_saved_layout(tmp_path, entry, monkeypatch):
     monkeypatch.setattr(checkpoint, "_COPY_CHUNK", 5)
     _, _, tag, files = saved_at_world_2(tmp_path, "error_feedback")
