@@ -12,6 +12,8 @@ saved bits exactly whatever the values. The residual is kept as before (fp32, wh
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 CHUNK = 1 << 18  # elements per pass (a multiple of 8: chunks start on a byte of the packed bits); its
@@ -68,8 +70,41 @@ def unpack(packed: torch.Tensor, first: int, count: int) -> torch.Tensor:
 
 
 def served_bits(master: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-    """The int16 patterns the packed flags name for ``master`` (exceptions not yet applied)."""
-    return (_lower(master) + flags.to(master.device, torch.int32)).to(torch.int16)
+    """The int16 patterns the flags (0/1 each, any integer dtype) name for ``master`` (exceptions not yet
+    applied)."""
+    return torch.add(_lower16(master), flags.to(master.device, torch.int16))
+
+
+def served_bits_packed(master: torch.Tensor, packed: torch.Tensor, first: int) -> torch.Tensor:
+    """:func:`served_bits` for elements ``[first, first + numel)`` of a packed array, without unpacking it
+    bit by bit: each byte looks its eight flags up in a table, already as int16."""
+    count = master.numel()
+    if count == 0:
+        return torch.zeros(0, dtype=torch.int16, device=master.device)
+    lo, hi = first // 8, (first + count - 1) // 8 + 1
+    table = _table(master.device)
+    flags = table.index_select(0, packed.narrow(0, lo, hi - lo).to(master.device, torch.int64)).view(-1)
+    return torch.add(_lower16(master), flags.narrow(0, first - 8 * lo, count))
+
+
+_TABLES: dict[str, torch.Tensor] = {}
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    """[256, 8] int16: the eight flags of every byte value, lowest bit first."""
+    key = str(device)
+    if key not in _TABLES:
+        _TABLES[key] = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).to(device, torch.int16)
+    return _TABLES[key]
+
+
+def _lower16(master: torch.Tensor) -> torch.Tensor:
+    """The lower neighbour's pattern of each fp32 master as int16: the master's upper half, read in place
+    where the machine is little-endian."""
+    flat = master.contiguous()
+    if sys.byteorder == "little":
+        return flat.view(torch.int16)[1::2]
+    return (flat.view(torch.int32) >> 16).to(torch.int16)
 
 
 def apply_exceptions(out16: torch.Tensor, positions: torch.Tensor, patterns: torch.Tensor) -> None:

@@ -238,13 +238,10 @@ def _neighbour_bytes(p: "_Piece") -> torch.Tensor:
     return p.record["neighbour"].narrow(0, p.entry["neighbour_at"], neighbour.nbytes(p.numel))
 
 
-def _rebuild_bits(out: torch.Tensor, master: torch.Tensor, p: "_Piece", first: int, count: int,
-                  flags: torch.Tensor | None = None) -> int:
+def _rebuild_bits(out: torch.Tensor, master: torch.Tensor, p: "_Piece", first: int, count: int) -> int:
     """A /3 piece's served patterns of elements ``[first, first + count)`` rebuilt from ``master`` (the same
     elements' restored fp32 masters) into the bf16 ``out``; returns how many elements changed bits."""
-    if flags is None:
-        flags = neighbour.unpack(_neighbour_bytes(p), first, count)
-    patterns = neighbour.served_bits(master, flags)
+    patterns = neighbour.served_bits_packed(master, _neighbour_bytes(p), first)
     neighbour.apply_exceptions(patterns, *_exceptions(p, first, count))
     changed = _differing(out.view(torch.int16), patterns)
     out.view(torch.int16).copy_(patterns)
@@ -329,8 +326,7 @@ def _copy_verified(p: _Piece, residual: torch.Tensor, served: torch.Tensor, mast
         crc_bits = zlib.crc32(bits.view(torch.uint8).numpy(), crc_bits)
         residual.narrow(0, at, k).copy_(res)
         if by_neighbour:
-            changed += _rebuild_bits(served.narrow(0, at, k), master.narrow(0, at, k), p, at, k,
-                                     neighbour.unpack(bits, 0, k))
+            changed += _rebuild_bits(served.narrow(0, at, k), master.narrow(0, at, k), p, at, k)
         else:
             changed += _copy_bits(served.narrow(0, at, k), bits)
     want_bits = p.entry["crc_neighbour"] if by_neighbour else p.entry["crc_served"]
@@ -477,8 +473,7 @@ class SavedCast:
             for p in self._index.get(name, []):
                 _verified(p, self._verified)
                 if p.record["format"] in NEIGHBOUR_FORMATS:  # rebuilt from this load's fp32 masters
-                    patterns = neighbour.served_bits(flat[p.start:p.start + p.numel],
-                                                     neighbour.unpack(_neighbour_bytes(p), 0, p.numel))
+                    patterns = neighbour.served_bits_packed(flat[p.start:p.start + p.numel], _neighbour_bytes(p), 0)
                     neighbour.apply_exceptions(patterns, *_exceptions(p, 0, p.numel))
                     bits[p.start:p.start + p.numel] = saved_bits(patterns)
                 else:

@@ -492,10 +492,11 @@ def test_neighbour_bits_give_back_any_served_patterns_exactly():
         step = (served16.to(torch.int64) & 0xFFFF) - lower
         assert sorted(where.tolist()) == [i for i, d in enumerate(step.tolist()) if d % 65536 > 1], what
         for first, count in ((0, 7), (3, 100), (61, 4000)):  # any window of the packed bits
-            window = neighbour.served_bits(masters[first:first + count], neighbour.unpack(packed, first, count))
             keep = (where >= first) & (where < first + count)
-            neighbour.apply_exceptions(window, where[keep] - first, patterns[keep])
-            assert torch.equal(window, served16[first:first + count]), (what, first, count)
+            for window in (neighbour.served_bits(masters[first:first + count], neighbour.unpack(packed, first, count)),
+                           neighbour.served_bits_packed(masters[first:first + count], packed, first)):
+                neighbour.apply_exceptions(window, where[keep] - first, patterns[keep])
+                assert torch.equal(window, served16[first:first + count]), (what, first, count)
     assert where.numel() > 4000  # random patterns are mostly exceptions
 
 
