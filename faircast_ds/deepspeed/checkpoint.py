@@ -207,8 +207,9 @@ def register(engine: Any, fair_cast: FairCast, hooks: Any) -> None:
         zero3 = fair_cast.adapter.zero_stage == 3
         # what DeepSpeed restores the fp32 masters from: the checkpoint's fp32 values, or the model's bf16
         # weights (module-only loads), which must then be the served copy
-        masters_exact = ((given.arguments["load_optimizer_states"] and not module_only)
-                         or (universal and (not zero3 or engine.zero_load_from_fp32_weights())))
+        masters_exact = restores_exact_masters(load_optimizer_states=bool(given.arguments["load_optimizer_states"]),
+                                               module_only=module_only, zero3=zero3, universal=universal,
+                                               from_fp32=bool(engine.zero_load_from_fp32_weights()))
         served_from_state = zero3 and not masters_exact and not universal  # ZeRO-3's model file has no weights
         records, error, missing = _read_state(tag_dir, universal)
         if records is not None and masters_exact:
@@ -262,6 +263,21 @@ def register(engine: Any, fair_cast: FairCast, hooks: Any) -> None:
                  load_checkpoint)
     hooks.around("load_module_state_dict", "checkpoint state",
                  "a ZeRO-3 module-only load gets the served copy, not round-to-nearest", load_module_state_dict)
+
+
+def restores_exact_masters(*, load_optimizer_states: bool, module_only: bool, zero3: bool, universal: bool,
+                           from_fp32: bool) -> bool:
+    """Whether DeepSpeed's load restores the fp32 masters bit for bit (then Fair Cast's state goes on top of
+    them) rather than rebuilding them from the model's bf16 weights. An optimizer load does, except under
+    ZeRO-1/2 told ``load_from_fp32_weights: false`` (``from_fp32``), which rebuilds them from the bf16
+    weights (ZeRO-3's own load always reads the fp32 partitions); a universal load does with its optimizer
+    states, or where it reads the fp32 weights (ZeRO-1/2 always; ZeRO-3 when told to). Error feedback's
+    state files check the masters they rebuild the served bits from, so a load this says is exact and is
+    not is refused by name (``shard/state.py``)."""
+    optimizer_load = load_optimizer_states and not module_only
+    if universal:
+        return optimizer_load or not zero3 or from_fp32
+    return optimizer_load and (zero3 or from_fp32)
 
 
 def _after_load(engine: Any, fair_cast: FairCast, tag_dir: str, records: list | None, error: str | None,

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 import torch
 
-from faircast_ds.casting.bits import bf16_from_bits, bf16_spacing
+from faircast_ds.casting.bits import bf16_from_bits
 from faircast_ds.casting.modes import spec
 from faircast_ds.casting.rules import cast
 from faircast_ds.config.section import FairCastConfig
@@ -127,8 +127,13 @@ def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int
                 where, patterns = neighbour.encode(flat_master.narrow(0, s.offset, s.numel), bits, flags)
                 exception_at.append(where + at)
                 exception_bits.append(patterns)
+                picks = _master_sample_positions(s.numel)
                 entry.update(crc_residual=_crc(res), crc_neighbour=_crc(flags), neighbour_at=packed_at,
-                             exceptions=where.numel(), sum_abs_residual_spacings=_residual_spacings(res, bits))
+                             exceptions=where.numel(), sum_abs_residual_spacings=_residual_spacings(res, bits),
+                             # the served bits are rebuilt from the masters a load restores: a sample of
+                             # them, bit patterns, to refuse a load whose masters are not these
+                             master_sample=flat_master.narrow(0, s.offset, s.numel)[picks.to(flat_master.device)]
+                             .cpu().view(torch.int32).tolist())
                 at += s.numel
                 packed_at += flags.numel()
             slices.append(entry)
@@ -150,14 +155,46 @@ def save_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, rank: int
     return path
 
 
+MASTER_SAMPLES = 64  # fp32 masters per slice a /3 file keeps to check the load's masters against
+
+
+def _master_sample_positions(numel: int) -> torch.Tensor:
+    """Evenly spaced element positions of a slice, first and last included (at most MASTER_SAMPLES)."""
+    if numel <= MASTER_SAMPLES:
+        return torch.arange(numel)
+    return torch.arange(MASTER_SAMPLES) * (numel - 1) // (MASTER_SAMPLES - 1)
+
+
+def _check_masters(p: "_Piece", first: int, master: torch.Tensor) -> None:
+    """Refuse to rebuild a /3 piece's served bits from masters other than those saved: the sampled positions
+    inside ``[first, first + master.numel())`` must hold the saved fp32 bit patterns."""
+    picks = _master_sample_positions(p.numel)
+    saved = p.entry.get("master_sample")
+    if saved is None or len(saved) != picks.numel():
+        raise FairCastStateError(f"{p.file}: no sample of the fp32 masters for {p.entry['name']}: the file is corrupted")
+    inside = (picks >= first) & (picks < first + master.numel())
+    if not bool(inside.any()):
+        return
+    got = master.detach().reshape(-1)[(picks[inside] - first).to(master.device)].cpu().contiguous().view(torch.int32)
+    want = torch.tensor(saved, dtype=torch.int32)[inside]
+    if not torch.equal(got, want):
+        at = int(picks[inside][torch.ne(got, want)][0]) + p.start
+        raise FairCastStateError(
+            f"{p.file}: the fp32 masters this load restored for {p.entry['name']} are not the ones saved with the Fair "
+            f"Cast state (element {at} differs); error feedback's served bits are rebuilt from them. Was the load "
+            "told to rebuild the masters from the bf16 weights (zero_optimization.load_from_fp32_weights: false)?")
+
+
 def _residual_spacings(residual: torch.Tensor, served: torch.Tensor, chunk: int = 1 << 18) -> float:
     """Sum of |residual| in bf16 spacings at the served value over one slice (what ``faircast-ds inspect``
     averages; kept in the file, whose served bits no longer say the spacing without the masters)."""
     total = 0.0
     for at in range(0, residual.numel(), chunk):
         k = min(chunk, residual.numel() - at)
-        sp = bf16_spacing(served.narrow(0, at, k).to(residual.device))
-        total += float((residual.narrow(0, at, k).abs() / sp).sum(dtype=torch.float64))
+        # |r| / spacing with spacing = 2^(max(exponent, 1) - 134) (bf16_spacing's definition), as one ldexp
+        exponent = (served.narrow(0, at, k).to(residual.device).view(torch.int16) >> 7) & 0xFF
+        scaled = torch.ldexp(residual.narrow(0, at, k).abs(), 134 - exponent.clamp_(min=1).to(torch.int32))
+        total += float(scaled.sum(dtype=torch.float64))
     return total
 
 
@@ -389,6 +426,8 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
                 dst = s.offset + lo - s.start
                 res_out, bits_out = residual.narrow(0, dst, hi - lo), served.detach().narrow(0, dst, hi - lo)
                 master_in = master.detach().view(-1).narrow(0, dst, hi - lo)
+                if p.record["format"] in NEIGHBOUR_FORMATS:
+                    _check_masters(p, lo - p.start, master_in)
                 if lo == p.start and hi == p.start + p.numel and (p.file, p.offset) not in verified:
                     # the same layout as saved: one pass over the piece
                     changed += _copy_verified(p, res_out, bits_out, master_in)
@@ -473,6 +512,7 @@ class SavedCast:
             for p in self._index.get(name, []):
                 _verified(p, self._verified)
                 if p.record["format"] in NEIGHBOUR_FORMATS:  # rebuilt from this load's fp32 masters
+                    _check_masters(p, 0, flat[p.start:p.start + p.numel])
                     patterns = neighbour.served_bits_packed(flat[p.start:p.start + p.numel], _neighbour_bytes(p), 0)
                     neighbour.apply_exceptions(patterns, *_exceptions(p, 0, p.numel))
                     bits[p.start:p.start + p.numel] = saved_bits(patterns)

@@ -308,7 +308,7 @@ def tensor_entries(path: str) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("array", ("residual", "neighbour"))  # the two arrays of a rank file with bytes in them
 def test_a_flipped_byte_is_caught_by_the_crc(tmp_path, array):
-    _, _, tag, files = saved_at_world_2(tmp_path, "error_feedback")
+    full, _, tag, files = saved_at_world_2(tmp_path, "error_feedback")
     before = torch.load(files[1], weights_only=True)
     sizes = {before[k].numel() * before[k].element_size(): k for k in ("residual", "neighbour")}
     assert len(sizes) == 2  # tell the two arrays apart by their byte counts
@@ -319,7 +319,7 @@ def test_a_flipped_byte_is_caught_by_the_crc(tmp_path, array):
     after = torch.load(files[1], weights_only=True)  # still a readable file: only a value changed
     changed = [k for k in ("residual", "neighbour") if not torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))]
     assert changed == [array]
-    w3 = make_world(3, "error_feedback", initial_params())
+    w3 = make_world(3, "error_feedback", full)
     with pytest.raises(FairCastStateError, match=r"rank00001-of-00002\.pt: CRC mismatch for .* the state file is corrupted"):
         for a in w3:
             restore_state(a, a.caster, tag)
@@ -529,3 +529,23 @@ def test_exceptions_restore_at_the_same_and_another_world_size(tmp_path, world, 
     for a in restored:
         publish_restored(a, a.caster)
     assert_same(gather(restored), saved, f"restored at world {world}", residual=True)
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_served_bits_are_not_rebuilt_from_other_masters(tmp_path, world):
+    """faircast-ds/3 rebuilds error feedback's served bits from the masters the load restored, so a load whose
+    masters are not the saved ones (DeepSpeed rebuilding them from the bf16 weights, say) is refused by name,
+    found by the masters sampled into the file, instead of serving bits one spacing off."""
+    full, _, tag, _ = saved_at_world_2(tmp_path, "error_feedback")
+    rounded = {name: p.to(torch.bfloat16).float() for name, p in full.items()}  # masters from the bf16 weights
+    ranks = make_world(world, "error_feedback", rounded)
+    with pytest.raises(FairCastStateError, match=r"the fp32 masters this load restored for \S+ are not the ones saved "
+                                                 r"with the Fair Cast state \(element \d+ differs\).*load_from_fp32_weights"):
+        for a in ranks:
+            restore_state(a, a.caster, tag)
+    one_off = {name: p.clone() for name, p in full.items()}
+    one_off["layers.1.w"][-1] = torch.nextafter(one_off["layers.1.w"][-1], torch.tensor(1.0))  # a sampled element
+    ranks = make_world(world, "error_feedback", one_off)
+    with pytest.raises(FairCastStateError, match=r"for layers\.1\.w are not the ones saved .*\(element 36 differs\)"):
+        for a in ranks:
+            restore_state(a, a.caster, tag)

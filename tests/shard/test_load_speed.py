@@ -18,7 +18,7 @@ from faircast_ds.shard.adapter import UnsupportedSetupError
 from faircast_ds.shard.state import FairCastStateError, publish_restored, restore_state
 from faircast_ds.shard.guard import BLOCK, _weights, block_digests, torch_block_digests
 from faircast_ds.casting.kernels import cpu
-from test_checkpoint_format import (assert_same, gather, initial_params, make_world, saved_at_world_2,
+from test_checkpoint_format import (assert_same, gather, make_world, saved_at_world_2,
                                     tensor_entries, train_step)
 from stand_ins import overwrite, setup
 
@@ -71,12 +71,12 @@ def test_error_feedback_restores_the_saved_layout_in_one_pass(tmp_path, monkeypa
 @pytest.mark.parametrize("entry", (0, 1))  # residual, neighbour bits (the first two arrays of the file)
 def test_a_flipped_byte_is_caught_at_the_saved_layout(tmp_path, entry, monkeypatch):
     monkeypatch.setattr(checkpoint, "_COPY_CHUNK", 5)
-    _, _, tag, files = saved_at_world_2(tmp_path, "error_feedback")
+    full, _, tag, files = saved_at_world_2(tmp_path, "error_feedback")
     offset, size = tensor_entries(files[1])[entry]
     raw = bytearray(open(files[1], "rb").read())
     raw[offset + size - 3] ^= 0x21  # in the last chunk of the last piece
     open(files[1], "wb").write(raw)
-    w2 = make_world(2, "error_feedback", initial_params())
+    w2 = make_world(2, "error_feedback", full)  # the masters as saved (a load restores them first)
     restore_state(w2[0], w2[0].caster, tag)  # rank 0's file is intact
     with pytest.raises(FairCastStateError, match=r"rank00001-of-00002\.pt: CRC mismatch for .* corrupted"):
         restore_state(w2[1], w2[1].caster, tag)
