@@ -402,8 +402,9 @@ def push_figures(data: dict[str, Any]) -> dict[str, Any]:
     after a step each: :mod:`faircast_ds.tools.bench.push_worker`) as the figures the table prints."""
     p = data["pushes"]
     first, bare, dense, dense_sampled = p[0], p[1], p[2], p[3]
-    deltas = [q for q in p[4:] if q["kind"] == "delta"]  # each after one step: pushes 5, 6 and 10, 12
-    stepped = [q for q in p[6:] if q["kind"] == "dense" and q.get("steps_before")]  # dense after a step: 9, 11
+    # each after one step: pushes 5, 6 and 10, 12 (results from before pushes named their kind: 5, 6)
+    deltas = [q for q in p[4:] if q.get("kind", "delta") == "delta"]
+    stepped = [q for q in p[6:] if q.get("kind") == "dense" and q.get("steps_before")]  # dense after a step: 9, 11
     delta_s = statistics.median(d["seconds"] for d in deltas)
     reload_s = dense["engine"].get("load_seconds") or float("nan")
     plane = data.get("plane", "tcp")
@@ -504,7 +505,7 @@ def push_stages(data: dict[str, Any]) -> dict[str, dict[str, float]]:
         out["push"] = q["seconds"]
         return out
 
-    deltas = [of(q) for q in p[4:] if q["kind"] == "delta"]
+    deltas = [of(q) for q in p[4:] if q.get("kind", "delta") == "delta"]
     names = {n for d in deltas for n in d}
     return {"dense, no check": of(p[1]), "dense, sampled check": of(p[3]),
             "delta (median)": {n: statistics.median(d.get(n, 0.0) for d in deltas) for n in names}}
@@ -515,7 +516,7 @@ def check_widths(data: dict[str, Any]) -> list[dict[str, float]]:
     default's (push 4) and the narrower ones of pushes 7 and later; empty before the worker made those."""
     p = data["pushes"]
     rows = [q for q in [p[3], *p[6:]] if q.get("check_columns") and q.get("check") == "sampled"
-            and q["kind"] == "dense" and not q.get("steps_before")]
+            and q.get("kind", "dense") == "dense" and not q.get("steps_before")]
     if len(rows) < 2:
         return []
     return [{"columns": q["check_columns"], "push_s": q["seconds"],
