@@ -99,14 +99,13 @@ class Segment(Protocol):
     def close(self) -> None: ...
 
 
-class HostSegment:
-    """A :class:`Segment` in host memory over any writable buffer (an ``mmap`` of a memfd, or a
-    ``bytearray`` in tests): a zero-copy uint8 tensor over it."""
+class TensorSegment:
+    """A :class:`Segment` over a 1-D uint8 tensor on any device (a GPU engine's staging buffer; no copy)."""
 
-    def __init__(self, buffer: Any, nbytes: int) -> None:
-        self.nbytes = int(nbytes)
-        self._buffer = buffer
-        self.flat = torch.frombuffer(buffer, dtype=torch.uint8, count=self.nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    def __init__(self, flat: torch.Tensor) -> None:
+        if flat.dtype != torch.uint8 or flat.dim() != 1:
+            raise ValueError(f"a segment is a 1-D uint8 tensor, got {flat.dtype} {tuple(flat.shape)}")
+        self.flat, self.nbytes = flat, flat.numel()
 
     def bytes_at(self, offset: int, nbytes: int) -> torch.Tensor:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
@@ -121,24 +120,21 @@ class HostSegment:
 
     def close(self) -> None:
         self.flat = torch.empty(0, dtype=torch.uint8)
-        self._buffer = None
 
 
-class TensorSegment:
-    """A :class:`Segment` over a uint8 tensor on any device (a GPU engine's staging buffer; no copy)."""
+class HostSegment(TensorSegment):
+    """A :class:`TensorSegment` in host memory over any writable buffer (an ``mmap`` of a memfd, or a
+    ``bytearray`` in tests): a zero-copy uint8 tensor over it."""
 
-    def __init__(self, flat: torch.Tensor) -> None:
-        if flat.dtype != torch.uint8 or flat.dim() != 1:
-            raise ValueError(f"a segment is a 1-D uint8 tensor, got {flat.dtype} {tuple(flat.shape)}")
-        self.flat, self.nbytes = flat, flat.numel()
-
-    def bytes_at(self, offset: int, nbytes: int) -> torch.Tensor:
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise ValueError(f"bytes [{offset}, {offset + nbytes}) outside the segment of {self.nbytes}")
-        return self.flat.narrow(0, offset, nbytes)
+    def __init__(self, buffer: Any, nbytes: int) -> None:
+        nbytes = int(nbytes)
+        super().__init__(torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes) if nbytes
+                         else torch.empty(0, dtype=torch.uint8))
+        self._buffer = buffer
 
     def close(self) -> None:
-        self.flat = torch.empty(0, dtype=torch.uint8)
+        super().close()
+        self._buffer = None
 
 
 def _sample_positions(numel: int, samples: int = SAMPLES) -> torch.Tensor:
