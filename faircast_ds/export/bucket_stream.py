@@ -249,7 +249,7 @@ def send_buckets(ch: Channel, sharing: SlotSharing, buckets: Sequence[Bucket], v
             pack(bucket, values, slots[slot])
             sharing.fence()
             ch.send_json({"type": "filled", "bucket": b, "slot": slot, "bytes": bucket.nbytes})
-            sent += sum(c.nbytes for c in bucket.copies)
+            sent += bucket.payload
         for b in range(max(0, len(buckets) - len(slots)), len(buckets)):
             _expect_free(ch, b, b % len(slots))
     except BaseException as exc:
@@ -281,7 +281,7 @@ def receive_buckets(ch: Channel, sharing: SlotSharing, buckets: Sequence[Bucket]
             consume(bucket, slots[slot])
             sharing.fence()
             ch.send_json({"type": "free", "bucket": b, "slot": slot})
-            done += sum(c.nbytes for c in bucket.copies)
+            done += bucket.payload
     except BaseException as exc:
         ch.close(reason=f"bucket stream stopped on the engine's side: {exc}")  # the rank stops waiting
         raise

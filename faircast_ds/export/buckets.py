@@ -42,6 +42,11 @@ class Bucket:
     copies: tuple[Copy, ...]
     nbytes: int  # bytes of the bucket in use (the last copy's end)
 
+    @property
+    def payload(self) -> int:
+        """Bytes of served values it carries (``nbytes`` less the alignment gaps)."""
+        return sum(c.nbytes for c in self.copies)
+
 
 def plan(layout: Layout, pieces: Sequence[tuple[int, int, int]], bucket_bytes: int,
          align: int = ALIGN) -> list[Bucket]:
