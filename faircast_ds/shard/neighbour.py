@@ -17,18 +17,13 @@ import sys
 import torch
 
 CHUNK = 1 << 18  # elements per pass (a multiple of 8: chunks start on a byte of the packed bits); its
-# temporaries, about 20 bytes an element, stay a few MiB (the save must not grow the peak by much: issue 23)
+# temporaries, about 10 bytes an element, stay a few MiB (the save must not grow the peak by much: issue 23)
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 def nbytes(numel: int) -> int:
     """Bytes of packed neighbour bits for ``numel`` elements."""
     return (numel + 7) // 8
-
-
-def _lower(master: torch.Tensor) -> torch.Tensor:
-    """The lower neighbour's 16-bit pattern of each fp32 master, as int32 (bits >> 16)."""
-    return master.contiguous().view(torch.int32) >> 16
 
 
 def encode(master: torch.Tensor, served: torch.Tensor, packed_out: torch.Tensor,
@@ -42,8 +37,8 @@ def encode(master: torch.Tensor, served: torch.Tensor, packed_out: torch.Tensor,
         k = min(chunk, n - at)
         x = master.narrow(0, at, k)
         s = served.narrow(0, at, k).to(x.device).contiguous().view(torch.int16)
-        step = (s.to(torch.int32) - _lower(x)) & 0xFFFF  # 0: the lower neighbour, 1: the upper one
-        bad = step > 1
+        step = torch.sub(s, _lower16(x))  # mod 2^16: 0 the lower neighbour, 1 the upper one
+        bad = (step < 0) | (step > 1)
         where = torch.nonzero(bad).view(-1)
         if where.numel():
             where_list.append(where.cpu() + at)
@@ -60,24 +55,9 @@ def encode(master: torch.Tensor, served: torch.Tensor, packed_out: torch.Tensor,
     return torch.cat(where_list), torch.cat(bits_list)
 
 
-def unpack(packed: torch.Tensor, first: int, count: int) -> torch.Tensor:
-    """Bits ``[first, first + count)`` of a packed array, one uint8 (0 or 1) each."""
-    if count == 0:
-        return torch.zeros(0, dtype=torch.uint8)
-    lo, hi = first // 8, (first + count - 1) // 8 + 1
-    bits = ((packed.narrow(0, lo, hi - lo).unsqueeze(1) >> _SHIFTS) & 1).view(-1)
-    return bits.narrow(0, first - 8 * lo, count)
-
-
-def served_bits(master: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-    """The int16 patterns the flags (0/1 each, any integer dtype) name for ``master`` (exceptions not yet
-    applied)."""
-    return torch.add(_lower16(master), flags.to(master.device, torch.int16))
-
-
 def served_bits_packed(master: torch.Tensor, packed: torch.Tensor, first: int) -> torch.Tensor:
-    """:func:`served_bits` for elements ``[first, first + numel)`` of a packed array, without unpacking it
-    bit by bit: each byte looks its eight flags up in a table, already as int16."""
+    """The int16 patterns the flags of elements ``[first, first + numel)`` of a packed array name for
+    ``master`` (exceptions not yet applied): each byte looks its eight flags up in a table, already as int16."""
     count = master.numel()
     if count == 0:
         return torch.zeros(0, dtype=torch.int16, device=master.device)

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 import torch
 
-from faircast_ds.casting.bits import bf16_from_bits
+from faircast_ds.casting.bits import bf16_from_bits, bf16_spacing
 from faircast_ds.casting.modes import spec
 from faircast_ds.casting.rules import cast
 from faircast_ds.config.section import FairCastConfig
@@ -191,10 +191,8 @@ def _residual_spacings(residual: torch.Tensor, served: torch.Tensor, chunk: int 
     total = 0.0
     for at in range(0, residual.numel(), chunk):
         k = min(chunk, residual.numel() - at)
-        # |r| / spacing with spacing = 2^(max(exponent, 1) - 134) (bf16_spacing's definition), as one ldexp
-        exponent = (served.narrow(0, at, k).to(residual.device).view(torch.int16) >> 7) & 0xFF
-        scaled = torch.ldexp(residual.narrow(0, at, k).abs(), 134 - exponent.clamp_(min=1).to(torch.int32))
-        total += float(scaled.sum(dtype=torch.float64))
+        spacing = bf16_spacing(served.narrow(0, at, k).to(residual.device))
+        total += float((residual.narrow(0, at, k).abs() / spacing).sum(dtype=torch.float64))
     return total
 
 
@@ -206,6 +204,11 @@ class _Piece:
     offset: int  # in the record's concatenated residual/served arrays
     entry: dict[str, Any]
     file: str
+
+    @property
+    def by_neighbour(self) -> bool:
+        """Its served bits are neighbour bits and exceptions (rebuilt from the masters), not patterns."""
+        return self.record["format"] in NEIGHBOUR_FORMATS
 
 
 def read_records(tag_dir: str) -> list[tuple[str, dict[str, Any]]]:
@@ -275,11 +278,17 @@ def _neighbour_bytes(p: "_Piece") -> torch.Tensor:
     return p.record["neighbour"].narrow(0, p.entry["neighbour_at"], neighbour.nbytes(p.numel))
 
 
-def _rebuild_bits(out: torch.Tensor, master: torch.Tensor, p: "_Piece", first: int, count: int) -> int:
-    """A /3 piece's served patterns of elements ``[first, first + count)`` rebuilt from ``master`` (the same
-    elements' restored fp32 masters) into the bf16 ``out``; returns how many elements changed bits."""
+def _patterns(p: "_Piece", master: torch.Tensor, first: int) -> torch.Tensor:
+    """A /3 piece's served patterns (int16) of elements ``[first, first + master.numel())``, rebuilt from
+    ``master`` (the same elements' restored fp32 masters), exceptions written over them."""
     patterns = neighbour.served_bits_packed(master, _neighbour_bytes(p), first)
-    neighbour.apply_exceptions(patterns, *_exceptions(p, first, count))
+    neighbour.apply_exceptions(patterns, *_exceptions(p, first, master.numel()))
+    return patterns
+
+
+def _rebuild_bits(out: torch.Tensor, master: torch.Tensor, p: "_Piece", first: int) -> int:
+    """:func:`_patterns` into the bf16 ``out``; returns how many elements changed bits."""
+    patterns = _patterns(p, master, first)
     changed = _differing(out.view(torch.int16), patterns)
     out.view(torch.int16).copy_(patterns)
     return changed
@@ -299,7 +308,7 @@ def _verified(p: _Piece, verified: set[tuple[str, int]]) -> None:
     if (p.file, p.offset) in verified:
         return
     whole_res = p.record["residual"].narrow(0, p.offset, p.numel)
-    if p.record["format"] in NEIGHBOUR_FORMATS:
+    if p.by_neighbour:
         bits_ok = _crc(_neighbour_bytes(p)) == p.entry["crc_neighbour"]
     else:
         bits_ok = _crc(p.record["served"].narrow(0, p.offset, p.numel)) == p.entry["crc_served"]
@@ -351,7 +360,7 @@ def _copy_verified(p: _Piece, residual: torch.Tensor, served: torch.Tensor, mast
     served elements the copy changed."""
     changed = 0
     res_all = p.record["residual"].narrow(0, p.offset, p.numel)
-    by_neighbour = p.record["format"] in NEIGHBOUR_FORMATS
+    by_neighbour = p.by_neighbour
     bits_all = _neighbour_bytes(p) if by_neighbour else p.record["served"].narrow(0, p.offset, p.numel)
     crc_res = crc_bits = 0
     chunk = -(-_COPY_CHUNK // 8) * 8 if by_neighbour else _COPY_CHUNK  # neighbour bits: a chunk starts on a byte
@@ -363,7 +372,7 @@ def _copy_verified(p: _Piece, residual: torch.Tensor, served: torch.Tensor, mast
         crc_bits = zlib.crc32(bits.view(torch.uint8).numpy(), crc_bits)
         residual.narrow(0, at, k).copy_(res)
         if by_neighbour:
-            changed += _rebuild_bits(served.narrow(0, at, k), master.narrow(0, at, k), p, at, k)
+            changed += _rebuild_bits(served.narrow(0, at, k), master.narrow(0, at, k), p, at)
         else:
             changed += _copy_bits(served.narrow(0, at, k), bits)
     want_bits = p.entry["crc_neighbour"] if by_neighbour else p.entry["crc_served"]
@@ -426,7 +435,7 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
                 dst = s.offset + lo - s.start
                 res_out, bits_out = residual.narrow(0, dst, hi - lo), served.detach().narrow(0, dst, hi - lo)
                 master_in = master.detach().view(-1).narrow(0, dst, hi - lo)
-                if p.record["format"] in NEIGHBOUR_FORMATS:
+                if p.by_neighbour:
                     _check_masters(p, lo - p.start, master_in)
                 if lo == p.start and hi == p.start + p.numel and (p.file, p.offset) not in verified:
                     # the same layout as saved: one pass over the piece
@@ -436,8 +445,8 @@ def restore_state(adapter: Adapter, caster: ShardCaster, tag_dir: str, *, engine
                 _verified(p, verified)
                 src = p.offset + lo - p.start
                 res_out.copy_(p.record["residual"].narrow(0, src, hi - lo))
-                if p.record["format"] in NEIGHBOUR_FORMATS:
-                    changed += _rebuild_bits(bits_out, master_in, p, lo - p.start, hi - lo)
+                if p.by_neighbour:
+                    changed += _rebuild_bits(bits_out, master_in, p, lo - p.start)
                 else:
                     changed += _copy_bits(bits_out, p.record["served"].narrow(0, src, hi - lo))
             if covered != s.numel:
@@ -511,11 +520,9 @@ class SavedCast:
             covered = 0
             for p in self._index.get(name, []):
                 _verified(p, self._verified)
-                if p.record["format"] in NEIGHBOUR_FORMATS:  # rebuilt from this load's fp32 masters
+                if p.by_neighbour:  # rebuilt from this load's fp32 masters
                     _check_masters(p, 0, flat[p.start:p.start + p.numel])
-                    patterns = neighbour.served_bits_packed(flat[p.start:p.start + p.numel], _neighbour_bytes(p), 0)
-                    neighbour.apply_exceptions(patterns, *_exceptions(p, 0, p.numel))
-                    bits[p.start:p.start + p.numel] = saved_bits(patterns)
+                    bits[p.start:p.start + p.numel] = saved_bits(_patterns(p, flat[p.start:p.start + p.numel], 0))
                 else:
                     bits[p.start:p.start + p.numel] = saved_bits(p.record["served"].narrow(0, p.offset, p.numel))
                 covered += p.numel
