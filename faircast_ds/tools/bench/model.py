@@ -396,19 +396,29 @@ def _verify_s(row: dict[str, Any]) -> float:
     return row.get("verify_seconds") or (row.get("engine") or {}).get("check_seconds") or 0.0
 
 
+def _label(data: dict[str, Any]) -> str:
+    """A push result's column label: its mode, and its data plane unless the default (tcp)."""
+    plane = data.get("plane", "tcp")
+    return data["mode"] + ("" if plane == "tcp" else f"/{plane}")
+
+
+def _deltas(pushes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The deltas among a push worker's pushes, each after one step: pushes 5, 6 and 10, 12 (results from
+    before pushes named their kind: 5 and 6)."""
+    return [q for q in pushes[4:] if q.get("kind", "delta") == "delta"]
+
+
 def push_figures(data: dict[str, Any]) -> dict[str, Any]:
     """The push worker's pushes (dense verified whole, dense unverified, dense verified whole, dense verified
     sampled, delta, delta; then, where the worker made them, the narrower checks and the dense pushes and deltas
     after a step each: :mod:`faircast_ds.tools.bench.push_worker`) as the figures the table prints."""
     p = data["pushes"]
     first, bare, dense, dense_sampled = p[0], p[1], p[2], p[3]
-    # each after one step: pushes 5, 6 and 10, 12 (results from before pushes named their kind: 5, 6)
-    deltas = [q for q in p[4:] if q.get("kind", "delta") == "delta"]
+    deltas = _deltas(p)
     stepped = [q for q in p[6:] if q.get("kind") == "dense" and q.get("steps_before")]  # dense after a step: 9, 11
     delta_s = statistics.median(d["seconds"] for d in deltas)
     reload_s = dense["engine"].get("load_seconds") or float("nan")
-    plane = data.get("plane", "tcp")
-    return {"mode": data["mode"] + ("" if plane == "tcp" else f"/{plane}"), "numel": dense["numel"], "params_total": dense["params_total"],
+    return {"mode": _label(data), "numel": dense["numel"], "params_total": dense["params_total"],
             "first_s": first["seconds"], "dense_s": dense["seconds"], "bare_dense_s": bare["seconds"],
             "dense_sampled_s": dense_sampled["seconds"],
             "dense_sampled_reload_s": dense_sampled["engine"].get("load_seconds") or float("nan"), "dense_sampled_verify_s": _verify_s(dense_sampled),
@@ -431,7 +441,8 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
     lines = [("mode", "update", "check", "changed", "MiB sent", "gathers", "push s", "x dense", "delta goal",
               "vLLM reload s", "push x reload", "reload goal", "verify s", "verify x push", "verify goal",
               "x memcpy")]
-    for f in map(push_figures, pushes):
+    figures = [push_figures(data) for data in pushes]
+    for f in figures:
         bare = f["bare_dense_s"]
         for label, check, push_s, reload_s in (("dense", "whole", f["dense_s"], f["reload_s"]),
                                                ("dense", "sampled", f["dense_sampled_s"], f["dense_sampled_reload_s"])):
@@ -474,13 +485,13 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
             "dense = verified minus unverified push, delta = the check after the walk (verify x push: against "
             "the rest of the push); gathers: ZeRO-3 full-parameter gathers of the walk; x memcpy: against "
             "copying the same bf16 bytes once"]
-    for f in map(push_figures, pushes):
+    for f in figures:
         if f["stepped_dense_s"] is not None:
             head.append(f"{f['mode']}: delta after a step / dense after a step (both medians, one optimizer step "
                         f"before each push): {f['delta_s'] / f['stepped_dense_s']:.3f}; x dense compares with the "
                         "dense push no step preceded")
-    if pushes:
-        f = push_figures(pushes[0])
+    if figures:
+        f = figures[0]
         head.append(f"first push (dense, the engine's first update, whole check) {f['first_s']:.2f} s; export "
                     f"{f['export_s']:.1f} s; vllm serve start {f['server_start_s']:.0f} s; memcpy floor of "
                     f"{2 * f['numel'] / MIB:.0f} MiB {1e3 * f['memcpy_s']:.0f} ms; {f['params_total']} tensors")
@@ -505,7 +516,7 @@ def push_stages(data: dict[str, Any]) -> dict[str, dict[str, float]]:
         out["push"] = q["seconds"]
         return out
 
-    deltas = [of(q) for q in p[4:] if q.get("kind", "delta") == "delta"]
+    deltas = [of(q) for q in _deltas(p)]
     names = {n for d in deltas for n in d}
     return {"dense, no check": of(p[1]), "dense, sampled check": of(p[3]),
             "delta (median)": {n: statistics.median(d.get(n, 0.0) for d in deltas) for n in names}}
@@ -531,7 +542,7 @@ def format_width_table(pushes: list[dict[str, Any]]) -> str:
     lines = [("mode", "columns per matrix", "push s", "push x reload", "engine check s", "kernel read-back s",
               "(reload + read-back) x reload")]
     for data in pushes:
-        mode = data["mode"] + ("" if data.get("plane", "tcp") == "tcp" else "/" + data["plane"])
+        mode = _label(data)
         for w in check_widths(data):
             lines.append((mode, str(w["columns"]), f"{w['push_s']:.2f}", f"{w['push_s'] / w['reload_s']:.2f}",
                           f"{w['check_s']:.3f}", f"{w['kernels_s']:.3f}",
@@ -547,7 +558,7 @@ def format_width_table(pushes: list[dict[str, Any]]) -> str:
 def format_stage_table(pushes: list[dict[str, Any]]) -> str:
     """One row per stage, one column per mode and update: where a push's seconds go. Stages overlap (the
     HTTP update call waits while the trainer walks and sends), so they do not sum to the push."""
-    cols = [(data["mode"] + ("" if data.get("plane", "tcp") == "tcp" else "/" + data["plane"]), label, stages)
+    cols = [(_label(data), label, stages)
             for data in pushes for label, stages in push_stages(data).items()]
     if not cols:
         return ""
