@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--changed", nargs="*", type=float, default=[0.005, 0.04, 0.2],
                     help="shares of elements a delta changes (default: 0.5%%, 4%%, 20%%; none: dense only)")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT))
     numel = int(args.mib * 2**20 / 2 / PARAMS) // 2 * 2  # elements per parameter (even: two halves)
     nbytes = numel * 2 * PARAMS
     print(f"{nbytes / 2**20:,.0f} MiB of bf16 in {PARAMS} parameters, 2 trainer-rank processes, median of "
@@ -203,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     for transport in args.transports:
         hosts = None
         if transport == "netns":
-            if os.geteuid() != 0 or subprocess.run(["which", "ip"], capture_output=True).returncode != 0:
+            from faircast_ds.tools.bench.hosts import TwoHosts, available
+
+            if not available():
                 print("  netns: skipped (needs root and iproute2)")
                 continue
-            from netns import TwoHosts
 
             hosts = TwoHosts().__enter__()
         try:

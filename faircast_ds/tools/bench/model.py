@@ -88,10 +88,25 @@ def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup:
 
 
 def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: str, plane: str = "tcp") -> None:
+    """One push launch. ``plane="netns"``: two hosts on this machine (network namespaces joined by a
+    veth pair, :mod:`faircast_ds.tools.bench.hosts`): the ranks run on one, ``vllm serve`` on the other
+    (the worker reads where from ``ENGINE_NETNS``/``ENGINE_HOST``), and the push crosses the veth on the
+    net plane. The namespaces are removed afterwards, whatever happened."""
     from faircast_ds.tools.bench import push_worker as bench_push_worker
 
-    _deepspeed(bench_push_worker.__name__, [stem, model, str(layers), mode, repr(lr), plane], log,
-               f"push {mode} ({plane})")
+    args, what = [stem, model, str(layers), mode, repr(lr), plane], f"push {mode} ({plane})"
+    if plane != "netns":
+        _deepspeed(bench_push_worker.__name__, args, log, what)
+        return
+    from faircast_ds.tools.bench.hosts import TwoHosts, available
+
+    if not available():
+        raise LaunchFailed(f"{what}: the cross-host row needs network namespaces (root and iproute2)")
+    with TwoHosts() as hosts:
+        engine, ranks = hosts.HOSTS
+        _deepspeed(bench_push_worker.__name__, args, log, what, prefix=["ip", "netns", "exec", hosts.netns[ranks]],
+                   env={bench_push_worker.ENGINE_NETNS: hosts.netns[engine],
+                        bench_push_worker.ENGINE_HOST: hosts.addr[engine]})
 
 
 def launch_env() -> tuple[dict[str, str], str]:
@@ -108,8 +123,11 @@ def launch_env() -> tuple[dict[str, str], str]:
     return env, root
 
 
-def _deepspeed(module: str, worker_args: list[str], log: str, what: str) -> None:
-    env, root = launch_env()
+def _deepspeed(module: str, worker_args: list[str], log: str, what: str, *, prefix: list[str] | None = None,
+               env: dict[str, str] | None = None) -> None:
+    """``deepspeed --num_gpus 2 --module MODULE ARGS`` (under the command ``prefix``, with ``env`` added)."""
+    extra, (env, root) = env or {}, launch_env()
+    env.update(extra)
     runner = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     if not os.path.exists(runner):
         runner = "deepspeed"
@@ -120,7 +138,7 @@ def _deepspeed(module: str, worker_args: list[str], log: str, what: str) -> None
         port = s.getsockname()[1]
     # as a module: run as a script, its folder (faircast_ds/, which has a deepspeed/ package) would come
     # first on sys.path and shadow DeepSpeed itself
-    cmd = [runner, "--num_gpus", "2", "--master_port", str(port), "--module", module, *worker_args]
+    cmd = [*(prefix or []), runner, "--num_gpus", "2", "--master_port", str(port), "--module", module, *worker_args]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=root)
     for leftover in _shm_buffers(port):  # DeepSpeed's CPU all-reduce never unlinks its /dev/shm buffers
@@ -355,7 +373,8 @@ def run(model: str, *, layers: int | None, stages: tuple[int, ...], configs: tup
 def run_push(model: str, *, layers: int, modes: tuple[str, ...], lr: float, out_dir: str, log=print,
              failures: list[str] | None = None, planes: tuple[str, ...] = ("tcp",)) -> list[dict[str, Any]]:
     """One push launch per mode and data plane (``tcp``: the authenticated channel; ``shm``: the one-host
-    shared-memory plane); results already in ``out_dir`` are reused; their rank-0 JSON."""
+    shared-memory plane; ``net``: each rank's own connection, on loopback; ``netns``: the same across two
+    network namespaces); results already in ``out_dir`` are reused; their rank-0 JSON."""
     failures = failures if failures is not None else []
     started, out = time.perf_counter(), []
     runs = [(m, p) for m in modes for p in planes]

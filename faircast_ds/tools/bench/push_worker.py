@@ -3,7 +3,9 @@
 pushes into a ``vllm serve`` process (the ``faircast`` weight-transfer backend, vLLM's HTTP routes,
 verification in the engine's finish: its kernels read back) started on rank 0 from the model's own export.
 
-Arguments (after the script): STEM MODEL LAYERS MODE LR. The pushes, each with its own version:
+Arguments (after the script): STEM MODEL LAYERS MODE LR [PLANE] (``tcp``, ``shm``, ``net``, or ``netns``: the
+net plane to a ``vllm serve`` in another network namespace, :func:`faircast_ds.tools.bench.model._launch_push`).
+The pushes, each with its own version:
 
 1. dense, verified (the engine's first update, checked whole; includes the first-use costs),
 2. dense, not verified (the push alone),
@@ -30,6 +32,9 @@ import time
 from typing import Any
 
 PIECE = 64 << 20  # elements per memcpy piece (128 MiB of bf16)
+# the cross-host row (PLANE "netns"): the engine's network namespace and its address there, set by the launch
+ENGINE_NETNS, ENGINE_HOST = "FAIRCAST_DS_BENCH_ENGINE_NETNS", "FAIRCAST_DS_BENCH_ENGINE_HOST"
+ENGINE_PORTS = (29771, 29772)  # vllm serve's HTTP port, the net plane's port: in a fresh namespace, nothing else listens
 
 
 def memcpy_floor(elements: int, repeats: int = 3) -> float:
@@ -81,6 +86,12 @@ def main(argv: list[str]) -> None:
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     vocab = real_config(model_name).vocab_size
     export = f"{stem}-export"
+    where: dict[str, dict[str, Any]] = {"server": {}, "push": {"plane": plane}}
+    if plane == "netns":  # vllm serve on the other host, the net plane across the veth
+        host = os.environ[ENGINE_HOST]
+        where = {"server": {"host": host, "port": ENGINE_PORTS[0], "launcher": ["ip", "netns", "exec",
+                                                                               os.environ[ENGINE_NETNS]]},
+                 "push": {"plane": "net", "host": host, "port": ENGINE_PORTS[1]}}
     t = time.perf_counter()
     exported = save_hf(engine, export, version=0)
     export_s = time.perf_counter() - t
@@ -91,10 +102,10 @@ def main(argv: list[str]) -> None:
     if rank == 0:
         t = time.perf_counter()
         server = VllmServer(export, max_model_len=SEQUENCE, kv_cache_gib=1 / 8, log_path=f"{stem}-server.log",
-                            worker_extension=True)
+                            worker_extension=True, **where["server"])
         out["server_start_s"] = time.perf_counter() - t
     try:
-        push = ServedPush(engine, server, plane=plane)
+        push = ServedPush(engine, server, **where["push"])
         default = push.route.check_columns
         plan = [("dense", True, 0, default), ("dense", False, 0, default), ("dense", True, 0, default),
                 ("dense", True, 0, default), ("delta", True, 1, default), ("delta", True, 1, default),

@@ -34,13 +34,18 @@ class ServerUnavailable(RuntimeError):
 
 class VllmServer:
     """A vLLM OpenAI-compatible server process serving ``model_dir`` with the ``faircast`` backend, or
-    (``url=``) an existing one. Use as a context manager or call :meth:`close`."""
+    (``url=``) an existing one. Use as a context manager or call :meth:`close`.
+
+    ``launcher``: a command prefix the server runs under, e.g. ``["ip", "netns", "exec", NS]`` for a
+    server in another network namespace (the benchmark's cross-host row); it must exec the command it
+    is given (the server stays this object's child, killed with its process group). With a launcher
+    the port is not probed here (this host may not own ``host``): pass ``port``."""
 
     def __init__(self, model_dir: str | os.PathLike | None = None, *, url: str | None = None,
                  host: str = DEFAULT_HOST, port: int | None = None, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int | None = None, kv_cache_gib: float = 1 / 16, log_path: str | os.PathLike | None = None,
                  start_timeout: float = 600.0, request_timeout: float = 300.0, extra_args: Sequence[str] = (),
-                 worker_extension: bool = False) -> None:
+                 worker_extension: bool = False, launcher: Sequence[str] = ()) -> None:
         self.proc: subprocess.Popen | None = None
         self.request_timeout = request_timeout
         self._log = None
@@ -49,6 +54,10 @@ class VllmServer:
             return
         if model_dir is None:
             raise ValueError("VllmServer needs model_dir (to start a server) or url (to attach to one)")
+        launcher = [str(a) for a in launcher]
+        if launcher and not port:
+            raise ValueError("VllmServer with a launcher needs an explicit port (this process may not reach "
+                             f"{host} to find a free one)")
         port = port or free_port(host)
         self.url = f"http://{host}:{port}"
         # absolute: the server runs in the export's parent directory, where a relative path would not
@@ -74,7 +83,7 @@ class VllmServer:
         # its own session: one process group for the server and everything vLLM spawns, killed together,
         # tethered to this process: stopped when it dies, even by SIGKILL (a trainer rank killed for memory
         # left its server running, and the job's retry was then killed for memory in turn)
-        cmd = [sys.executable, "-m", "faircast_ds._util.tethered", str(os.getpid()), "--", *cmd]
+        cmd = [*launcher, sys.executable, "-m", "faircast_ds._util.tethered", str(os.getpid()), "--", *cmd]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                      cwd=str(model_dir.parent))
         try:

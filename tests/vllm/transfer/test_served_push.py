@@ -52,3 +52,23 @@ def test_the_plane_picks_the_route(plane, module, route, monkeypatch):
     with pytest.raises(Exception):  # noqa: B017 - whatever the refused connection raises
         ServedPush(model(), "http://127.0.0.1:9", plane=plane, timeout=2.0)
     assert reached == [route]
+
+
+def test_a_server_under_a_launcher_runs_the_launcher_first_and_needs_its_port(tmp_path):
+    """VllmServer(launcher=...) (the benchmark's cross-host row: ``ip netns exec NS``): the command starts
+    with the launcher, which is given the whole server command; without an explicit port it is refused.
+    The launcher here records its arguments and exits 3, so no server starts."""
+    from faircast_ds.vllm.transfer.server import ServerUnavailable, VllmServer
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="with a launcher needs an explicit port"):
+        VllmServer(tmp_path / "model", launcher=["ip", "netns", "exec", "x"])
+    argv = tmp_path / "argv"
+    launcher = ["sh", "-c", f'printf "%s\\n" "$@" > {argv}; exit 3', "launcher"]
+    with pytest.raises(ServerUnavailable, match="exited with 3 at start"):
+        VllmServer(tmp_path / "model", port=9, launcher=launcher, log_path=tmp_path / "server.log", start_timeout=60)
+    words = argv.read_text().splitlines()
+    assert words[words.index("--") + 1:][:3] == [words[0], "-m", "vllm.entrypoints.openai.api_server"]
+    assert words[1:3] == ["-m", "faircast_ds._util.tethered"]
+    assert words[words.index("--host") + 1] == "127.0.0.1" and words[words.index("--port") + 1] == "9"
