@@ -1,7 +1,7 @@
 """The data plane's transports side by side, without vLLM: how fast two trainer ranks put their served
 slices into the engine's staging segment, against a plain copy of the same bytes.
 
-    python benchmarks/data_plane.py [--mib 1137] [--repeats 3] [--transports shm net netns] [--changed 0.005 0.04 0.2]
+    python benchmarks/data_plane.py [--mib 1137] [--repeats 3] [--transports shm net netns group] [--changed 0.005 0.04 0.2]
 
 One engine-end process (:class:`~faircast_ds.vllm.transfer.segment.SegmentHost`) and two trainer-rank
 processes (:class:`~faircast_ds.vllm.transfer.segment.SegmentWriter`), each rank holding half of every
@@ -12,7 +12,10 @@ until the engine confirmed the commit (so it covers the slower rank). Transports
 - ``shm``: one host, the memfd segment (each rank maps it and copies in);
 - ``net``: the TCP transport on loopback (each rank sends its slices in authenticated 8 MiB frames);
 - ``netns``: the same, the engine's end in one network namespace and the ranks in another, over a veth
-  pair (needs root and iproute2; skipped otherwise).
+  pair (needs root and iproute2; skipped otherwise);
+- ``group``: each rank sends its slices by point-to-point sends in a gloo process group of the ranks
+  and the engine, on loopback (no MAC over the bytes; :mod:`faircast_ds.export.send_group`; its deltas
+  carry whole changed slices).
 
 Then deltas that touch every parameter, a share of each rank's elements changed (``--changed``, evenly
 spread): carried as whole changed slices, and (net plane) as each slice's changed elements (indices or
@@ -58,7 +61,7 @@ _COMMON = textwrap.dedent("""
 
 _HOST = _COMMON + textwrap.dedent("""
     from faircast_ds.vllm.transfer.segment import SegmentHost
-    kw = dict(address=({addr!r}, {port})) if {net} else dict(name={name!r})
+    kw = dict(address=({addr!r}, {port}), group="gloo" if {group} else None) if {net} else dict(name={name!r})
     host = SegmentHost(specs, timeout=600, **kw)
     (out / "ready").write_text("1")
     for version in range(1, {versions} + 1):
@@ -79,7 +82,7 @@ _RANK = _COMMON + textwrap.dedent("""
     g = torch.Generator().manual_seed(rank)
     shard = torch.randn({params} * half, generator=g).to(torch.bfloat16)
     slices = [(i, rank * half, shard[i * half:(i + 1) * half]) for i in range({params})]
-    kw = dict(address=({addr!r}, {port})) if {net} else {{}}
+    kw = dict(address=({addr!r}, {port}), group={group}) if {net} else {{}}
     wait("ready")
     w = SegmentWriter(None if {net} else {name!r}, specs, slices, rank=rank, world=2, session="bench",
                       timeout=600, **kw)
@@ -133,6 +136,7 @@ def run_transport(transport: str, args: argparse.Namespace, numel: int, hosts) -
     addr = hosts.addr["worker-1"] if transport == "netns" else "127.0.0.1"
     port = 29741 if transport == "netns" else _free_port()
     fmt = dict(root=str(ROOT), out=str(out), numel=numel, params=PARAMS, repeats=args.repeats, net=net,
+               group=transport == "group",
                addr=addr, port=port, name=socket_name(), shares=list(args.changed),
                versions=args.repeats * (1 + 2 * len(args.changed)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -188,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=float, default=1137.0, help="bf16 payload in MiB (default: Qwen3-0.6B's served copy)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--transports", nargs="+", default=["shm", "net", "netns"], choices=["shm", "net", "netns"])
+    ap.add_argument("--transports", nargs="+", default=["shm", "net", "netns", "group"],
+                    choices=["shm", "net", "netns", "group"])
     ap.add_argument("--changed", nargs="*", type=float, default=[0.005, 0.04, 0.2],
                     help="shares of elements a delta changes (default: 0.5%%, 4%%, 20%%; none: dense only)")
     args = ap.parse_args(argv)

@@ -61,7 +61,8 @@ class FairCastInitInfo(WeightTransferInitInfo):
     host: str = DEFAULT_HOST
     timeout: float = 120.0  # each wait of the receiver inside an update, seconds
     # "tcp": rank 0's authenticated channel; "shm": the one-host shared-memory plane; "net": the same plane
-    # across hosts, every trainer rank sending its own slices to host:port (segment.py)
+    # across hosts, every trainer rank sending its own slices to host:port; "group": the same, the slices by
+    # sends in a process group (gloo, NCCL where the model is on a GPU) (segment.py)
     plane: str = "tcp"
     socket: str = ""  # the shm plane's abstract AF_UNIX socket name (the trainer picks it)
     # write updates straight into the tensors the kernels compute with, where they read them live
@@ -120,12 +121,12 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         for name, shape, dtype in params:
             if dtype not in _DTYPES:
                 raise ValueError(f"faircast: {name} has dtype {dtype!r}; supported: {sorted(_DTYPES)}")
-        if init_info.plane not in ("tcp", "shm", "net"):
-            raise ValueError(f"faircast init_info 'plane' is 'tcp', 'shm' or 'net', not {init_info.plane!r}")
+        if init_info.plane not in ("tcp", "shm", "net", "group"):
+            raise ValueError(f"faircast init_info 'plane' is 'tcp', 'shm', 'net' or 'group', not {init_info.plane!r}")
         if type(init_info.inplace) is not bool:
             raise ValueError(f"faircast init_info 'inplace' is true or false, not {init_info.inplace!r}")
         self.shutdown()
-        if init_info.plane in ("shm", "net"):
+        if init_info.plane in ("shm", "net", "group"):
             from faircast_ds.export.served import ParamSpec
             from faircast_ds.vllm.transfer.segment import SegmentHost
 
@@ -136,10 +137,15 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                 self.plane = SegmentHost(specs, init_info.socket, timeout=float(init_info.timeout))
             else:
                 if type(init_info.port) is not int or not 0 < init_info.port < 65536:
-                    raise ValueError(f"faircast init_info with plane 'net' needs the 'port' to listen on, got "
-                                     f"{init_info.port!r}")
+                    raise ValueError(f"faircast init_info with plane {init_info.plane!r} needs the 'port' to listen "
+                                     f"on, got {init_info.port!r}")
+                group = None
+                if init_info.plane == "group":
+                    from faircast_ds.export.send_group import backend_for
+
+                    group = backend_for(self.device)
                 self.plane = SegmentHost(specs, address=(str(init_info.host), init_info.port),
-                                         timeout=float(init_info.timeout))
+                                         timeout=float(init_info.timeout), group=group)
             staging = self.plane.views()  # the staging copy is the segment itself
         else:
             staging = {str(n): torch.zeros([int(d) for d in shape], dtype=_DTYPES[dtype]) for n, shape, dtype in params}

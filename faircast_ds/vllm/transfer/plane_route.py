@@ -5,7 +5,11 @@ drives vLLM's update. Two transports of the same plane (:mod:`faircast_ds.vllm.t
 - ``plane="shm"`` (issue 32 item 2; the trainer and a ``vllm serve`` on one host): the segment is a
   memfd the ranks map and copy into; no MAC over the bulk bytes (the descriptor is the capability);
 - ``plane="net"`` (item 3; any host): each rank sends its slices on its own authenticated TCP connection
-  to the engine's ``host:port``, in chunks the engine reads straight into the segment.
+  to the engine's ``host:port``, in chunks the engine reads straight into the segment;
+- ``plane="group"`` (item 7; any host, a network you trust): the same connections for the control
+  messages, the slices by sends in a process group of the ranks and the engine (gloo, or NCCL on GPUs),
+  received straight into the segment. After a failed push every rank leaves the group, and the next
+  push forms a new one.
 
 Built on every rank (two collectives per push: the changed-count all-reduce of a delta, and the
 outcome); the server (a :class:`~faircast_ds.vllm.transfer.server.VllmServer`, or its URL) on rank 0.
@@ -61,8 +65,8 @@ class PlaneRoute:
     def __init__(self, model: Any, server: Any, *, plane: str = "shm", host: str = DEFAULT_HOST, port: int = 0,
                  timeout: float = 120.0, verify: bool | str = True, delta: bool = True,
                  secret: str | bytes | None = None, inplace: bool = True, check_columns: int = SAMPLE_COLUMNS) -> None:
-        if plane not in ("shm", "net"):
-            raise ValueError(f"PlaneRoute's plane is 'shm' or 'net', not {plane!r}")
+        if plane not in ("shm", "net", "group"):
+            raise ValueError(f"PlaneRoute's plane is 'shm', 'net' or 'group', not {plane!r}")
         if type(check_columns) is not int or check_columns < 0:
             raise ValueError(f"check_columns must be a non-negative integer, got {check_columns!r}")
         self.check_columns = check_columns
@@ -83,7 +87,7 @@ class PlaneRoute:
         # free port of this host, for an engine on this host)
         session, name, port = from_rank0(
             (secrets.token_hex(16), socket_name() if plane == "shm" else None,
-             (port or free_port(host)) if plane == "net" else 0) if self.rank == 0 else None)
+             (port or free_port(host)) if plane != "shm" else 0) if self.rank == 0 else None)
         error = None
         if self.rank == 0:
             try:
@@ -98,7 +102,7 @@ class PlaneRoute:
             raise WeightSyncError(f"the vLLM engine did not open the faircast {plane} plane: {error}")
         self.writer = SegmentWriter(name, self.specs, self.slices, rank=self.rank, world=self.world, session=session,
                                     timeout=self.timeout, secret=secret,
-                                    address=(host, port) if plane == "net" else None)
+                                    address=(host, port) if plane != "shm" else None, group=plane == "group")
         error = first_failure(self.writer.connect, WeightSyncError)
         if error is not None:
             self.writer.close()
@@ -178,6 +182,8 @@ class PlaneRoute:
                                           f"{error or 'its write was accepted'}") from None
         if error is not None:
             self.acknowledged = None  # the engine's segment may be dirty: the next push is dense
+            if self.plane == "group":  # every rank leaves the send group; the next push forms a new one
+                self.writer.close()
             if "kernels compute with other bits" in error:
                 raise EngineWeightsMismatch(f"weight update {version}: {error}", [])
             raise WeightSyncError(f"weight update {version} not applied by the vLLM engine: {error}")

@@ -25,6 +25,14 @@ slices on its own authenticated connection — a ``piece`` message naming one of
 then the slice's bytes as authenticated frames of at most :data:`CHUNK_BYTES`, read by the engine
 straight into the segment at the slice's offset (no copy, no gather to rank 0; the ranks send in
 parallel). A piece that is not one of the rank's declared slices is refused and ends its connection.
+
+**Through a collective library** (``plane="group"``, issue 32 item 7): the same host, ledger and commit
+over the authenticated connections, but the bytes go by point-to-point sends in a process group of the
+trainer ranks and the engine (:mod:`faircast_ds.export.send_group`: NCCL on GPUs, gloo on CPUs). Its
+rendezvous is handed to each rank in the answer to its hello, on its authenticated connection; per
+write, a ``sends`` message names the carried parameters, the engine posts a receive straight into the
+segment for each of the rank's declared slices of them (in declared order), and the rank sends them.
+The sends carry no MAC: the digest in the commit and the check after the load vouch for the content.
 """
 from __future__ import annotations
 
@@ -43,7 +51,8 @@ import torch
 from faircast_ds.export import delta as delta_encoding
 from faircast_ds.export.channel import (SECRET_ENV, SECRET_FILE_ENV, Channel, Limits, WeightSyncError,
                                         client_handshake, resolve_secret, serve_handshake)
-from faircast_ds.export.plane import HostSegment, Layout, Ledger, PlaneError, element_size, write_digest
+from faircast_ds.export import send_group
+from faircast_ds.export.plane import HostSegment, Layout, Ledger, PlaneError, TensorSegment, element_size, write_digest
 from faircast_ds.export.served import ParamSpec
 from faircast_ds.export.stages import Stages
 
@@ -86,19 +95,24 @@ class SegmentHost:
     """The engine's end: a staging segment for ``specs`` and the socket the trainer ranks write through —
     the local socket ``name`` (one host: a memfd segment whose descriptor the ranks map), or the TCP
     ``address`` ``(host, port)`` (any host: the segment is this process's memory and the ranks send
-    their slices over the network; port 0 picks one, :attr:`address` says which). ``timeout`` bounds
-    the commit's wait for the ranks' reports."""
+    their slices over the network; port 0 picks one, :attr:`address` says which). ``group``: with an
+    address, the bytes come by sends in a process group of that backend (``"gloo"``, or ``"nccl"``
+    with the segment in CUDA memory) instead of authenticated frames. ``timeout`` bounds the commit's
+    wait for the ranks' reports."""
 
     def __init__(self, specs: Sequence[ParamSpec], name: str | None = None, *,
                  address: tuple[str, int] | None = None, timeout: float = 120.0,
-                 secret: str | bytes | None = None, handshake_timeout: float = 10.0) -> None:
+                 secret: str | bytes | None = None, handshake_timeout: float = 10.0,
+                 group: str | None = None) -> None:
         if (name is None) == (address is None):
             raise ValueError("SegmentHost listens on a local socket name (one host) or a TCP address, not both")
+        if group is not None and (address is None or group not in send_group.BACKENDS):
+            raise ValueError(f"SegmentHost's group is one of {send_group.BACKENDS}, with an address, not {group!r}")
         self._key = _require_secret(secret)
         self.specs = list(specs)
         self.layout = Layout.of(self.specs)
         self.timeout, self.handshake_timeout = float(timeout), float(handshake_timeout)
-        self.transport = "shm" if name is not None else "net"
+        self.transport = "shm" if name is not None else ("group" if group is not None else "net")
         self.limits = _limits(self.specs, chunks=self.transport == "net")
         self.name = name
         if self.transport == "shm":
@@ -110,10 +124,13 @@ class SegmentHost:
             except BaseException:
                 os.close(self.fd)
                 raise
+        elif group == "nccl":  # device memory the NCCL receives land in
+            self.fd, self._map = None, None
         else:  # the engine's own memory: nobody else maps it
             self.fd = None
             self._map = mmap.mmap(-1, self.layout.nbytes)
-        self.segment = HostSegment(self._map, self.layout.nbytes)
+        self.segment = (HostSegment(self._map, self.layout.nbytes) if self._map is not None else
+                        TensorSegment(torch.empty(self.layout.nbytes, dtype=torch.uint8, device="cuda")))
         self.ledger = Ledger(self.layout, self.segment)
         self.ledger.listing = self.transport == "net"  # the ranks' change lists pass through here
         self.refused = 0  # connections refused at the handshake or the hello
@@ -131,6 +148,15 @@ class SegmentHost:
                 self._map.close()
                 raise WeightSyncError(f"the faircast weight plane cannot listen on {host}:{port}: {exc}") from None
             self.address = (host, self._sock.getsockname()[1])
+        self.rendezvous: send_group.Rendezvous | None = None
+        if group is not None:
+            try:
+                self.rendezvous = send_group.Rendezvous(address[0], group, self.timeout)
+            except Exception:
+                self._sock.close()
+                self.segment.close()
+                raise
+        self._generation: dict[int, send_group.Generation] = {}  # rank -> the send group it joined
         self._sock.listen(64)
         self._sock.settimeout(0.2)
         self._threads: list[threading.Thread] = []
@@ -159,7 +185,7 @@ class SegmentHost:
             self._threads.append(t)
 
     def _serve(self, conn: socket.socket) -> None:
-        rank = session = None
+        rank = session = generation = None
         ch: Channel | None = None
         try:
             peer = "a local trainer process" if self.transport == "shm" else "a trainer process"
@@ -178,7 +204,11 @@ class SegmentHost:
                 logger.warning("faircast %s plane: refused a trainer rank: %s", self.transport, problem)
                 return
             rank, session = hello["rank"], hello["session"]
-            ch.send_json({"ok": True, "nbytes": self.layout.nbytes, "offsets": list(self.layout.offsets)})
+            reply = {"ok": True, "nbytes": self.layout.nbytes, "offsets": list(self.layout.offsets)}
+            if self.rendezvous is not None:  # told on this authenticated connection only
+                generation, reply["group"] = self.rendezvous.join(rank, hello["world"], conn.getsockname()[0])
+                self._generation[rank] = generation
+            ch.send_json(reply)
             while not self._closed:
                 msg = ch.recv_json(timeout=IDLE)
                 if not self._handle(ch, conn, rank, msg):
@@ -192,6 +222,8 @@ class SegmentHost:
         finally:
             if rank is not None:
                 self.ledger.leave(rank, session)
+            if self.rendezvous is not None:
+                self.rendezvous.end(generation, f"trainer rank {rank} left")
             if ch is not None:
                 ch.close()
             else:
@@ -218,7 +250,15 @@ class SegmentHost:
             ch.send_json({"ok": True})
             if self.fd is not None:
                 socket.send_fds(conn, [b"F"], [self.fd])  # the capability, on this authenticated connection only
-        elif kind in ("piece", "changes") and self.fd is None:
+        elif kind == "sends" and self.rendezvous is not None:
+            problem = self._receive_sends(ch, rank, msg)
+            if problem is not None:
+                with self.ledger.cond:
+                    self.ledger.failure = self.ledger.failure or problem
+                    self.ledger.cond.notify_all()
+                ch.close(reason=problem)
+                return False
+        elif kind in ("piece", "changes") and self.transport == "net":
             problem = (self._receive_piece if kind == "piece" else self._receive_changes)(ch, rank, msg)
             if problem is not None:
                 with self.ledger.cond:
@@ -280,6 +320,41 @@ class SegmentHost:
         self.ledger.list_changes(entry[0], None)  # a delta's slice sent whole: its elements are not listed
         return None
 
+    def _receive_sends(self, ch: Channel, rank: int, msg: dict[str, Any]) -> str | None:
+        """The group plane: ``rank``'s declared slices of the parameters ``msg`` names, received in declared
+        order through the send group straight into the segment. Returns why not (the segment is then
+        dirty), or None."""
+        params = msg.get("params")
+        with self.ledger.cond:
+            state, writing = self.ledger.ranks.get(rank), self.ledger.writing
+        if state is None or writing is None or state.report is not None:
+            return f"rank {rank} announced sends outside an open write"
+        if not isinstance(params, list) or not all(type(i) is int and 0 <= i < len(self.specs) for i in params):
+            return f"rank {rank} announced sends of malformed parameters {str(params)[:80]}"
+        try:
+            group = self.rendezvous.ready(self._generation_of(rank))
+        except PlaneError as exc:
+            ch.send_json({"ok": False, "error": str(exc)})
+            return str(exc)
+        ch.send_json({"ok": True})
+        wanted = set(params)
+        for index, start, numel in state.slices:
+            if index not in wanted:
+                continue
+            offset, nbytes = self.layout.span(index, start, numel)
+            try:
+                send_group.recv(group, self.segment.bytes_at(offset, nbytes), rank)
+            except Exception as exc:  # noqa: BLE001 - the library's error, named; the segment is dirty
+                return (f"receiving rank {rank}'s slice of {self.specs[index].name} through the send group failed: "
+                        f"{type(exc).__name__}: {str(exc)[:300]}")
+        return None
+
+    def _generation_of(self, rank: int) -> send_group.Generation:
+        gen = self._generation.get(rank)
+        if gen is None:
+            raise PlaneError(f"rank {rank} joined no send group")
+        return gen
+
     def _receive_changes(self, ch: Channel, rank: int, msg: dict[str, Any]) -> str | None:
         """The net plane, a delta: the changed elements of one of ``rank``'s declared slices (their sorted
         indices, then their values), written over the bits the segment holds at the write's base.
@@ -321,6 +396,8 @@ class SegmentHost:
         self._closed = True
         self._thread.join(timeout=2.0)
         self._sock.close()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
         for conn in list(self._conns):
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -329,7 +406,8 @@ class SegmentHost:
         self.segment.close()
         gc.collect()
         try:
-            self._map.close()
+            if self._map is not None:
+                self._map.close()
         except BufferError:  # staging views still referenced elsewhere: the mapping goes with them
             pass
         if self.fd is not None:
@@ -340,15 +418,21 @@ class SegmentWriter:
     """One trainer rank's end. ``slices``: this rank's ``(param index, start, values)`` (values a 1-D
     view of its served shard), the same every update. ``name``: the engine's local socket (one host:
     the rank maps the segment and copies its slices in); ``address``: the engine's TCP ``(host, port)``
-    (any host: the rank sends its slices as authenticated frames)."""
+    (any host: the rank sends its slices as authenticated frames, or, ``group=True``, by sends in the
+    process group the engine describes when the rank joins)."""
 
     def __init__(self, name: str | None, specs: Sequence[ParamSpec], slices: Sequence[tuple[int, int, torch.Tensor]], *,
                  rank: int, world: int, session: str, timeout: float = 120.0,
-                 secret: str | bytes | None = None, address: tuple[str, int] | None = None) -> None:
+                 secret: str | bytes | None = None, address: tuple[str, int] | None = None,
+                 group: bool = False) -> None:
         if (name is None) == (address is None):
             raise ValueError("SegmentWriter writes through a local socket name (one host) or a TCP address, not both")
+        if group and address is None:
+            raise ValueError("SegmentWriter's send group needs the engine's address")
         self.address = address
-        self.transport = "shm" if address is None else "net"
+        self.transport = "shm" if address is None else ("group" if group else "net")
+        self.group: Any = None  # the group plane: this rank's end of the send group
+        self.backend: str | None = None
         self.name, self.specs, self.slices = name, list(specs), list(slices)
         self.rank, self.world, self.session, self.timeout = rank, world, session, float(timeout)
         self._secret = secret
@@ -392,6 +476,14 @@ class SegmentWriter:
         if reply.get("nbytes") != self.layout.nbytes or reply.get("offsets") != list(self.layout.offsets):
             self.close()
             raise WeightSyncError("the engine lays the staging segment out differently from this trainer")
+        if self.transport == "group":  # blocks until every rank and the engine joined
+            info = reply.get("group")
+            try:
+                self.group = send_group.build(info, self.rank, self._sock.getsockname()[0])
+            except PlaneError as exc:
+                self.close()
+                raise WeightSyncError(f"rank {self.rank}: {exc}") from None
+            self.backend = info["backend"]
 
     def write(self, version: int, kind: str, base: int | None, params: set[int], stages: Stages,
               pause: Any = None, *, changes: Sequence[int] | None = None,
@@ -422,6 +514,8 @@ class SegmentWriter:
         try:
             if fd is not None:
                 written = self._copy_into_segment(fd, pieces, stages, pause)
+            elif self.transport == "group":
+                written = self._send_group(ch, pieces, params, stages, pause)
             else:
                 written = self._send_pieces(ch, positions, stages, pause,
                                             (changes, indices) if sparse else None)
@@ -519,6 +613,31 @@ class SegmentWriter:
                 pause(k)
         return written
 
+    def _send_group(self, ch: Channel, pieces: list[tuple[int, int, torch.Tensor]], params: set[int], stages: Stages,
+                    pause: Any) -> int:
+        """The group plane: name the carried parameters, then send each piece (in declared order, as the
+        engine receives them) to the engine, the group's last member. Bytes sent."""
+        ch.send_json({"type": "sends", "params": sorted(params)})
+        reply = ch.recv_json()
+        if reply.get("ok") is not True:
+            raise PlaneError(f"the engine refused rank {self.rank}'s sends: {reply.get('error')}")
+        written = 0
+        with stages("group.send"):
+            for k, (_, _, values) in enumerate(pieces, start=1):
+                raw = values.detach().reshape(-1).view(torch.uint8)
+                if self.offset_error:  # tests: the bytes a slice over, as a misplaced write would leave them
+                    raw = raw.roll(self.offset_error * values.element_size())
+                if self.backend == "nccl" and raw.device.type != "cuda":
+                    raise PlaneError(f"rank {self.rank}: the engine's send group is NCCL, this rank's served "
+                                     f"slices are in {raw.device.type} memory")
+                if self.backend == "gloo" and raw.device.type != "cpu":
+                    raw = raw.cpu()  # gloo sends host memory
+                send_group.send(self.group, raw, self.world)
+                written += raw.numel()
+                if pause is not None:
+                    pause(k)
+        return written
+
     def commit(self, version: int, params: set[int] | None, stages: Stages) -> dict[str, Any]:
         """Rank 0: commit ``version`` (``params``: a delta's carried parameters; None: dense)."""
         with stages(f"{self.transport}.commit"):
@@ -545,6 +664,7 @@ class SegmentWriter:
             self.channel.close()
         self.channel = None
         self._sock = None
+        self.group = None  # this rank's end of the send group goes with its connection
 
 
 def find_segments(name: str = MEMFD_NAME) -> list[str]:

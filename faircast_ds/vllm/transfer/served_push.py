@@ -12,7 +12,11 @@ on rank 0:
   every rank writes its own served slices into the engine's shared staging segment
   (:mod:`faircast_ds.vllm.transfer.segment`), the engine checks its kernels against the segment;
 - ``"net"`` (any host): the same route and plane, each rank sending its own slices to the engine's
-  ``host:port`` on its own authenticated connection (no gather to rank 0).
+  ``host:port`` on its own authenticated connection (no gather to rank 0);
+- ``"group"`` (any host, a network you trust): the same route and plane, each rank's slices sent by
+  point-to-point sends in a process group of the ranks and the engine (gloo on CPUs, NCCL on GPUs;
+  :mod:`faircast_ds.export.send_group`), set up over the authenticated connections; the bulk bytes carry
+  no MAC.
 
 Either way a push is dense first and after any failure, then deltas; it returns one
 :class:`~faircast_ds.export.source.ServedReport` (``stages``: seconds per stage) and raises on every
@@ -29,19 +33,19 @@ from faircast_ds.export.source import ServedReport
 from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
 from faircast_ds.vllm.transfer.server import VllmServer
 
-PLANES = ("tcp", "shm", "net")
+PLANES = ("tcp", "shm", "net", "group")
 
 
 class ServedPush:
     """Push Fair Cast's served weights into a ``vllm serve`` process. Construct and :meth:`push` on every
     rank (collectives under ZeRO-3); ``server`` (a :class:`VllmServer` or its URL) on rank 0, None elsewhere.
 
-    ``plane``: ``"tcp"`` or ``"shm"`` (module docstring). ``verify``: True (sampled columns of the loaded
+    ``plane``: ``"tcp"``, ``"shm"``, ``"net"`` or ``"group"`` (module docstring). ``verify``: True (sampled columns of the loaded
     layers, read back through their kernels in the engine's finish), ``"full"`` (every element) or False.
     ``delta``: after an acknowledged push, carry only what changed. ``timeout`` bounds every wait, seconds.
-    TCP and net: ``port``/``host`` where the engine listens (0: a free port of this host, for a local
+    TCP, net and group: ``port``/``host`` where the engine listens (0: a free port of this host, for a local
     engine). ``check_columns``: columns per matrix of a sampled check (0: every check whole).
-    shm and net: ``secret`` (default: ``FAIRCAST_DS_SYNC_SECRET``). ``inplace``: the engine writes updates
+    shm, net and group: ``secret`` (default: ``FAIRCAST_DS_SYNC_SECRET``). ``inplace``: the engine writes updates
     straight into the tensors its kernels compute with, where they read them live, instead of vLLM's
     reload (:mod:`faircast_ds.vllm.inplace`); False: every load through vLLM's reload."""
 
@@ -55,11 +59,13 @@ class ServedPush:
             raise ValueError(f"inplace must be True or False, got {inplace!r}")
         given = {k for k, v, default in (("port", port, 0), ("host", host, DEFAULT_HOST),
                                          ("check_columns", check_columns, SAMPLE_COLUMNS)) if v != default}
-        foreign = sorted(given - {"shm": {"check_columns"}, "net": {"port", "host", "check_columns"}, "tcp": given}[plane])
+        networked = {"port", "host", "check_columns"}
+        foreign = sorted(given - {"shm": {"check_columns"}, "net": networked, "group": networked, "tcp": given}[plane])
         if foreign:
             raise ValueError(f"{', '.join(foreign)}: not an option of plane {plane!r}")
         if plane == "tcp" and secret is not None:
-            raise ValueError("secret: an option of planes 'shm' and 'net' (the channel reads FAIRCAST_DS_SYNC_SECRET)")
+            raise ValueError("secret: an option of planes 'shm', 'net' and 'group' (the channel reads "
+                             "FAIRCAST_DS_SYNC_SECRET)")
         rank, _ = rank_world()
         if rank == 0 and server is None:
             raise ValueError("ServedPush needs the server (or its URL) on rank 0")
@@ -68,7 +74,7 @@ class ServedPush:
         elif not isinstance(server, VllmServer):
             server = VllmServer(url=server)
         self.model, self.plane = model, plane
-        if plane in ("shm", "net"):
+        if plane in ("shm", "net", "group"):
             from faircast_ds.vllm.transfer.plane_route import PlaneRoute
 
             self.route: Any = PlaneRoute(model, server, plane=plane, host=host, port=port, timeout=timeout,

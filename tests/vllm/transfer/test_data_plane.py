@@ -68,18 +68,37 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 class Plane:
     """A host and ``world`` writers over one set of full tensors (each rank writes its share), on one
-    host (``transport="shm"``: the memfd segment) or over loopback TCP (``"net"``: each rank sends)."""
+    host (``transport="shm"``: the memfd segment), over loopback TCP (``"net"``: each rank sends) or
+    through a gloo send group on loopback (``"group"``)."""
 
     def __init__(self, world: int = 2, seed: int = 0, timeout: float = 5.0, transport: str = "shm") -> None:
         self.transport = transport
         self.name = socket_name() if transport == "shm" else None
         self.host = SegmentHost(SPECS, self.name, timeout=timeout,
-                                address=None if transport == "shm" else ("127.0.0.1", 0))
+                                address=None if transport == "shm" else ("127.0.0.1", 0),
+                                group="gloo" if transport == "group" else None)
         self.full = weights(seed)
         self.writers = [self.writer(rank_slices(self.full, r, world), rank=r, world=world, session="trainer-1",
                                     timeout=timeout) for r in range(world)]
-        for w in self.writers:
-            w.connect()
+        self.connect_all()
+
+    def connect_all(self, writers=None) -> None:
+        """Every writer joins at once (a send group forms only when every rank and the engine joined)."""
+        errors = []
+
+        def join(w):
+            try:
+                w.connect()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=join, args=(w,)) for w in (writers or self.writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if errors:
+            raise errors[0]
 
     def write_all(self, version: int, kind: str = "dense", base: int | None = None,
                   params: set[int] | None = None) -> None:
@@ -91,7 +110,8 @@ class Plane:
             t.join(30)
 
     def writer(self, slices, **kwargs) -> SegmentWriter:
-        return SegmentWriter(self.name, SPECS, slices, address=self.host.address, **kwargs)
+        return SegmentWriter(self.name, SPECS, slices, address=self.host.address, group=self.transport == "group",
+                             **kwargs)
 
     def commit(self, version: int, params: set[int] | None = None) -> None:
         self.writers[0].commit(version, params, Stages())
@@ -117,7 +137,7 @@ def descriptors_until_closed(raw: socket.socket) -> list[int]:
     return fds
 
 
-@pytest.fixture(params=["shm", "net"])
+@pytest.fixture(params=["shm", "net", "group"])
 def plane(request):
     p = Plane(transport=request.param)
     yield p
@@ -146,8 +166,9 @@ def test_a_rank_writing_at_the_wrong_offset_is_refused_and_the_segment_takes_no_
     plane.host.ledger.take(1)
     plane.writers[1].offset_error = 1  # rank 1 writes every slice one element too far
     plane.write_all(2)
-    # shm: the digest finds the bytes at the wrong place; net: the engine refuses a slice rank 1 never declared
-    refused = ("rank 1's write of version 2 does not match the segment" if plane.transport == "shm"
+    # shm, group: the digest finds the bytes at the wrong place (the group's engine places each send where the
+    # rank declared it, so rank 1 sends the bytes a slice over); net: the engine refuses a slice never declared
+    refused = ("rank 1's write of version 2 does not match the segment" if plane.transport in ("shm", "group")
                else r"rank 1 sent a slice \[\d+, \d+, \d+\] that is not one of the slices it declared")
     with pytest.raises(PlaneError, match=refused):
         plane.commit(2)
@@ -184,8 +205,8 @@ def test_a_rank_that_vanishes_before_its_report_fails_the_write(plane):
 
 
 def test_a_local_process_without_the_secret_gets_no_descriptor_and_writes_nothing(plane, monkeypatch):
-    if plane.transport == "net":
-        pytest.skip("the descriptor is the shm plane's; the net plane's intruders: test_net_plane_refuses_*")
+    if plane.transport != "shm":
+        pytest.skip("the descriptor is the shm plane's; the other planes' intruders: test_net_plane_refuses_*")
     plane.write_all(1)
     plane.commit(1)
     views = plane.host.views()
@@ -638,3 +659,61 @@ def test_net_plane_across_two_network_namespaces(tmp_path):
     assert same(torch.load(tmp_path / "segment1.pt"), full)
     moved(full)
     assert same(torch.load(tmp_path / "segment2.pt"), full)
+
+
+def test_group_plane_ranks_form_a_new_group_after_a_failed_write():
+    """The group plane after a refused write (rank 1's bytes a slice over: the digest refuses the commit):
+    every rank leaves, as PlaneRoute makes them after a failed push, joins again, and a new send group
+    forms (the engine's second); a dense write through it commits the ranks' bits."""
+    p = Plane(transport="group")
+    try:
+        p.write_all(1)
+        p.commit(1)
+        p.writers[1].offset_error = 1
+        p.write_all(2)
+        with pytest.raises(PlaneError, match="rank 1's write of version 2 does not match the segment"):
+            p.commit(2)
+        p.writers[1].offset_error = 0
+        assert p.host.rendezvous.generations == 1
+        for w in p.writers:
+            w.close()
+        p.connect_all()
+        assert p.host.rendezvous.generations == 2
+        with torch.no_grad():
+            p.full["embed.weight"][0, 0] += 1
+        p.write_all(3)
+        p.commit(3)
+        assert same(p.host.views(), p.full)
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("message, refused", [
+    ({"type": "sends", "params": [0]}, "rank 0 announced sends outside an open write"),
+    ({"type": "piece", "index": 0, "start": 0, "numel": 1}, "unexpected message 'piece' from rank 0"),
+])
+def test_group_plane_refuses_sends_outside_a_write_and_the_net_planes_messages(message, refused):
+    """An authenticated rank that announces sends with no write open, or speaks the net plane's messages to
+    a group engine, ends its connection with the reason; nothing is received into the segment."""
+    p = Plane(transport="group")
+    try:
+        views = p.host.views()
+        before = {k: v.clone() for k, v in views.items()}
+        p.writers[0].channel.send_json(message)
+        with pytest.raises(WeightSyncError, match=refused):
+            p.writers[0].channel.recv_json()
+        assert same(views, before)
+    finally:
+        p.close()
+
+
+def test_group_plane_descriptions_that_are_not_a_group_are_refused_by_name():
+    from faircast_ds.export.send_group import build, check_info
+
+    good = {"host": "127.0.0.1", "port": 29500, "prefix": "x/", "size": 3, "backend": "gloo", "timeout": 5.0}
+    assert check_info(good) is None
+    for key, value, words in [("backend", "mpi", "backend 'mpi' is not one of"), ("port", 0, "port 0"),
+                              ("size", True, "size is True"), ("host", None, "host is None")]:
+        assert words in check_info({**good, key: value})
+    with pytest.raises(PlaneError, match="described its send group oddly: backend 'mpi'"):
+        build({**good, "backend": "mpi"}, 0, "127.0.0.1")

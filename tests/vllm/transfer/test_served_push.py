@@ -14,11 +14,12 @@ def model():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"plane": "nccl"}, "plane must be one of ('tcp', 'shm', 'net'), not 'nccl'"),
+    ({"plane": "nccl"}, "plane must be one of ('tcp', 'shm', 'net', 'group'), not 'nccl'"),
+    ({"plane": "group", "check_columns": -2}, "check_columns must be a non-negative integer, got -2"),
     ({"plane": "shm", "check_columns": -1}, "check_columns must be a non-negative integer, got -1"),
     ({"plane": "net", "check_columns": "8"}, "check_columns must be a non-negative integer, got '8'"),
     ({"plane": "shm", "port": 29650}, "port: not an option of plane 'shm'"),
-    ({"plane": "tcp", "secret": "s" * 32}, "secret: an option of planes 'shm' and 'net'"),
+    ({"plane": "tcp", "secret": "s" * 32}, "secret: an option of planes 'shm', 'net' and 'group'"),
     ({"verify": "sampled"}, "verify must be True, False or 'full', got 'sampled'"),
     ({"verify": 1}, "verify must be True, False or 'full', got 1"),
     ({"inplace": "no"}, "inplace must be True or False, got 'no'"),
@@ -35,7 +36,8 @@ def test_rank_zero_needs_the_server():
 
 
 @pytest.mark.parametrize("plane, module, route", [("tcp", "tcp_route", "TcpRoute"), ("shm", "plane_route", "PlaneRoute"),
-                                                  ("net", "plane_route", "PlaneRoute")])
+                                                  ("net", "plane_route", "PlaneRoute"),
+                                                  ("group", "plane_route", "PlaneRoute")])
 def test_the_plane_picks_the_route(plane, module, route, monkeypatch):
     """The route's own constructor is reached (and its first call to the engine fails: nothing listens)."""
     import importlib

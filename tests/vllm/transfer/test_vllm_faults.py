@@ -344,10 +344,11 @@ def start_ranks(server, marks: Path, versions: list[int], world: int = 2, **opti
     return procs
 
 
-@pytest.mark.parametrize("plane", ["tcp", "shm", "net"])
+@pytest.mark.parametrize("plane", ["tcp", "shm", "net", "group"])
 def test_shm_dense_delta_and_a_push_that_changes_nothing(engine, plane):
-    """The data plane, on one host (shm) and through each rank's own TCP connection (net, here on loopback;
-    across two network namespaces: tests/vllm/transfer/test_data_plane.py); and rank 0's channel (tcp).
+    """The data plane, on one host (shm), through each rank's own TCP connection (net, here on loopback;
+    across two network namespaces: tests/vllm/transfer/test_data_plane.py) and through a gloo send group
+    (group); and rank 0's channel (tcp).
     On every plane a push that changes nothing is one HTTP call, and the next delta is against the bits
     the engine holds."""
     server = engine["server"]
@@ -374,7 +375,7 @@ def test_shm_dense_delta_and_a_push_that_changes_nothing(engine, plane):
         push.close()
 
 
-@pytest.mark.parametrize("plane", ["tcp", "shm", "net"])
+@pytest.mark.parametrize("plane", ["tcp", "shm", "net", "group"])
 def test_two_ranks_agree_on_a_push_that_changes_nothing(engine, tmp_path, plane):
     """Two trainer ranks with the server on rank 0 only, as in a training job: a dense push, a delta, then
     a push that changes nothing, which is the version alone on every rank. (Found in the SmolLM2 job, whose
@@ -383,7 +384,7 @@ def test_two_ranks_agree_on_a_push_that_changes_nothing(engine, tmp_path, plane)
     server = engine["server"]
     marks = tmp_path / "marks"
     marks.mkdir()
-    base = {"tcp": 140, "shm": 150, "net": 160}[plane]
+    base = {"tcp": 140, "shm": 150, "net": 160, "group": 170}[plane]
     procs = start_ranks(server, marks, [base, base + 1], plane=plane, unchanged=1)
     try:
         codes = [p.wait(WAIT) for p in procs]
@@ -400,7 +401,7 @@ def test_two_ranks_agree_on_a_push_that_changes_nothing(engine, tmp_path, plane)
     assert_serves(server, base + 2, model)  # the new version, with the bits of the one before
 
 
-@pytest.mark.parametrize("plane", ["tcp", "shm", "net"])
+@pytest.mark.parametrize("plane", ["tcp", "shm", "net", "group"])
 def test_a_kernel_computing_with_other_bits_fails_the_verified_push(engine, plane):
     """The engine's check inside finish: after a load that left one kernel with other bits than the
     engine received (the final norm moved by 1.0 after vLLM's reload: tests/vllm/transfer/kernel_fault),
@@ -411,7 +412,7 @@ def test_a_kernel_computing_with_other_bits_fails_the_verified_push(engine, plan
     server = engine["server"]
     model = ft.build_model()
     push = connect(server, model, verify=True) if plane == "tcp" else shm_push(server, model, plane)
-    base = {"tcp": 60, "shm": 70, "net": 80}[plane]
+    base = {"tcp": 60, "shm": 70, "net": 80, "group": 85}[plane]
     try:
         ft.set_version(model, base)
         first = push.push(base)
