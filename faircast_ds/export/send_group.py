@@ -86,12 +86,27 @@ def check_info(info: Any) -> str | None:
     return None
 
 
-def send(group: Any, tensor: torch.Tensor, dst: int) -> None:
-    group.send([tensor], dst, 0).wait()
+def send(group: Any, tensor: torch.Tensor, dst: int, timeout: float) -> None:
+    """Send ``tensor`` to member ``dst``; returns once it is sent, or raises after ``timeout`` seconds
+    (a timed wait: NCCL then blocks the calling thread too, instead of only queueing the wait)."""
+    group.send([tensor], dst, 0).wait(datetime.timedelta(seconds=timeout))
 
 
-def recv(group: Any, tensor: torch.Tensor, src: int) -> None:
-    group.recv([tensor], src, 0).wait()
+def recv(group: Any, tensor: torch.Tensor, src: int, timeout: float) -> None:
+    """Receive into ``tensor`` from member ``src`` (its size is what the sender must send)."""
+    group.recv([tensor], src, 0).wait(datetime.timedelta(seconds=timeout))
+
+
+def shut(group: Any) -> None:
+    """Tear this member's side of a group down (NCCL: its communicators, on the engine's GPU). Best
+    effort: a group the library already tore down is left alone. gloo's pending receive is not cut
+    short by it: it ends when its peer's connection closes or its timeout passes."""
+    for name in ("abort", "shutdown"):
+        try:
+            getattr(group, name)()
+            return
+        except Exception:  # noqa: BLE001 - not supported by this backend or already gone: try the next
+            continue
 
 
 @dataclass
@@ -157,6 +172,8 @@ class Rendezvous:
             return
         with self._lock:
             gen.ended = gen.ended or why
+        if gen.built.is_set() and gen.group is not None:
+            shut(gen.group)  # a receive still posted from the member that left fails now
 
     def ready(self, gen: Generation) -> Any:
         """The engine's end of ``gen`` once every member joined; :class:`PlaneError` if it ended or could
@@ -171,7 +188,6 @@ class Rendezvous:
 
     def close(self) -> None:
         with self._lock:
-            if self.current is not None:
-                self.current.ended = self.current.ended or "the engine's plane closed"
-            self.current = None
+            gen, self.current = self.current, None
+        self.end(gen, "the engine's plane closed")
         self.store = None

@@ -145,7 +145,8 @@ class SegmentHost:
                 self._sock = socket.create_server((host, int(port)), backlog=64)
             except OSError as exc:
                 self.segment.close()
-                self._map.close()
+                if self._map is not None:
+                    self._map.close()
                 raise WeightSyncError(f"the faircast weight plane cannot listen on {host}:{port}: {exc}") from None
             self.address = (host, self._sock.getsockname()[1])
         self.rendezvous: send_group.Rendezvous | None = None
@@ -343,7 +344,7 @@ class SegmentHost:
                 continue
             offset, nbytes = self.layout.span(index, start, numel)
             try:
-                send_group.recv(group, self.segment.bytes_at(offset, nbytes), rank)
+                send_group.recv(group, self.segment.bytes_at(offset, nbytes), rank, self.timeout)
             except Exception as exc:  # noqa: BLE001 - the library's error, named; the segment is dirty
                 return (f"receiving rank {rank}'s slice of {self.specs[index].name} through the send group failed: "
                         f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -616,7 +617,16 @@ class SegmentWriter:
     def _send_group(self, ch: Channel, pieces: list[tuple[int, int, torch.Tensor]], params: set[int], stages: Stages,
                     pause: Any) -> int:
         """The group plane: name the carried parameters, then send each piece (in declared order, as the
-        engine receives them) to the engine, the group's last member. Bytes sent."""
+        engine receives them) to the engine, the group's last member. Bytes sent. Every piece is checked
+        (its memory for the library, its size against the layout) before the engine is told to receive."""
+        for index, start, values in pieces:
+            where = values.device.type
+            if self.backend == "nccl" and where != "cuda":
+                raise PlaneError(f"rank {self.rank}: the engine's send group is NCCL, this rank's served slices "
+                                 f"are in {where} memory")
+            if values.numel() * values.element_size() != self.layout.span(index, start, values.numel())[1]:
+                raise PlaneError(f"rank {self.rank}: its slice of {self.specs[index].name} is {values.dtype}, the "
+                                 f"engine's layout says {self.specs[index].dtype}")
         ch.send_json({"type": "sends", "params": sorted(params)})
         reply = ch.recv_json()
         if reply.get("ok") is not True:
@@ -627,12 +637,9 @@ class SegmentWriter:
                 raw = values.detach().reshape(-1).view(torch.uint8)
                 if self.offset_error:  # tests: the bytes a slice over, as a misplaced write would leave them
                     raw = raw.roll(self.offset_error * values.element_size())
-                if self.backend == "nccl" and raw.device.type != "cuda":
-                    raise PlaneError(f"rank {self.rank}: the engine's send group is NCCL, this rank's served "
-                                     f"slices are in {raw.device.type} memory")
                 if self.backend == "gloo" and raw.device.type != "cpu":
                     raw = raw.cpu()  # gloo sends host memory
-                send_group.send(self.group, raw, self.world)
+                send_group.send(self.group, raw, self.world, self.timeout)
                 written += raw.numel()
                 if pause is not None:
                     pause(k)
