@@ -624,7 +624,8 @@ class SegmentWriter:
             if self.backend == "nccl" and where != "cuda":
                 raise PlaneError(f"rank {self.rank}: the engine's send group is NCCL, this rank's served slices "
                                  f"are in {where} memory")
-            if values.numel() * values.element_size() != self.layout.span(index, start, values.numel())[1]:
+            if values.dtype != self.specs[index].dtype or \
+                    values.numel() * values.element_size() != self.layout.span(index, start, values.numel())[1]:
                 raise PlaneError(f"rank {self.rank}: its slice of {self.specs[index].name} is {values.dtype}, the "
                                  f"engine's layout says {self.specs[index].dtype}")
         ch.send_json({"type": "sends", "params": sorted(params)})

@@ -717,3 +717,21 @@ def test_group_plane_descriptions_that_are_not_a_group_are_refused_by_name():
         assert words in check_info({**good, key: value})
     with pytest.raises(PlaneError, match="described its send group oddly: backend 'mpi'"):
         build({**good, "backend": "mpi"}, 0, "127.0.0.1")
+
+
+def test_group_plane_refuses_a_slice_of_another_dtype_before_any_byte_moves():
+    """A rank whose slice is not the engine's dtype (float32 values for a bf16 parameter) is refused by
+    name before it announces its sends, so the engine posts no receive of the wrong size (gloo would
+    abort the engine's process on an oversized message)."""
+    p = Plane(transport="group")
+    try:
+        p.write_all(1)
+        p.commit(1)
+        w = p.writers[1]
+        index, start, values = w.slices[0]
+        w.slices[0] = (index, start, values.float()[: values.numel() // 2])  # the same bytes, other elements
+        with pytest.raises(PlaneError, match=r"its slice of embed.weight is torch.float32, the engine's layout says "
+                                             r"torch.bfloat16"):
+            w.write(2, "dense", None, set(range(len(SPECS))), Stages())
+    finally:
+        p.close()
