@@ -343,13 +343,15 @@ def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
                                      "launches whose results are already there are not repeated")
     model.add_argument("--push-modes", nargs="+", choices=MODES, default=None,
                        help="modes whose ZeRO-3 push into `vllm serve` is measured (default: dither stochastic)")
-    model.add_argument("--push-planes", nargs="+", choices=("tcp", "shm", "net", "netns", "group"), default=None,
+    model.add_argument("--push-planes", nargs="+", choices=("tcp", "shm", "net", "netns", "group", "group-netns"),
+                       default=None,
                        help="the push's data planes: tcp (the authenticated channel, default), shm (one host, "
                             "shared memory: each rank writes its own slices), net (each rank sends its own "
                             "slices on its own connection; loopback here), netns (the net plane across hosts: "
                             "`vllm serve` in one network namespace, the trainer ranks in another, over a "
                             "veth pair; needs root and iproute2), group (each rank's slices by sends in a gloo "
-                            "process group with the engine, loopback here; no MAC over the bytes)")
+                            "process group with the engine, loopback here; no MAC over the bytes), group-netns "
+                            "(the group plane across the namespaces)")
     model.add_argument("--push-lr", type=float, default=None,
                        help="AdamW learning rate of the steps between delta pushes (default 1e-6)")
     model.add_argument("--no-push", action="store_true", help="skip the engine push")

@@ -38,6 +38,7 @@ from faircast_ds.tools.bench.stats import bootstrap_ratio_interval, median_ratio
 from faircast_ds.tools.bench.table import columns
 
 CONFIGS = ("plain",) + MODES
+CROSS_HOST = ("netns", "group-netns")  # push planes whose engine runs on another host (a network namespace)
 MIB = 1 << 20
 # issue 23, item 4
 STEP_GOAL = {"nearest": 1.01, "stochastic": 1.01, "dither": 1.01, "error_feedback": 1.03}
@@ -88,14 +89,15 @@ def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup:
 
 
 def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: str, plane: str = "tcp") -> None:
-    """One push launch. ``plane="netns"``: two hosts on this machine (network namespaces joined by a
-    veth pair, :mod:`faircast_ds.tools.bench.hosts`): the ranks run on one, ``vllm serve`` on the other
-    (the worker reads where from ``ENGINE_NETNS``/``ENGINE_HOST``), and the push crosses the veth on the
-    net plane. The namespaces are removed afterwards, whatever happened."""
+    """One push launch. ``plane="netns"`` (or ``"group-netns"``): two hosts on this machine (network
+    namespaces joined by a veth pair, :mod:`faircast_ds.tools.bench.hosts`): the ranks run on one, ``vllm
+    serve`` on the other (the worker reads where from ``ENGINE_NETNS``/``ENGINE_HOST``), and the push
+    crosses the veth on the net plane (or the group plane). The namespaces are removed afterwards,
+    whatever happened."""
     from faircast_ds.tools.bench import push_worker as bench_push_worker
 
     args, what = [stem, model, str(layers), mode, repr(lr), plane], f"push {mode} ({plane})"
-    if plane != "netns":
+    if plane not in CROSS_HOST:
         _deepspeed(bench_push_worker.__name__, args, log, what)
         return
     from faircast_ds.tools.bench.hosts import TwoHosts, available
@@ -373,7 +375,8 @@ def run(model: str, *, layers: int | None, stages: tuple[int, ...], configs: tup
 def run_push(model: str, *, layers: int, modes: tuple[str, ...], lr: float, out_dir: str, log=print,
              failures: list[str] | None = None, planes: tuple[str, ...] = ("tcp",)) -> list[dict[str, Any]]:
     """One push launch per mode and data plane (``tcp``: the authenticated channel; ``shm``: the one-host
-    shared-memory plane; ``net``: each rank's own connection, on loopback; ``netns``: the same across two
+    shared-memory plane; ``net``: each rank's own connection, on loopback; ``netns`` (``group-netns``: the
+    group plane's sends): the same across two
     network namespaces); results already in ``out_dir`` are reused; their rank-0 JSON."""
     failures = failures if failures is not None else []
     started, out = time.perf_counter(), []

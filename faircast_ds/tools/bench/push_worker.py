@@ -3,8 +3,8 @@
 pushes into a ``vllm serve`` process (the ``faircast`` weight-transfer backend, vLLM's HTTP routes,
 verification in the engine's finish: its kernels read back) started on rank 0 from the model's own export.
 
-Arguments (after the script): STEM MODEL LAYERS MODE LR [PLANE] (``tcp``, ``shm``, ``net``, or ``netns``: the
-net plane to a ``vllm serve`` in another network namespace, :func:`faircast_ds.tools.bench.model._launch_push`).
+Arguments (after the script): STEM MODEL LAYERS MODE LR [PLANE] (``tcp``, ``shm``, ``net``, ``group``, or
+``netns``/``group-netns``: the net/group plane to a ``vllm serve`` in another network namespace, :func:`faircast_ds.tools.bench.model._launch_push`).
 The pushes, each with its own version:
 
 1. dense, verified (the engine's first update, checked whole; includes the first-use costs),
@@ -87,11 +87,11 @@ def main(argv: list[str]) -> None:
     vocab = real_config(model_name).vocab_size
     export = f"{stem}-export"
     where: dict[str, dict[str, Any]] = {"server": {}, "push": {"plane": plane}}
-    if plane == "netns":  # vllm serve on the other host, the net plane across the veth
+    if plane in ("netns", "group-netns"):  # vllm serve on the other host, the plane across the veth
         host = os.environ[ENGINE_HOST]
         where = {"server": {"host": host, "port": ENGINE_PORTS[0], "launcher": ["ip", "netns", "exec",
                                                                                os.environ[ENGINE_NETNS]]},
-                 "push": {"plane": "net", "host": host, "port": ENGINE_PORTS[1]}}
+                 "push": {"plane": "net" if plane == "netns" else "group", "host": host, "port": ENGINE_PORTS[1]}}
     t = time.perf_counter()
     exported = save_hf(engine, export, version=0)
     export_s = time.perf_counter() - t

@@ -564,7 +564,7 @@ _NET_HOST = textwrap.dedent("""
     t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t)
     SPECS = t.SPECS
     out = Path({out!r})
-    host = SegmentHost(SPECS, address=({addr!r}, {port}), timeout=60)
+    host = SegmentHost(SPECS, address=({addr!r}, {port}), timeout=60, group={group!r})
     (out / "ready").write_text("1")
     deadline = time.monotonic() + 120
     for version in (1, 2):
@@ -598,7 +598,7 @@ _NET_RANK = textwrap.dedent("""
     wait("ready")
     full = weights(0)
     w = SegmentWriter(None, SPECS, rank_slices(full, rank, 2), rank=rank, world=2, session="netns", timeout=60,
-                      address=({addr!r}, {port}))
+                      address=({addr!r}, {port}), group={group!r} is not None)
     w.connect()
     w.write(1, "dense", None, set(range(len(SPECS))), Stages())
     if rank == 0:
@@ -621,11 +621,13 @@ def moved(full: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.slow
-def test_net_plane_across_two_network_namespaces(tmp_path):
+@pytest.mark.parametrize("group", [None, "gloo"], ids=["net", "group"])
+def test_net_plane_across_two_network_namespaces(tmp_path, group):
     """The engine's end listens on its own host's address (namespace worker-1); two trainer ranks on the
-    other host (worker-2) each send their own slices on their own connection: a dense write, then a
-    delta of one parameter. The segment equals the ranks' tensors bit for bit after each commit (the
-    oracle: the tensors themselves, rebuilt here from the same seed)."""
+    other host (worker-2) each send their own slices on their own connection (net), or by sends in a gloo
+    group whose members bind their own host's address (group): a dense write, then a delta of one
+    parameter. The segment equals the ranks' tensors bit for bit after each commit (the oracle: the
+    tensors themselves, rebuilt here from the same seed)."""
     from netns import TwoHosts, need_netns
 
     need_netns()
@@ -633,7 +635,7 @@ def test_net_plane_across_two_network_namespaces(tmp_path):
     port = 29731  # inside a namespace of its own: nothing else listens there
     with TwoHosts() as hosts:
         addr = hosts.addr["worker-1"]
-        fmt = dict(root=str(ROOT), tests=tests, out=str(tmp_path), addr=addr, port=port, module=__file__)
+        fmt = dict(root=str(ROOT), tests=tests, out=str(tmp_path), addr=addr, port=port, module=__file__, group=group)
         env = cpu_env()
         env["FAIRCAST_DS_SYNC_SECRET"] = SECRET
 
