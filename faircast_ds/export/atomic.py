@@ -52,7 +52,8 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(errno, os.strerror(errno), a)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -79,7 +80,7 @@ def remove_stale(target: str | os.PathLike) -> list[str]:
             if not entry.name.startswith(prefix):
                 continue
             pid = entry.name[len(prefix):].split("-", 1)[0]
-            if pid.isdigit() and _pid_alive(int(pid)) and int(pid) != os.getpid():
+            if pid.isdigit() and pid_alive(int(pid)) and int(pid) != os.getpid():
                 continue  # another writer is at work
             previous = entry / "previous"
             if kind == "old" and previous.is_dir() and not target.exists():

@@ -413,6 +413,12 @@ class Ledger:
                              + (f" (the committed one is {done.version})" if done else ""))
         return done
 
+    def fail(self, why: str) -> None:
+        """The open write cannot commit, for ``why`` (the first reason stays); a waiting commit wakes."""
+        with self.cond:
+            self.failure = self.failure or why
+            self.cond.notify_all()
+
     def _fail(self, why: str) -> PlaneError:
         self.failure = why
         return PlaneError(why)

@@ -153,14 +153,16 @@ class Rendezvous:
                 threading.Thread(target=self._build, args=(gen, engine_host), daemon=True,
                                  name="faircast-ds send group").start()
             gen.members.add(rank)
-        return gen, {"host": self.host, "port": self.port, "prefix": f"faircast-ds/{gen.token}/",
-                     "size": world + 1, "backend": self.backend, "timeout": self.timeout}
+        return gen, self._info(gen)
+
+    def _info(self, gen: Generation) -> dict[str, Any]:
+        """The description of ``gen`` that its members build their ends from."""
+        return {"host": self.host, "port": self.port, "prefix": f"faircast-ds/{gen.token}/", "size": gen.world + 1,
+                "backend": self.backend, "timeout": self.timeout}
 
     def _build(self, gen: Generation, engine_host: str) -> None:
-        info = {"host": self.host, "port": self.port, "prefix": f"faircast-ds/{gen.token}/", "size": gen.world + 1,
-                "backend": self.backend, "timeout": self.timeout}
         try:
-            gen.group = build(info, gen.world, engine_host, store=self.store)
+            gen.group = build(self._info(gen), gen.world, engine_host, store=self.store)
         except PlaneError as exc:
             gen.error = str(exc)
         finally:

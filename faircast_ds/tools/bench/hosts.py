@@ -14,6 +14,8 @@ import signal
 import subprocess
 import time
 
+from faircast_ds.export.atomic import pid_alive
+
 PREFIX = "fcmn"  # every namespace and link made here starts with it
 IFNAME = "fcnet0"  # the veth end's name inside either namespace (names are per namespace)
 _serial = itertools.count()
@@ -34,14 +36,8 @@ def our_names() -> tuple[list[str], list[str]]:
 
 
 def owner_alive(tag: str) -> bool:
-    pid = int(tag, 16) >> 8
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether the process that made the names with ``tag`` (its pid is in it) still runs."""
+    return pid_alive(int(tag, 16) >> 8)
 
 
 def remove_netns(name: str) -> None:

@@ -251,33 +251,20 @@ class SegmentHost:
             ch.send_json({"ok": True})
             if self.fd is not None:
                 socket.send_fds(conn, [b"F"], [self.fd])  # the capability, on this authenticated connection only
-        elif kind == "sends" and self.rendezvous is not None:
-            problem = self._receive_sends(ch, rank, msg)
-            if problem is not None:
-                with self.ledger.cond:
-                    self.ledger.failure = self.ledger.failure or problem
-                    self.ledger.cond.notify_all()
-                ch.close(reason=problem)
-                return False
-        elif kind in ("piece", "changes") and self.transport == "net":
-            problem = (self._receive_piece if kind == "piece" else self._receive_changes)(ch, rank, msg)
-            if problem is not None:
-                with self.ledger.cond:
-                    self.ledger.failure = self.ledger.failure or problem
-                    self.ledger.cond.notify_all()
+        elif (kind == "sends" and self.transport == "group") or (kind in ("piece", "changes") and self.transport == "net"):
+            receive = {"sends": self._receive_sends, "piece": self._receive_piece, "changes": self._receive_changes}[kind]
+            problem = receive(ch, rank, msg)
+            if problem is not None:  # its bytes were not (all) read: the write cannot commit, the connection ends
+                self.ledger.fail(problem)
                 ch.close(reason=problem)
                 return False
         elif kind == "written":
             try:
                 self.ledger.written(rank, msg)
             except PlaneError as exc:
-                with self.ledger.cond:
-                    self.ledger.failure = self.ledger.failure or str(exc)
-                    self.ledger.cond.notify_all()
+                self.ledger.fail(str(exc))
         elif kind == "abort":
-            with self.ledger.cond:
-                self.ledger.failure = self.ledger.failure or f"rank {rank} gave up its write: {str(msg.get('reason'))[:500]}"
-                self.ledger.cond.notify_all()
+            self.ledger.fail(f"rank {rank} gave up its write: {str(msg.get('reason'))[:500]}")
         elif kind == "commit" and rank == 0:
             try:
                 done = self.ledger.commit(msg.get("version"), msg.get("world"), msg.get("params"), self.timeout)
@@ -618,14 +605,13 @@ class SegmentWriter:
                     pause: Any) -> int:
         """The group plane: name the carried parameters, then send each piece (in declared order, as the
         engine receives them) to the engine, the group's last member. Bytes sent. Every piece is checked
-        (its memory for the library, its size against the layout) before the engine is told to receive."""
+        (its memory for the library, its dtype against the layout) before the engine is told to receive."""
         for index, start, values in pieces:
             where = values.device.type
             if self.backend == "nccl" and where != "cuda":
                 raise PlaneError(f"rank {self.rank}: the engine's send group is NCCL, this rank's served slices "
                                  f"are in {where} memory")
-            if values.dtype != self.specs[index].dtype or \
-                    values.numel() * values.element_size() != self.layout.span(index, start, values.numel())[1]:
+            if values.dtype != self.specs[index].dtype:  # then its bytes are the layout's too
                 raise PlaneError(f"rank {self.rank}: its slice of {self.specs[index].name} is {values.dtype}, the "
                                  f"engine's layout says {self.specs[index].dtype}")
         ch.send_json({"type": "sends", "params": sorted(params)})
