@@ -15,6 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+# every skip printed with its reason; a reason off the short list there fails the run
+pytest_plugins = ["skip_policy"]
+
 ROOT = Path(__file__).resolve().parent.parent
 DIST = ROOT / "tests" / "dist"
 

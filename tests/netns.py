@@ -1,5 +1,5 @@
 """Two hosts on one machine for the tests (tests/system/test_multinode.py: DeepSpeed launches across the
-hosts; tests/vllm/transfer/test_data_plane.py: the net plane's ranks and engine on different hosts). The
+hosts; tests/vllm_tests/transfer/test_data_plane.py: the net plane's ranks and engine on different hosts). The
 namespaces themselves are made by :mod:`faircast_ds.tools.bench.hosts` (the benchmarks use them too)."""
 from __future__ import annotations
 

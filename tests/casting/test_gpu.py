@@ -12,7 +12,7 @@ DistributedOptimizer with the param buffer on the GPU. Skips without CUDA.
    it): after every step the served bf16 shard in the param buffer, written on the GPU, equals
    ``faircast_ds.casting`` of its fp32 main shard computed on the CPU, and ``nearest`` serves exactly what
    Megatron's own copy serves. One rank (this process); the gathered-parameter check across ranks is
-   device independent and runs on CPU ranks in tests/megatron/test_megatron.py.
+   device independent and runs on CPU ranks in tests/megatron_tests/test_megatron.py.
 
 The timing of the same paths is in benchmarks/gpu_check.py and benchmarks/megatron_gpu_check.py.
 """

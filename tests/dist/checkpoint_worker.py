@@ -1,4 +1,4 @@
-"""Checkpoint phases under the `deepspeed` runner (driven by tests/deepspeed/test_checkpoint.py).
+"""Checkpoint phases under the `deepspeed` runner (driven by tests/deepspeed_tests/test_checkpoint.py).
 
   straight  run 6 steps per combination, saving a checkpoint after step 3 (and, for zero3/stochastic,
             after step 5, so `latest` names another tag); snapshots after steps 3-6; then a cast that

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 and BF16_Optimizer: the cast takes the place of DeepSpeed's own copy (tests/deepspeed/test_copy_site.py).
+"""ZeRO-1/2 and BF16_Optimizer: the cast takes the place of DeepSpeed's own copy (tests/deepspeed_tests/test_copy_site.py).
 
 On the runtime route (unpatched DeepSpeed), for each case and each of 3 optimizer steps, every rank
 records:

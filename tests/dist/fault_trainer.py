@@ -1,4 +1,4 @@
-"""A trainer for the weight-update fault tests (tests/vllm/transfer/test_vllm_faults.py), in pytest's process or as its
+"""A trainer for the weight-update fault tests (tests/vllm_tests/transfer/test_vllm_faults.py), in pytest's process or as its
 own process (``python fault_trainer.py URL DIR VERSION... [--pause-at N]``) so that it can be killed.
 
 The served weights are a plain bf16 module, not a DeepSpeed engine: the faults concern the transport

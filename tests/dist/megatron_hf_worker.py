@@ -1,7 +1,7 @@
 """A Qwen3-shaped Megatron-Core GPT model (local spec: RMSNorm, GQA fused QKV with query/key norms, SwiGLU,
 no biases, untied embeddings) under tensor parallel 2 with Fair Cast, its served weights read under HF names
 through the one served-weight source (``ServedSource(model)``: the ``MegatronHFReader`` the attach provided),
-for tests/megatron/test_megatron_hf.py. ``LAYOUTS``: ``tp,pp`` pairs separated by ``;`` (the world is their product).
+for tests/megatron_tests/test_megatron_hf.py. ``LAYOUTS``: ``tp,pp`` pairs separated by ``;`` (the world is their product).
 
 Per layout: the fp32 main params are set from full masters (the layout worker's: split by ``torch.chunk``),
 Fair Cast (stochastic) serves them, and a dense walk of the source yields every HF tensor on every rank.

@@ -1,6 +1,6 @@
 """Megatron-Core GPT model (local spec: GQA fused QKV, SwiGLU, biases, untied embeddings) with Fair Cast on
 CPU ranks over gloo, under several (tensor, pipeline, data) parallel layouts in one launch, for
-tests/megatron/test_megatron_layouts.py. ``LAYOUTS`` (env): ``tp,pp`` pairs separated by ``;``, data parallel the rest
+tests/megatron_tests/test_megatron_layouts.py. ``LAYOUTS`` (env): ``tp,pp`` pairs separated by ``;``, data parallel the rest
 of the world; Megatron's parallel state is torn down and built again between them.
 
 For every layout and mode the fp32 main params are set from FULL masters the worker defines per full

@@ -1,5 +1,5 @@
 """Megatron-Core's DistributedOptimizer (bf16 params, fp32 main params) with Fair Cast on CPU ranks over
-gloo, launched by torchrun for tests/megatron/test_megatron.py. ROUTE=runtime replaces the optimizer's copy at
+gloo, launched by torchrun for tests/megatron_tests/test_megatron.py. ROUTE=runtime replaces the optimizer's copy at
 runtime; ROUTE=hook runs on a patched Megatron-Core copy (put first on PYTHONPATH by the test).
 
 Every case starts from the same model and deterministic fp32 main values and takes a few steps. Each
@@ -136,7 +136,7 @@ def run_case(mode: str, hook_calls: list) -> dict:
             for rank_pieces in everyone:
                 for name, start, main in rank_pieces:
                     full[name][start:start + main.numel()] = main
-            masters.append(full)  # for tests/megatron/test_megatron_releases.py's reference casts
+            masters.append(full)  # for tests/megatron_tests/test_megatron_releases.py's reference casts
             for name, master in full.items():
                 if mode == "error_feedback":  # its residual is per element: replayed above
                     break

@@ -1,4 +1,4 @@
-"""One launch per route for tests/deepspeed/test_patch_deepspeed.py: the same training cases on the runtime route
+"""One launch per route for tests/deepspeed_tests/test_patch_deepspeed.py: the same training cases on the runtime route
 (an unmodified DeepSpeed, Fair Cast from the interpreter-start hook) or on a patched DeepSpeed copy
 (FAIRCAST_DS_AUTOLOAD=0, Fair Cast through ``faircast_ds.deepspeed.attach(engine, route="hook")``).
 

@@ -1,4 +1,4 @@
-"""One launch per DeepSpeed release (tests/deepspeed/test_releases.py): every supported optimizer class in every
+"""One launch per DeepSpeed release (tests/deepspeed_tests/test_releases.py): every supported optimizer class in every
 mode on the same deterministic fp32 masters, the staging route forced on CPU, a save -> load ->
 continue round trip, and casts deliberately bypassed so that the guard must stop the run.
 

@@ -1,6 +1,6 @@
 """What a framework served and what its forward multiplied by, recorded for the framework tests.
 
-The framework tests (tests/transformers/test_frameworks.py, tests/deepspeed/test_activation.py) check that the served bf16
+The framework tests (tests/transformers_tests/test_frameworks.py, tests/deepspeed_tests/test_activation.py) check that the served bf16
 bits of every element are ``cast(master, mode, seed, step)`` computed by an oracle, and that the
 weights the framework's forward (and generation) used are those served bits. This module only
 records, through DeepSpeed's and torch's own interfaces, never through Fair Cast's:

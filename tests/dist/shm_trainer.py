@@ -1,4 +1,4 @@
-"""A trainer rank for the shared-memory plane's fault tests (tests/vllm/transfer/test_vllm_faults.py), as its own
+"""A trainer rank for the shared-memory plane's fault tests (tests/vllm_tests/transfer/test_vllm_faults.py), as its own
 process so that it can be killed: ``python shm_trainer.py URL DIR VERSION... [--pause-rank R --pause-at N]``
 with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (gloo; the ranks of a plain bf16 module, each
 writing its even share of every parameter, as in tests/dist/fault_trainer.py).

@@ -1,5 +1,5 @@
 """Checks of every supported optimizer class under the real `deepspeed` runner, one launch per world
-size (see tests/deepspeed/test_stages.py).
+size (see tests/deepspeed_tests/test_stages.py).
 
 The script never calls faircast_ds.install() or attach(): Fair Cast must arrive through the
 interpreter-start hook, as it would for an unmodified training script. It writes one JSON file per

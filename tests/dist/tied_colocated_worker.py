@@ -1,5 +1,5 @@
 """The colocated route (an in-process vLLM engine, ``WeightPush``) with a model whose LM head is tied to its
-embedding: writes what it measured to OUT_DIR/tied.json for tests/vllm/transfer/test_tied_head.py.
+embedding: writes what it measured to OUT_DIR/tied.json for tests/vllm_tests/transfer/test_tied_head.py.
 
 A dense verified push, a delta that moves two embedding elements (verified; the head read back through
 its kernel is compared here with the embedding's bits), then a kernel fault in the head (its logits read

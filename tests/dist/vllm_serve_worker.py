@@ -1,7 +1,7 @@
 """A 2-rank ZeRO-3 trainer (CPU ranks, Fair Cast dither) pushing into a `vllm serve` process through the
 `faircast` weight-transfer backend: rank 0 starts the server (VllmServer), every rank pushes (ServedPush:
 vLLM's HTTPVLLMWeightSyncClient, the authenticated channel, dense then delta). Records, through
-DeepSpeed's and vLLM's own interfaces, what the oracle side (tests/vllm/test_vllm.py) checks: the fp32
+DeepSpeed's and vLLM's own interfaces, what the oracle side (tests/vllm_tests/test_vllm.py) checks: the fp32
 masters and served bits (served_record.snapshot), vLLM's /weight_checker checksums and /weight_info
 version after each push, and generations before and after the delta.
 

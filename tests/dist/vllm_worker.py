@@ -1,5 +1,5 @@
 """Every check against a real in-process vLLM engine, run once (vLLM takes 15-30 s to start; `vllm serve`
-is checked by tests/dist/vllm_serve_worker.py): writes what it measured to OUT_DIR/vllm.json for tests/vllm/test_vllm.py.
+is checked by tests/dist/vllm_serve_worker.py): writes what it measured to OUT_DIR/vllm.json for tests/vllm_tests/test_vllm.py.
 
 Usage: python tests/dist/vllm_worker.py OUT_DIR
 """

@@ -1,7 +1,7 @@
 """What makes a load cheap, checked for what it must still do (benchmarks/load_breakdown.py has the times):
 
 - the guard's block digests come from the fused CPU kernel in one read of the bits: equal to the torch
-  code, and to sums in Python ints (tests/deepspeed/test_guard.py checks those too);
+  code, and to sums in Python ints (tests/deepspeed_tests/test_guard.py checks those too);
 - error feedback's restore at the saved layout reads each saved piece once, its CRC taken chunk by chunk as
   it is copied: bitwise the saved state, and a flipped byte in either array still refused;
 - the DeepSpeed guard's check after ``load_checkpoint`` (faircast_ds/deepspeed/guard.install, driven here

@@ -5,7 +5,7 @@ offers 0.12.0 ... 0.16.1 (0.17.0 and later declare Requires-Python >=3.12); CI r
 (installed beside the default by launch/setup.d/25-megatron-releases.sh, first on PYTHONPATH), and the
 default install, 0.16.1. One 2-rank launch of tests/dist/megatron_worker.py per (release, route): the
 runtime route on both, the hook route on a patched copy of 0.12.0 (0.16.1's hook route is
-tests/megatron/test_megatron.py's). Checked against faircast_ds/casting/reference.py's cast_reference, written apart from
+tests/megatron_tests/test_megatron.py's). Checked against faircast_ds/casting/reference.py's cast_reference, written apart from
 the casts: every served bit of every bf16 parameter after each of 3 steps, in every mode, is the
 reference cast of the gathered fp32 masters; the guard checked every step and stops the run when the
 served bits are not what Fair Cast wrote; the release-dependent settings are refused by the names the

@@ -155,7 +155,7 @@ def test_an_unsupported_deepspeed_release_is_an_error(tmp_path, capsys, monkeypa
 # check_supported (run on DeepSpeed's parsed config before the engine is built: each `yield` below),
 # adapters/registry.py (the built optimizer's class: ZeRO stage 0's FP16_Optimizer/FP16_UnfusedOptimizer,
 # MiCS_Optimizer), compat.release_problem (the release range) and the section itself (config.py,
-# config_source.py: FairCastConfigError). tests/deepspeed/test_initialize.py sees initialize raise each of them on
+# config_source.py: FairCastConfigError). tests/deepspeed_tests/test_initialize.py sees initialize raise each of them on
 # its worker's configs; the check must report each, from the same config, with the same words.
 # Not from a config, so not the check's to find: a non-finite weight (NonFiniteWeightError at the first
 # step's cast; the check reports the policy, on_nonfinite=error, instead: test_the_nonfinite_policy_is_reported),
@@ -206,7 +206,7 @@ def error_blocks(out: str) -> list[str]:
 
 @pytest.mark.parametrize("case", sorted(set(INITIALIZE_RAISES) - NOT_FROM_A_CONFIG))
 def test_the_check_finds_every_refusal_initialize_raises(tmp_path, capsys, monkeypatch, case):
-    """Each config tests/deepspeed/test_initialize.py sees initialize refuse: the check exits 1 with an ERROR that
+    """Each config tests/deepspeed_tests/test_initialize.py sees initialize refuse: the check exits 1 with an ERROR that
     names the same exception and carries the same words as initialize's message."""
     import deepspeed
 

@@ -347,7 +347,7 @@ def start_ranks(server, marks: Path, versions: list[int], world: int = 2, **opti
 @pytest.mark.parametrize("plane", ["tcp", "shm", "net", "group"])
 def test_shm_dense_delta_and_a_push_that_changes_nothing(engine, plane):
     """The data plane, on one host (shm), through each rank's own TCP connection (net, here on loopback;
-    across two network namespaces: tests/vllm/transfer/test_data_plane.py) and through a gloo send group
+    across two network namespaces: tests/vllm_tests/transfer/test_data_plane.py) and through a gloo send group
     (group); and rank 0's channel (tcp).
     On every plane a push that changes nothing is one HTTP call, and the next delta is against the bits
     the engine holds."""
@@ -404,7 +404,7 @@ def test_two_ranks_agree_on_a_push_that_changes_nothing(engine, tmp_path, plane)
 @pytest.mark.parametrize("plane", ["tcp", "shm", "net", "group"])
 def test_a_kernel_computing_with_other_bits_fails_the_verified_push(engine, plane):
     """The engine's check inside finish: after a load that left one kernel with other bits than the
-    engine received (the final norm moved by 1.0 after vLLM's reload: tests/vllm/transfer/kernel_fault),
+    engine received (the final norm moved by 1.0 after vLLM's reload: tests/vllm_tests/transfer/kernel_fault),
     a verified push raises EngineWeightsMismatch naming it, on either plane; with the fault gone the next
     push (dense) is verified and the engine serves its bits. A verified TCP push is four HTTP calls."""
     from faircast_ds.vllm.kernels import EngineWeightsMismatch
@@ -438,7 +438,7 @@ def test_a_kernel_computing_with_other_bits_fails_the_verified_push(engine, plan
 def test_a_sampled_check_reads_the_columns_a_delta_touched(engine, plane):
     """Issue 32 item 5: a delta that changes one element in a column the sample does not read (over TCP; on
     the net plane, in a rank's change list), and a kernel that computes that element wrong
-    (tests/vllm/transfer/kernel_fault: element (row, column) read as 1.0 larger): the sampled check reads
+    (tests/vllm_tests/transfer/kernel_fault: element (row, column) read as 1.0 larger): the sampled check reads
     the touched column too, so the verified push raises EngineWeightsMismatch naming the layer; with the
     fault gone the next push is verified."""
     from faircast_ds.vllm.kernels import EngineWeightsMismatch

@@ -1,7 +1,7 @@
 """faircast_ds.deepspeed.guard in process, on a stand-in adapter over two flat groups and the real
 ShardCaster: it passes what the caster wrote, and names the first element that something else
 overwrote, in the full and in the sampled check. The guard on real DeepSpeed releases, with DeepSpeed
-made to overwrite the partition after the cast: tests/deepspeed/test_releases.py."""
+made to overwrite the partition after the cast: tests/deepspeed_tests/test_releases.py."""
 from __future__ import annotations
 
 import pytest

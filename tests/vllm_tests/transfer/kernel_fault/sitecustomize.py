@@ -1,4 +1,4 @@
-"""A fault for the ``vllm serve`` processes of tests/vllm/transfer/test_vllm_faults.py: a kernel that
+"""A fault for the ``vllm serve`` processes of tests/vllm_tests/transfer/test_vllm_faults.py: a kernel that
 computes with other bits than the engine received. On PYTHONPATH of the server only (the test's engine
 fixture), active when ``FAIRCAST_TEST_KERNEL_FAULT`` names a flag file: once the ``faircast`` backend has
 loaded a set of layers, and while the flag file exists and names a vLLM parameter among them, that

@@ -1,7 +1,7 @@
 """faircast_ds.vllm.inplace without an engine: the undo record against saved copies of the bits, and the
 liveness probe against stand-in kernels (one that computes with the weight it is given, one that
 computes with a copy it packed at load). The engine's use of both against a real ``vllm serve`` is in
-tests/vllm/transfer/test_vllm_faults.py."""
+tests/vllm_tests/transfer/test_vllm_faults.py."""
 from __future__ import annotations
 
 import pytest
