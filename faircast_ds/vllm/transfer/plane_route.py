@@ -91,10 +91,10 @@ class PlaneRoute:
         error = None
         if self.rank == 0:
             try:
-                self.server._post("init_weight_transfer_engine", {"init_info": {
+                self.server.init_weight_transfer_engine({
                     "plane": plane, "socket": name or "", "host": host, "port": port, "timeout": self.timeout,
                     "inplace": bool(inplace),
-                    "params": [[s.name, list(s.shape), str(s.dtype)] for s in self.specs]}})
+                    "params": [[s.name, list(s.shape), str(s.dtype)] for s in self.specs]})
             except Exception as exc:  # noqa: BLE001 - reported on every rank
                 error = f"{type(exc).__name__}: {exc}"
         error = from_rank0(error)
@@ -149,7 +149,7 @@ class PlaneRoute:
                     with stages(f"{self.plane}.same"):
                         self.writer.same(int(version), self.acknowledged)
                     with stages("http.update_weight_version"):
-                        self.server._post("update_weight_version", {"new_version": str(version)})
+                        self.server.update_weight_version(str(version))
                     http += 1
                 except Exception as exc:  # noqa: BLE001
                     error = f"{type(exc).__name__}: {exc}"
@@ -220,19 +220,20 @@ class PlaneRoute:
             return str(exc)
         check = None if not verify else ("full" if verify == "full" or not self.check_columns else "sampled")
         info = {"version": version, "check": check, "check_columns": self.check_columns or SAMPLE_COLUMNS}
-        calls = [("start_weight_update", None), ("update_weights", {"update_info": info}),
-                 ("finish_weight_update", {"weight_version": str(version)}), ("reset_prefix_cache", None)]
-        for route, body in calls:
+        calls = [("start_weight_update", server.start_weight_update, ()),
+                 ("update_weights", server.update_weights, (info,)),
+                 ("finish_weight_update", server.finish_weight_update, (str(version),)),
+                 ("reset_prefix_cache", server.reset_prefix_cache, ())]
+        for route, call, args in calls:
             try:
                 with stages(_STAGE[route]):
-                    server._post(route, body)
+                    call(*args)
             except Exception as exc:  # noqa: BLE001
                 error: Exception = exc
                 if route == "start_weight_update":  # a session a dead trainer left open: end it, start ours
                     try:
-                        server._post("update_weights", {"update_info": {"abandon": True}})
-                        server._post("finish_weight_update", None)
-                        server._post("start_weight_update", None)
+                        server.abandon_weight_update()
+                        server.start_weight_update()
                         continue
                     except Exception as again:  # noqa: BLE001
                         error = again
@@ -256,6 +257,6 @@ class PlaneRoute:
         self.writer.close()
         if self.server is not None:
             try:
-                self.server._post("shutdown_weight_transfer_engine")
+                self.server.shutdown_weight_transfer_engine()
             except Exception:  # noqa: BLE001 - best effort: the engine may be gone
                 pass

@@ -153,6 +153,40 @@ class VllmServer:
             raise ServerUnavailable(f"POST /{path}: HTTP {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else None
 
+    # -- vLLM's weight-transfer API (the RL routes a push drives; the names are vLLM's own) -----------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``/init_weight_transfer_engine``: the engine opens the backend's end of the push (``init_info``:
+        the ``faircast`` backend's, :class:`~faircast_ds.vllm.transfer.engine.FairCastInitInfo`)."""
+        self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        """``/start_weight_update``: open an update session (vLLM refuses a second one while one is open)."""
+        self._post("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """``/update_weights``: the engine receives, or takes the committed write of, one update
+        (:class:`~faircast_ds.vllm.transfer.engine.FairCastUpdateInfo`)."""
+        self._post("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """``/finish_weight_update``: the engine loads the session's update (and checks its kernels, where
+        the update asked); vLLM then serves ``weight_version`` (None: vLLM's version stays)."""
+        self._post("finish_weight_update", None if weight_version is None else {"weight_version": weight_version})
+
+    def abandon_weight_update(self) -> None:
+        """End an update session a dead trainer left open (its staged bits load at the next finish)."""
+        self.update_weights({"abandon": True})
+        self.finish_weight_update()
+
+    def update_weight_version(self, weight_version: str) -> None:
+        """``/update_weight_version``: vLLM serves ``weight_version`` with the weights it holds (a push that
+        changed nothing)."""
+        self._post("update_weight_version", {"new_version": weight_version})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """``/shutdown_weight_transfer_engine``: the engine closes the backend's end."""
+        self._post("shutdown_weight_transfer_engine")
+
     def weight_version(self) -> str:
         import requests
 

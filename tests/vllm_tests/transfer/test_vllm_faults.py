@@ -569,8 +569,8 @@ def test_with_inplace_off_every_load_goes_through_vllms_reload(engine):
     finally:
         push.close()
     with pytest.raises(Exception, match="'inplace' is true or false, not 'yes'"):
-        server._post("init_weight_transfer_engine", {"init_info": {"port": free_port(), "inplace": "yes",
-                                                                   "params": [["w", [2], "torch.bfloat16"]]}})
+        server.init_weight_transfer_engine({"port": free_port(), "inplace": "yes",
+                                            "params": [["w", [2], "torch.bfloat16"]]})
 
 
 def test_shm_delta_from_the_casts_change_marks(engine):

@@ -1,0 +1,87 @@
+"""VllmServer's public face for vLLM's weight-transfer API: every route a push drives is a method of
+:class:`~faircast_ds.vllm.transfer.server.VllmServer` (the HTTP path and body are vLLM's own), and no module
+of the package outside server.py posts through its private ``_post``. No server is started: ``requests.post``
+is recorded."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from faircast_ds.vllm.transfer.server import ServerUnavailable, VllmServer
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class Answer:
+    def __init__(self, status: int = 200, body: bytes = b"") -> None:
+        self.status_code, self.content, self.text = status, body, body.decode()
+
+    def json(self):
+        import json
+
+        return json.loads(self.content)
+
+
+@pytest.fixture
+def posted(monkeypatch):
+    import requests
+
+    calls: list[tuple[str, object]] = []
+
+    def post(url, json=None, timeout=None):
+        calls.append((url, json))
+        return Answer()
+
+    monkeypatch.setattr(requests, "post", post)
+    return calls
+
+
+@pytest.mark.parametrize("call, path, body", [
+    (lambda s: s.init_weight_transfer_engine({"plane": "shm", "port": 0}), "init_weight_transfer_engine",
+     {"init_info": {"plane": "shm", "port": 0}}),
+    (lambda s: s.start_weight_update(), "start_weight_update", None),
+    (lambda s: s.update_weights({"version": 3, "check": "sampled"}), "update_weights",
+     {"update_info": {"version": 3, "check": "sampled"}}),
+    (lambda s: s.finish_weight_update("3"), "finish_weight_update", {"weight_version": "3"}),
+    (lambda s: s.finish_weight_update(), "finish_weight_update", None),
+    (lambda s: s.update_weight_version("4"), "update_weight_version", {"new_version": "4"}),
+    (lambda s: s.shutdown_weight_transfer_engine(), "shutdown_weight_transfer_engine", None),
+    (lambda s: s.reset_prefix_cache(), "reset_prefix_cache", None),
+])
+def test_each_weight_transfer_route_posts_vllms_path_and_body(posted, call, path, body):
+    call(VllmServer(url="http://127.0.0.1:9/"))
+    assert posted == [(f"http://127.0.0.1:9/{path}", body)]
+
+
+def test_abandoning_a_session_a_dead_trainer_left_open_is_an_abandon_update_then_a_finish(posted):
+    VllmServer(url="http://h:1").abandon_weight_update()
+    assert posted == [("http://h:1/update_weights", {"update_info": {"abandon": True}}),
+                      ("http://h:1/finish_weight_update", None)]
+
+
+def test_a_refused_route_raises_with_its_path_and_status(monkeypatch):
+    import requests
+
+    monkeypatch.setattr(requests, "post", lambda url, json=None, timeout=None: Answer(400, b"no session"))
+    with pytest.raises(ServerUnavailable, match=r"POST /start_weight_update: HTTP 400: no session"):
+        VllmServer(url="http://h:1").start_weight_update()
+
+
+def private_post_calls(source: str) -> list[int]:
+    """Lines where code calls a ``._post`` attribute."""
+    return [n.lineno for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "_post"]
+
+
+def test_the_private_post_scan_finds_one():
+    assert private_post_calls("x = 1\nself.server._post('update_weights', {})\n") == [2]
+    assert private_post_calls("self.server.update_weights({})\ngetattr(c, '_post')\n") == []
+
+
+def test_no_module_outside_server_py_posts_through_vllm_servers_private_post():
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for path in sorted((ROOT / "faircast_ds").rglob("*.py"))
+                 if path.name != "server.py" or path.parent.name != "transfer"
+                 for line in private_post_calls(path.read_text())]
+    assert not offenders, "call VllmServer's public methods:\n" + "\n".join(offenders)
