@@ -152,16 +152,19 @@ def bootstrap(diffs) -> tuple[float, float]:
 # ---- per seed: endpoints and W/T/L ---------------------------------------------------------------------
 
 def boundary_series() -> dict[tuple[str, int], list[float]]:
-    """Rewards in sixteenths, so every sum is exact. Nearest 0.5 (step 1: seed/16, so no two seeds share a
-    curve); dither adds 0.5 on chosen steps. Primary (steps 1-100) and secondary (81-100) differences:
-    seed 0 +0.0200 (W: the band itself is not a tie) and +0.025 (W); seed 1 +0.015 (T) and 0 (T);
-    seed 2 -0.0200 (L) and -0.025 (L); seed 3 +0.1025 (W) and +0.0125 (T)."""
+    """Rewards in sixteenths, so every sum is exact. Nearest 0.125 on seed 0, 0.5 on the others (step 1:
+    0, 2/16, 1/16, 3/16, so no two seeds share a curve); dither adds or takes 0.5 on chosen steps. Primary
+    (steps 1-100) and secondary (81-100) differences: seed 0 +0.0200 (W: the band itself is not a tie) and
+    +0.025 (W); seed 1 +0.015 (T) and 0 (T); seed 2 -0.0200 (L) and -0.025 (L); seed 3 +0.1025 (W) and
+    +0.0125 (T). Seeds 0 and 2 are chosen so that means taken in floats land inside the band (0.01999...,
+    -0.01999...): the exact difference is the band's edge, not a tie."""
     out = {}
     plus = {0: ([11, 12, 13, 81], []), 1: ([11, 12, 13], []), 2: ([], [11, 12, 13, 90]),
             3: (list(range(11, 31)) + [95], [])}
+    first = {0: 0.0, 1: 2 / 16, 2: 1 / 16, 3: 3 / 16}
     for seed, (up, down) in plus.items():
-        near = [0.5] * STEPS
-        near[0] = seed / 16
+        near = [0.125 if seed == 0 else 0.5] * STEPS
+        near[0] = first[seed]
         dith = list(near)
         for t in up:
             dith[t - 1] += 0.5 if t != 95 else 0.25
@@ -178,7 +181,7 @@ def test_per_seed_endpoints_and_wtl_under_the_band(tmp_path, capsys):
     assert "4 of 4 seeds complete (both modes, 100 steps): 0, 1, 2, 3." in out
     assert "- seed 0 counts: dither: steps 1-3 equal" in out
     rows_ = {s: line(out, f"| {s} |") for s in range(4)}
-    assert rows_[0] == "| 0 | 0.4950 | 0.5150 | +0.0200 | W | 0.5000 | 0.5250 | +0.0250 | W |"
+    assert rows_[0].endswith("| +0.0200 | W | 0.1250 | 0.1500 | +0.0250 | W |")
     assert rows_[1].endswith("| +0.0150 | T | 0.5000 | 0.5000 | +0.0000 | T |")
     assert rows_[2].endswith("| -0.0200 | L | 0.5000 | 0.4750 | -0.0250 | L |")
     assert rows_[3].endswith("| +0.1025 | W | 0.5000 | 0.5125 | +0.0125 | T |")
