@@ -460,7 +460,8 @@ def plot(an: Analysis, path: str) -> None:
             axes[0].plot(range(1, len(rewards) + 1), smooth(rewards, 10), color=COLORS.get(mode, "gray"), lw=1,
                          alpha=0.6, label=mode if seed == an.complete[0] else None)
     axes[0].set(xlabel="step", ylabel="reward (trailing mean of 10 steps)", title="complete seeds, one line each")
-    axes[0].legend(fontsize=8)
+    if an.complete:
+        axes[0].legend(fontsize=8)
     for ax, ep in zip(axes[1:], an.plan.endpoints):
         c = next((c for c in an.across if (c.a, c.b, c.endpoint) == (a, b, ep)), None)
         ax.axhspan(-ep.tie, ep.tie, color="gray", alpha=0.2, label=f"tie band ±{ep.tie:g}")
@@ -470,7 +471,8 @@ def plot(an: Analysis, path: str) -> None:
             if math.isfinite(c.t[0]):
                 ax.errorbar([max(c.seeds) + 1], [c.mean], yerr=[[c.mean - c.t[0]], [c.t[1] - c.mean]], fmt="s",
                             color="black", capsize=4, label=f"mean, t 95% over {len(c.seeds)} seeds")
-        ax.set(xlabel="seed", ylabel=f"{a} − {b}", title=f"{_span(ep)}: mean reward, {a} − {b}")
+            ax.set_xticks([*c.seeds, max(c.seeds) + 1], [*map(str, c.seeds), "mean"])
+        ax.set(xlabel="seed", ylabel=f"mean reward, {a} − {b}", title=_span(ep))
         ax.legend(fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3)
