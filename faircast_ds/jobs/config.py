@@ -88,6 +88,10 @@ class JobConfig:
     # "native" or "fp32" (GEMMS); --model sets fp32. Only the bf16 modes' trainer is affected (the fp32 reference
     # multiplies in fp32 either way; the vLLM engine uses its own kernels)
     gemm: str = "native"
+    # DeepSpeed ZeRO stage of the trainer (1, 2 or 3). The served bits do not depend on it (tests/deepspeed_tests/
+    # test_stages.py); with 2 ranks neither do the gradients (the average of two is exact), so the trajectory
+    # is the same and 1/2 only skip ZeRO-3's parameter gathers (benchmarks/pretrained_step.py)
+    zero_stage: int = 3
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -182,6 +186,8 @@ def _problems(cfg: JobConfig) -> list[str]:
         out.append(f"--operand-max must be at most 9 (one-digit operands), got {cfg.operand_max}")
     for name in ("kl_master_every", "save_every", "session_steps"):
         positive_int(name, getattr(cfg, name), low=0)
+    if isinstance(cfg.zero_stage, bool) or cfg.zero_stage not in (1, 2, 3):
+        out.append(f"--zero-stage must be 1, 2 or 3, got {cfg.zero_stage!r}")
     if cfg.session_steps and not cfg.save_every:
         out.append("--session-steps needs --save-every (a session that stops must leave a checkpoint)")
     if cfg.model and cfg.gen_len < 16:

@@ -76,13 +76,19 @@ def ds_config(mode: str, seed: int, cfg: JobConfig, per_rank: int) -> dict[str, 
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": per_rank,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": cfg.persist_threshold,
-                              "stage3_prefetch_bucket_size": 0},
+        "zero_optimization": {"stage": cfg.zero_stage},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if cfg.zero_stage == 3:
+        config["zero_optimization"].update(stage3_param_persistence_threshold=cfg.persist_threshold,
+                                           stage3_prefetch_bucket_size=0)
     if cfg.model:  # DeepSpeed's default reduce bucket (5e8 elements) would be a 1-2 GB buffer per rank
-        config["zero_optimization"].update(reduce_bucket_size=20_000_000, stage3_prefetch_bucket_size=20_000_000)
+        config["zero_optimization"].update(reduce_bucket_size=20_000_000)
+        if cfg.zero_stage == 3:
+            config["zero_optimization"].update(stage3_prefetch_bucket_size=20_000_000)
+        else:
+            config["zero_optimization"].update(allgather_bucket_size=20_000_000)
     if mode != REFERENCE:
         config["bf16"] = {"enabled": True}
         config["fair_cast"] = {"enabled": True, "mode": mode, "seed": seed,
@@ -145,9 +151,17 @@ class ReferenceChangeCounter:
         self.previous = self._bits()
 
     def _bits(self) -> torch.Tensor:
-        from faircast_ds.deepspeed.params import local_partition
+        from faircast_ds.deepspeed.params import is_partitioned, local_partition
 
-        return torch.cat([local_partition(p).view(torch.int32) for p in self.params]).clone()
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+        def share(p: torch.nn.Parameter) -> torch.Tensor:  # ZeRO-1/2 keep every parameter whole: count a 1/world slice
+            flat = p.data.view(-1)
+            size = -(-flat.numel() // world)
+            return flat[rank * size:(rank + 1) * size]
+
+        return torch.cat([(local_partition(p) if is_partitioned(p) else share(p)).view(torch.int32)
+                          for p in self.params]).clone()
 
     def count(self) -> tuple[float, float]:
         now = self._bits()
@@ -293,7 +307,7 @@ def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
     per_rank = cfg.rollouts // world
     reference = mode == REFERENCE
     config = ds_config(mode, seed, cfg, per_rank)
-    model = build_model(cfg, seed, fp32=reference, ds_config=config if cfg.model else None)
+    model = build_model(cfg, seed, fp32=reference, ds_config=config if cfg.model and cfg.zero_stage == 3 else None)
     masters = offgrid.off_grid_state(model.named_parameters(), seed) if cfg.off_grid else None
     if masters is not None and reference:  # fp32 serves its master: the module holds the off-grid values
         with torch.no_grad():
@@ -494,8 +508,14 @@ def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: 
         if step in cfg.save_steps:  # after the step's row: its timings leave the save out
             run.engine.save_checkpoint(os.path.join(cfg.out, cfg.name, "checkpoints", f"{mode}-seed{seed}"),
                                        tag=f"global_step{step}")
-        if cfg.save_every and (step % cfg.save_every == 0 or step in (cfg.steps, last)):
-            resume.save(run.engine, saves, step, dist.get_rank())
+        if cfg.save_every:
+            began = time.perf_counter()
+            if step % cfg.save_every == 0 or step in (cfg.steps, last):
+                resume.save(run.engine, saves, step, dist.get_rank())
+            # the step's share of the run's wall time that its row's other timings leave out
+            rows[-1]["save_ms"] = 1e3 * (time.perf_counter() - began)
+            if on_step is not None:
+                on_step(rows)
         if progress is not None:
             progress.set_postfix_str(f"{mode} seed {seed} reward {rows[-1]['reward']:.3f} "
                                      f"changed {100 * rows[-1]['changed_fraction']:.2f}%", refresh=False)

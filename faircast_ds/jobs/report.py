@@ -46,7 +46,9 @@ LAG_MIN = 20  # "the served copy lags": lag along drift at least this many steps
 def write_csv(path: str, rows: Sequence[dict]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        # every key of every row, in first-seen order: rows resumed from a CSV written before a column existed
+        # lack it and are written with it blank
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)), restval="")
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, path)

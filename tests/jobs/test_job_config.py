@@ -63,6 +63,8 @@ def test_job_options_parse():
     (["--tie", "-1"], "--tie must be a finite number >= 0"),
     (["--hidden", "66"], "--hidden must be a multiple of 4"),
     (["--engine", "sglang"], "invalid choice: 'sglang'"),
+    (["--zero-stage", "0"], "--zero-stage must be 1, 2 or 3, got 0"),
+    (["--zero-stage", "4"], "--zero-stage must be 1, 2 or 3, got 4"),
 ])
 def test_bad_options_are_refused_by_name(capsys, argv, message):
     assert message in usage_error(capsys, argv)
@@ -163,3 +165,14 @@ def test_off_grid_refuses_values_off_the_grid():
         off_grid(torch.tensor([0.1, 0.2], dtype=torch.float32), seed=0, name="w")
     with pytest.raises(ValueError, match="finite"):
         off_grid(torch.tensor([float("inf")], dtype=torch.bfloat16), seed=0, name="w")
+
+
+def test_the_zero_stage_reaches_the_deepspeed_config_with_only_its_own_keys():
+    from faircast_ds.jobs.grpo import ds_config
+
+    for stage in (1, 2, 3):
+        cfg = parse(["--model", "smollm2-135m-instruct", "--task", "addition", "--zero-stage", str(stage), "--name", "x"])
+        zero = ds_config("dither", 0, cfg, 8)["zero_optimization"]
+        assert zero["stage"] == stage
+        assert any(k.startswith("stage3_") for k in zero) == (stage == 3), zero
+    assert parse(["--name", "x"]).zero_stage == 3  # the default: the runs of docs/pretrained.md
