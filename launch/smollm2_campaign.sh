@@ -31,7 +31,27 @@ for seed in 0 1; do
       touch "$out/repro-seed$seed-$mode/done"
   done
 done
-for seed in 2 3 4 5 6 7; do
+# seeds 0 and 1 count on their committed rows only if all their re-run steps equal them (the registration);
+# otherwise they are run again here, whole, with the fp32 reference. The committed rows were taken on an
+# AVX-512 CPU; on an AVX2 one the kernels round differently and the rows cannot reproduce.
+rerun=()
+for seed in 0 1; do
+  if ! "${PYTHON:-python3}" - "$out" "$seed" <<'PY'
+import sys
+from faircast_ds.jobs import campaign as c
+out, seed = sys.argv[1], int(sys.argv[2])
+plan = c.load_plan("docs/pretrained/campaign/preregistered.json")
+runs, where = c.read_runs([*c.expand(out), plan.against], plan.lr)
+verdict = [r for r in c.reproduction(plan, runs, where) if r.seed == seed]
+print(f"seed {seed}: " + "; ".join(verdict[0].lines))
+sys.exit(0 if verdict and verdict[0].ok else 1)
+PY
+  then rerun+=("$seed"); fi
+done
+echo "$(date -u +%FT%TZ) seeds run again in full: ${rerun[*]:-none}" >> "$out/runs.log"
+for seed in "${rerun[@]}" 2 3 4 5 6 7; do
   run "lr1e-5-seed$seed" --seed-list "$seed" --modes nearest,dither
 done
-run lr1e-5-fp32-seed2 --seed-list 2 --modes fp32
+for seed in "${rerun[@]}" 2; do
+  run "lr1e-5-fp32-seed$seed" --seed-list "$seed" --modes fp32
+done
