@@ -297,3 +297,43 @@ def test_the_installed_names_include_the_frameworks_the_suite_imports():
 def test_no_test_folder_or_module_shadows_an_installed_package():
     found = shadowing_names(ROOT / "tests", installed_top_level_names())
     assert found == [], f"named like an installed package or a standard-library module (rename them): {found}"
+
+
+PLANE_NAMES = frozenset({"tcp", "shm", "net", "group"})  # the names ServedPush(plane=...) and the engine's init_info take
+MAY_NAME_PLANES = ("faircast_ds.vllm.transfer.planes",)  # the registry that builds each plane's two ends
+
+
+def plane_name_comparisons(source: str) -> list[int]:
+    """Lines where a comparison (==, !=, in, not in) has a push plane's name as a literal on either side."""
+    def literals(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(literals(e) for e in node.elts)) if node.elts else set()
+        return set()
+
+    return sorted(node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+                  and (literals(node.left).union(*(literals(c) for c in node.comparators)) & PLANE_NAMES))
+
+
+def test_the_plane_scan_finds_comparisons():
+    route = ('if self.plane == "group":\n    self.writer.close()\n'
+             'fd = recv() if self.transport == "shm" else None\n'
+             'ok = plane not in ("shm", "net")\n'
+             'x = "net" != way\n')
+    assert plane_name_comparisons(route) == [1, 3, 4, 5]
+    assert plane_name_comparisons('PLANES = {"shm": 1}\nway.writer.failed()\ntransport = "net"\n'
+                                  'if kind == "sends":\n    pass\n') == []
+
+
+def test_the_scan_knows_every_plane_the_registry_builds():
+    from faircast_ds.vllm.transfer.planes import NAMES
+
+    assert set(NAMES) == PLANE_NAMES
+
+
+def test_no_module_outside_the_plane_registry_tells_planes_apart_by_name():
+    """What a plane does is asked of its ends or its record (faircast_ds.vllm.transfer.planes), never of its name."""
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for name, path in modules().items()
+                 if not within(name, MAY_NAME_PLANES) for line in plane_name_comparisons(path.read_text())]
+    assert not offenders, "ask the plane (faircast_ds/vllm/transfer/planes.py), not its name:\n" + "\n".join(offenders)

@@ -82,6 +82,13 @@ _SMALL_WRITE = 1 << 16  # frames up to this size go out in one write
 _DRAIN_SECONDS = 0.5  # after a refusal, how long the peer's unread bytes are read (so it sees the reason)
 
 
+def free_port(host: str = DEFAULT_HOST) -> int:
+    """A port of ``host`` that nothing listens on now (for an engine on this host to listen on)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class WeightSyncError(RuntimeError):
     """A weight sync was refused or failed; the message says why."""
 

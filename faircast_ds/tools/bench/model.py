@@ -88,6 +88,11 @@ def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup:
                log, f"{config} ZeRO-{stage}")
 
 
+# the push plane whose result files and column labels carry no plane's name (they predate the planes; what a
+# plane does is the push worker's and ServedPush's business, never this module's)
+UNNAMED_PLANE = "tcp"
+
+
 def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: str, plane: str = "tcp") -> None:
     """One push launch. ``plane="netns"`` (or ``"group-netns"``): two hosts on this machine (network
     namespaces joined by a veth pair, :mod:`faircast_ds.tools.bench.hosts`): the ranks run on one, ``vllm
@@ -382,7 +387,7 @@ def run_push(model: str, *, layers: int, modes: tuple[str, ...], lr: float, out_
     started, out = time.perf_counter(), []
     runs = [(m, p) for m in modes for p in planes]
     for done, (mode, plane) in enumerate(runs):
-        stem = os.path.join(out_dir, f"push-{mode}" + ("" if plane == "tcp" else f"-{plane}"))
+        stem = os.path.join(out_dir, f"push-{mode}" + ("" if plane == UNNAMED_PLANE else f"-{plane}"))
         data = _read_push(stem, layers, lr)
         if data is None:
             log(_bar(done, len(runs), f"push into vllm serve: {mode} ({plane})", started))
@@ -420,8 +425,8 @@ def _verify_s(row: dict[str, Any]) -> float:
 
 def _label(data: dict[str, Any]) -> str:
     """A push result's column label: its mode, and its data plane unless the default (tcp)."""
-    plane = data.get("plane", "tcp")
-    return data["mode"] + ("" if plane == "tcp" else f"/{plane}")
+    plane = data.get("plane", UNNAMED_PLANE)
+    return data["mode"] + ("" if plane == UNNAMED_PLANE else f"/{plane}")
 
 
 def _deltas(pushes: list[dict[str, Any]]) -> list[dict[str, Any]]:

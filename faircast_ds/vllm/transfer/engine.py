@@ -46,6 +46,7 @@ from faircast_ds.export.source import ServedReport
 from faircast_ds.export.sync import WeightReceiver
 from faircast_ds.vllm import fused, inplace, kernels
 from faircast_ds.vllm.kernels import quiet_reload
+from faircast_ds.vllm.transfer import planes
 from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
 
 logger = logging.getLogger("faircast_ds.vllm")
@@ -90,7 +91,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.receiver: WeightReceiver | None = None
-        self.plane: Any = None  # the shm plane's SegmentHost
+        self.plane: Any = None  # the segment plane's host end (planes.py), None on the TCP route
         self._commit: Any = None  # the shm plane's committed write this session loads at finish
         self._check_mode: str | None = None  # what this session's update asked finish to check
         self._check_columns = SAMPLE_COLUMNS
@@ -121,31 +122,18 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         for name, shape, dtype in params:
             if dtype not in _DTYPES:
                 raise ValueError(f"faircast: {name} has dtype {dtype!r}; supported: {sorted(_DTYPES)}")
-        if init_info.plane not in ("tcp", "shm", "net", "group"):
-            raise ValueError(f"faircast init_info 'plane' is 'tcp', 'shm', 'net' or 'group', not {init_info.plane!r}")
+        try:
+            way = planes.plane(init_info.plane)
+        except ValueError:
+            raise ValueError(f"faircast init_info 'plane' is {planes.listed()}, not {init_info.plane!r}") from None
         if type(init_info.inplace) is not bool:
             raise ValueError(f"faircast init_info 'inplace' is true or false, not {init_info.inplace!r}")
         self.shutdown()
-        if init_info.plane in ("shm", "net", "group"):
+        if way.segment:
             from faircast_ds.export.served import ParamSpec
-            from faircast_ds.vllm.transfer.segment import SegmentHost
 
             specs = [ParamSpec(str(n), tuple(int(d) for d in shape), _DTYPES[dtype]) for n, shape, dtype in params]
-            if init_info.plane == "shm":
-                if not isinstance(init_info.socket, str) or not init_info.socket:
-                    raise ValueError("faircast init_info with plane 'shm' needs 'socket' (the local socket's name)")
-                self.plane = SegmentHost(specs, init_info.socket, timeout=float(init_info.timeout))
-            else:
-                if type(init_info.port) is not int or not 0 < init_info.port < 65536:
-                    raise ValueError(f"faircast init_info with plane {init_info.plane!r} needs the 'port' to listen "
-                                     f"on, got {init_info.port!r}")
-                group = None
-                if init_info.plane == "group":
-                    from faircast_ds.export.send_group import backend_for
-
-                    group = backend_for(self.device)
-                self.plane = SegmentHost(specs, address=(str(init_info.host), init_info.port),
-                                         timeout=float(init_info.timeout), group=group)
+            self.plane = way.open_host(specs, init_info, self.device)
             staging = self.plane.views()  # the staging copy is the segment itself
         else:
             staging = {str(n): torch.zeros([int(d) for d in shape], dtype=_DTYPES[dtype]) for n, shape, dtype in params}
@@ -162,8 +150,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                         self.receiver.port, len(staging))
         else:
             logger.info("faircast weight transfer: %s plane %s (%d parameters, %d bytes)", init_info.plane,
-                        f"@{init_info.socket}" if init_info.plane == "shm" else "on %s:%d" % self.plane.address,
-                        len(staging), self.plane.layout.nbytes)
+                        self.plane.where(), len(staging), self.plane.layout.nbytes)
 
     def start_weight_update(self) -> None:
         self._require()

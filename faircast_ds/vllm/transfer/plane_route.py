@@ -1,6 +1,7 @@
 """The data-plane routes of :class:`~faircast_ds.vllm.transfer.served_push.ServedPush`: every trainer rank
 puts its own served slices into the engine's staging segment (no gather to rank 0); rank 0 commits and
-drives vLLM's update. Two transports of the same plane (:mod:`faircast_ds.vllm.transfer.segment`):
+drives vLLM's update. Three transports of the same segment (:mod:`faircast_ds.vllm.transfer.segment`), each
+a pair of ends the registry builds by name (:mod:`faircast_ds.vllm.transfer.planes`):
 
 - ``plane="shm"`` (issue 32 item 2; the trainer and a ``vllm serve`` on one host): the segment is a
   memfd the ranks map and copy into; no MAC over the bulk bytes (the descriptor is the capability);
@@ -43,9 +44,8 @@ from faircast_ds.export.source import ServedReport, reader_of
 from faircast_ds.export.stages import Stages
 from faircast_ds.export.tracking import tracker_for
 from faircast_ds.vllm.kernels import EngineWeightsMismatch
+from faircast_ds.vllm.transfer import planes
 from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
-from faircast_ds.vllm.transfer.segment import SegmentWriter, socket_name
-from faircast_ds.vllm.transfer.trainer import free_port
 
 
 _STAGE = {"start_weight_update": "http.start", "update_weights": "http.update", "finish_weight_update": "http.finish",
@@ -53,8 +53,9 @@ _STAGE = {"start_weight_update": "http.start", "update_weights": "http.update", 
 
 
 class PlaneRoute:
-    """The trainer's end of the data plane, ``plane`` ``"shm"`` or ``"net"`` (``host``/``port``: where the
-    engine listens; see the module docstring); ``server`` a
+    """The trainer's end of the data plane, ``plane`` the name of one of the segment's planes
+    (:mod:`~faircast_ds.vllm.transfer.planes`; ``host``/``port``: where the engine listens, on the planes
+    that listen on an address; see the module docstring); ``server`` a
     :class:`~faircast_ds.vllm.transfer.server.VllmServer` on rank 0, None elsewhere. ``verify``: True (the
     loaded layers' kernels against the segment on sampled columns), ``"full"`` (every element) or
     False. ``delta``: after an acknowledged push, carry only the parameters whose bits changed, read
@@ -65,8 +66,7 @@ class PlaneRoute:
     def __init__(self, model: Any, server: Any, *, plane: str = "shm", host: str = DEFAULT_HOST, port: int = 0,
                  timeout: float = 120.0, verify: bool | str = True, delta: bool = True,
                  secret: str | bytes | None = None, inplace: bool = True, check_columns: int = SAMPLE_COLUMNS) -> None:
-        if plane not in ("shm", "net", "group"):
-            raise ValueError(f"PlaneRoute's plane is 'shm', 'net' or 'group', not {plane!r}")
+        way = planes.plane(plane, segment=True)
         if type(check_columns) is not int or check_columns < 0:
             raise ValueError(f"check_columns must be a non-negative integer, got {check_columns!r}")
         self.check_columns = check_columns
@@ -83,11 +83,9 @@ class PlaneRoute:
         except ValueError as exc:
             raise ValueError(f"the {plane} plane puts each rank's own served slices: {exc}") from None
         self.slices = [(index[s.name], s.start, s.values) for s in local]
-        # rank 0 names the session and the place: the local socket (shm), or the engine's port (net; 0: a
-        # free port of this host, for an engine on this host)
-        session, name, port = from_rank0(
-            (secrets.token_hex(16), socket_name() if plane == "shm" else None,
-             (port or free_port(host)) if plane != "shm" else 0) if self.rank == 0 else None)
+        # rank 0 names the session and the place: a local socket, or the engine's port (0: a free port of
+        # this host, for an engine on this host)
+        session, name, port = from_rank0((secrets.token_hex(16), *way.place(host, port)) if self.rank == 0 else None)
         error = None
         if self.rank == 0:
             try:
@@ -100,9 +98,8 @@ class PlaneRoute:
         error = from_rank0(error)
         if error is not None:
             raise WeightSyncError(f"the vLLM engine did not open the faircast {plane} plane: {error}")
-        self.writer = SegmentWriter(name, self.specs, self.slices, rank=self.rank, world=self.world, session=session,
-                                    timeout=self.timeout, secret=secret,
-                                    address=(host, port) if plane != "shm" else None, group=plane == "group")
+        self.writer = way.open_writer(name, host, port, self.specs, self.slices, rank=self.rank, world=self.world,
+                                      session=session, timeout=self.timeout, secret=secret)
         error = first_failure(self.writer.connect, WeightSyncError)
         if error is not None:
             self.writer.close()
@@ -182,8 +179,7 @@ class PlaneRoute:
                                           f"{error or 'its write was accepted'}") from None
         if error is not None:
             self.acknowledged = None  # the engine's segment may be dirty: the next push is dense
-            if self.plane == "group":  # every rank leaves the send group; the next push forms a new one
-                self.writer.close()
+            self.writer.failed()  # the group plane: every rank leaves the send group; the next push forms a new one
             if "kernels compute with other bits" in error:
                 raise EngineWeightsMismatch(f"weight update {version}: {error}", [])
             raise WeightSyncError(f"weight update {version} not applied by the vLLM engine: {error}")

@@ -33,6 +33,12 @@ rendezvous is handed to each rank in the answer to its hello, on its authenticat
 write, a ``sends`` message names the carried parameters, the engine posts a receive straight into the
 segment for each of the rank's declared slices of them (in declared order), and the rank sends them.
 The sends carry no MAC: the digest in the commit and the check after the load vouch for the content.
+
+**One class per plane on each end.** :class:`SegmentHost` and :class:`SegmentWriter` hold what every plane
+shares (the handshake, the hello, the ledger's begin / written / commit / same); :class:`ShmHost` /
+:class:`ShmWriter`, :class:`NetHost` / :class:`NetWriter` and :class:`GroupHost` / :class:`GroupWriter` say
+where the segment lives, how a rank reaches the engine and how its bytes cross. The push path picks them by
+the plane's name in one place, :mod:`faircast_ds.vllm.transfer.planes`.
 """
 from __future__ import annotations
 
@@ -92,78 +98,110 @@ def _limits(specs: Sequence[ParamSpec], chunks: bool = False) -> Limits:
 
 
 class SegmentHost:
-    """The engine's end: a staging segment for ``specs`` and the socket the trainer ranks write through —
-    the local socket ``name`` (one host: a memfd segment whose descriptor the ranks map), or the TCP
-    ``address`` ``(host, port)`` (any host: the segment is this process's memory and the ranks send
-    their slices over the network; port 0 picks one, :attr:`address` says which). ``group``: with an
-    address, the bytes come by sends in a process group of that backend (``"gloo"``, or ``"nccl"``
-    with the segment in CUDA memory) instead of authenticated frames. ``timeout`` bounds the commit's
-    wait for the ranks' reports."""
+    """The engine's end of a plane: a staging segment for ``specs`` and the socket the trainer ranks write
+    through; one subclass per plane (:class:`ShmHost`, :class:`NetHost`, :class:`GroupHost`), which says
+    where the segment lives, where the host listens and how a rank's bytes arrive. The handshake, the hello,
+    the ledger and the commit are this class's, the same on every plane.
+
+    ``name``: the local socket (one host: :class:`ShmHost`, a memfd segment whose descriptor the ranks map);
+    ``address``: the TCP ``(host, port)`` (any host: the segment is this process's memory and the ranks
+    send their slices over the network; port 0 picks one, :attr:`address` says which). ``group``: with an
+    address, the bytes come by sends in a process group of that backend (``"gloo"``, or ``"nccl"`` with
+    the segment in CUDA memory) instead of authenticated frames (:class:`GroupHost`).
+    ``SegmentHost(...)`` itself builds the subclass these arguments describe; the push path builds the
+    plane it names (:mod:`faircast_ds.vllm.transfer.planes`). ``timeout`` bounds the commit's wait for
+    the ranks' reports."""
+
+    transport = ""  # the plane's name, in stage names and log lines
+    chunks = False  # the ranks send bytes as authenticated frames (the channel's limits allow a chunk)
+    peer = "a trainer process"  # who connects, in a refusal
+    receives: dict[str, str] = {}  # the plane's own write messages -> the method that reads their bytes
+    listing = False  # a delta's changed elements are listed by the ranks (the ledger keeps the lists)
+
+    def __new__(cls, specs: Sequence[ParamSpec], name: str | None = None, *, address: tuple[str, int] | None = None,
+                group: str | None = None, **kw: Any) -> SegmentHost:
+        if cls is SegmentHost:
+            if (name is None) == (address is None):
+                raise ValueError("SegmentHost listens on a local socket name (one host) or a TCP address, not both")
+            cls = ShmHost if name is not None else GroupHost if group is not None else NetHost
+        return super().__new__(cls)
 
     def __init__(self, specs: Sequence[ParamSpec], name: str | None = None, *,
                  address: tuple[str, int] | None = None, timeout: float = 120.0,
                  secret: str | bytes | None = None, handshake_timeout: float = 10.0,
                  group: str | None = None) -> None:
-        if (name is None) == (address is None):
-            raise ValueError("SegmentHost listens on a local socket name (one host) or a TCP address, not both")
-        if group is not None and (address is None or group not in send_group.BACKENDS):
-            raise ValueError(f"SegmentHost's group is one of {send_group.BACKENDS}, with an address, not {group!r}")
+        self._check_place(name, address, group)
         self._key = _require_secret(secret)
         self.specs = list(specs)
         self.layout = Layout.of(self.specs)
         self.timeout, self.handshake_timeout = float(timeout), float(handshake_timeout)
-        self.transport = "shm" if name is not None else ("group" if group is not None else "net")
-        self.limits = _limits(self.specs, chunks=self.transport == "net")
+        self.limits = _limits(self.specs, chunks=self.chunks)
         self.name = name
-        if self.transport == "shm":
-            self.fd: int | None = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(self.fd, self.layout.nbytes)
-                self._map = mmap.mmap(self.fd, self.layout.nbytes, mmap.MAP_SHARED,
-                                      mmap.PROT_READ | mmap.PROT_WRITE)
-            except BaseException:
-                os.close(self.fd)
-                raise
-        elif group == "nccl":  # device memory the NCCL receives land in
-            self.fd, self._map = None, None
-        else:  # the engine's own memory: nobody else maps it
-            self.fd = None
-            self._map = mmap.mmap(-1, self.layout.nbytes)
+        self.fd: int | None = None
+        self._map: mmap.mmap | None = None
+        self._allocate(group)
         self.segment = (HostSegment(self._map, self.layout.nbytes) if self._map is not None else
                         TensorSegment(torch.empty(self.layout.nbytes, dtype=torch.uint8, device="cuda")))
         self.ledger = Ledger(self.layout, self.segment)
-        self.ledger.listing = self.transport == "net"  # the ranks' change lists pass through here
+        self.ledger.listing = self.listing  # the ranks' change lists pass through here
         self.refused = 0  # connections refused at the handshake or the hello
         self._closed = False
-        if self.transport == "shm":
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._sock.bind(_address(name))
-            self.address: tuple[str, int] | None = None
-        else:
-            host, port = address
-            try:
-                self._sock = socket.create_server((host, int(port)), backlog=64)
-            except OSError as exc:
-                self.segment.close()
-                if self._map is not None:
-                    self._map.close()
-                raise WeightSyncError(f"the faircast weight plane cannot listen on {host}:{port}: {exc}") from None
-            self.address = (host, self._sock.getsockname()[1])
+        self.address: tuple[str, int] | None = None
+        self._listen(name, address)
         self.rendezvous: send_group.Rendezvous | None = None
-        if group is not None:
-            try:
-                self.rendezvous = send_group.Rendezvous(address[0], group, self.timeout)
-            except Exception:
-                self._sock.close()
-                self.segment.close()
-                raise
         self._generation: dict[int, send_group.Generation] = {}  # rank -> the send group it joined
+        self._open_group(address, group)
         self._sock.listen(64)
         self._sock.settimeout(0.2)
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="faircast-ds shm host")
         self._thread.start()
+
+    # -- what a plane says (the defaults: an address, the engine's own memory) -------------------------
+    @classmethod
+    def backend(cls, device: torch.device | str) -> str | None:
+        """The collective library a host of this plane receives through, for a model on ``device``."""
+        return None
+
+    def _check_place(self, name: str | None, address: tuple[str, int] | None, group: str | None) -> None:
+        if name is not None or address is None:
+            raise ValueError(f"the {self.transport} plane's host listens on a TCP address, not a local socket name")
+        if group is not None:
+            raise ValueError(f"the {self.transport} plane's host receives no sends of a process group")
+
+    def _allocate(self, group: str | None) -> None:
+        """The segment's memory: here the engine's own (nobody else maps it)."""
+        self._map = mmap.mmap(-1, self.layout.nbytes)
+
+    def _listen(self, name: str | None, address: tuple[str, int] | None) -> None:
+        host, port = address
+        try:
+            self._sock = socket.create_server((host, int(port)), backlog=64)
+        except OSError as exc:
+            self.segment.close()
+            if self._map is not None:
+                self._map.close()
+            raise WeightSyncError(f"the faircast weight plane cannot listen on {host}:{port}: {exc}") from None
+        self.address = (host, self._sock.getsockname()[1])
+
+    def _open_group(self, address: tuple[str, int] | None, group: str | None) -> None:
+        """Where the plane's ranks meet besides their connections (the group plane's rendezvous)."""
+
+    def _welcome(self, rank: int, world: int, conn: socket.socket, reply: dict[str, Any]) -> Any:
+        """A rank the ledger accepted: what the plane adds to its hello's answer; returns what
+        :meth:`_farewell` needs when the rank leaves."""
+        return None
+
+    def _farewell(self, rank: int | None, generation: Any) -> None:
+        """A connection ended (its rank accepted or not)."""
+
+    def _began(self, conn: socket.socket) -> None:
+        """A rank's write was accepted: what the plane hands it on its authenticated connection."""
+
+    def where(self) -> str:
+        """Where the trainer ranks reach this host, for a log line."""
+        return "on %s:%d" % self.address
 
     def views(self) -> dict[str, torch.Tensor]:
         """Every parameter as a tensor over the segment (the engine's staging copy; no copy)."""
@@ -189,8 +227,7 @@ class SegmentHost:
         rank = session = generation = None
         ch: Channel | None = None
         try:
-            peer = "a local trainer process" if self.transport == "shm" else "a trainer process"
-            ch = serve_handshake(conn, self._key, timeout=self.timeout, peer=peer,
+            ch = serve_handshake(conn, self._key, timeout=self.timeout, peer=self.peer,
                                  limits=self.limits, handshake_timeout=self.handshake_timeout)
             hello = ch.recv_json(timeout=self.handshake_timeout)
             problem = self._check_hello(hello)
@@ -206,9 +243,7 @@ class SegmentHost:
                 return
             rank, session = hello["rank"], hello["session"]
             reply = {"ok": True, "nbytes": self.layout.nbytes, "offsets": list(self.layout.offsets)}
-            if self.rendezvous is not None:  # told on this authenticated connection only
-                generation, reply["group"] = self.rendezvous.join(rank, hello["world"], conn.getsockname()[0])
-                self._generation[rank] = generation
+            generation = self._welcome(rank, hello["world"], conn, reply)
             ch.send_json(reply)
             while not self._closed:
                 msg = ch.recv_json(timeout=IDLE)
@@ -223,8 +258,7 @@ class SegmentHost:
         finally:
             if rank is not None:
                 self.ledger.leave(rank, session)
-            if self.rendezvous is not None:
-                self.rendezvous.end(generation, f"trainer rank {rank} left")
+            self._farewell(rank, generation)
             if ch is not None:
                 ch.close()
             else:
@@ -249,11 +283,9 @@ class SegmentHost:
                 ch.send_json({"ok": False, "error": str(exc)})
                 return True
             ch.send_json({"ok": True})
-            if self.fd is not None:
-                socket.send_fds(conn, [b"F"], [self.fd])  # the capability, on this authenticated connection only
-        elif (kind == "sends" and self.transport == "group") or (kind in ("piece", "changes") and self.transport == "net"):
-            receive = {"sends": self._receive_sends, "piece": self._receive_piece, "changes": self._receive_changes}[kind]
-            problem = receive(ch, rank, msg)
+            self._began(conn)
+        elif kind in self.receives:
+            problem = getattr(self, self.receives[kind])(ch, rank, msg)
             if problem is not None:  # its bytes were not (all) read: the write cannot commit, the connection ends
                 self.ledger.fail(problem)
                 ch.close(reason=problem)
@@ -284,6 +316,73 @@ class SegmentHost:
             return False
         return True
 
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.join(timeout=2.0)
+        self._sock.close()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+        for conn in list(self._conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.segment.close()
+        gc.collect()
+        try:
+            if self._map is not None:
+                self._map.close()
+        except BufferError:  # staging views still referenced elsewhere: the mapping goes with them
+            pass
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+class ShmHost(SegmentHost):
+    """The shm plane's engine end (one host): the segment is a memfd, the host listens on the abstract local
+    socket ``name``, and each rank gets the segment's descriptor in answer to its ``begin``."""
+
+    transport = "shm"
+    peer = "a local trainer process"
+
+    def _check_place(self, name: str | None, address: tuple[str, int] | None, group: str | None) -> None:
+        if name is None or address is not None:
+            raise ValueError("the shm plane's host listens on a local socket name, not a TCP address")
+        if group is not None:
+            raise ValueError(f"SegmentHost's group is one of {send_group.BACKENDS}, with an address, not {group!r}")
+
+    def _allocate(self, group: str | None) -> None:
+        self.fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.layout.nbytes)
+            self._map = mmap.mmap(self.fd, self.layout.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _listen(self, name: str | None, address: tuple[str, int] | None) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(_address(name))
+
+    def _began(self, conn: socket.socket) -> None:
+        socket.send_fds(conn, [b"F"], [self.fd])  # the capability, on this authenticated connection only
+
+    def where(self) -> str:
+        return f"@{self.name}"
+
+
+class NetHost(SegmentHost):
+    """The net plane's engine end (any host): the host listens on a TCP address, the segment is the engine's
+    own memory, and each rank's slices arrive as ``piece`` (or, in a delta, ``changes``) messages followed by
+    their bytes in authenticated chunks, read straight into the segment."""
+
+    transport = "net"
+    chunks = True
+    listing = True
+    receives = {"piece": "_receive_piece", "changes": "_receive_changes"}
+
     def _declared(self, rank: int, msg: dict[str, Any]) -> tuple[tuple[int, int, int] | None, str | None]:
         """The slice a ``piece`` / ``changes`` message names, if it is one of ``rank``'s declared slices
         and a write is open; else why not."""
@@ -307,41 +406,6 @@ class SegmentHost:
         _recv_chunked(ch, memoryview(self.segment.bytes_at(offset, nbytes).numpy()))
         self.ledger.list_changes(entry[0], None)  # a delta's slice sent whole: its elements are not listed
         return None
-
-    def _receive_sends(self, ch: Channel, rank: int, msg: dict[str, Any]) -> str | None:
-        """The group plane: ``rank``'s declared slices of the parameters ``msg`` names, received in declared
-        order through the send group straight into the segment. Returns why not (the segment is then
-        dirty), or None."""
-        params = msg.get("params")
-        with self.ledger.cond:
-            state, writing = self.ledger.ranks.get(rank), self.ledger.writing
-        if state is None or writing is None or state.report is not None:
-            return f"rank {rank} announced sends outside an open write"
-        if not isinstance(params, list) or not all(type(i) is int and 0 <= i < len(self.specs) for i in params):
-            return f"rank {rank} announced sends of malformed parameters {str(params)[:80]}"
-        try:
-            group = self.rendezvous.ready(self._generation_of(rank))
-        except PlaneError as exc:
-            ch.send_json({"ok": False, "error": str(exc)})
-            return str(exc)
-        ch.send_json({"ok": True})
-        wanted = set(params)
-        for index, start, numel in state.slices:
-            if index not in wanted:
-                continue
-            offset, nbytes = self.layout.span(index, start, numel)
-            try:
-                send_group.recv(group, self.segment.bytes_at(offset, nbytes), rank, self.timeout)
-            except Exception as exc:  # noqa: BLE001 - the library's error, named; the segment is dirty
-                return (f"receiving rank {rank}'s slice of {self.specs[index].name} through the send group failed: "
-                        f"{type(exc).__name__}: {str(exc)[:300]}")
-        return None
-
-    def _generation_of(self, rank: int) -> send_group.Generation:
-        gen = self._generation.get(rank)
-        if gen is None:
-            raise PlaneError(f"rank {rank} joined no send group")
-        return gen
 
     def _receive_changes(self, ch: Channel, rank: int, msg: dict[str, Any]) -> str | None:
         """The net plane, a delta: the changed elements of one of ``rank``'s declared slices (their sorted
@@ -378,47 +442,114 @@ class SegmentHost:
         self.ledger.list_changes(index, first.to(torch.int64) + start)
         return None
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._thread.join(timeout=2.0)
-        self._sock.close()
-        if self.rendezvous is not None:
-            self.rendezvous.close()
-        for conn in list(self._conns):
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self.segment.close()
-        gc.collect()
+
+
+class GroupHost(SegmentHost):
+    """The group plane's engine end (any host, a network you trust): the net plane's address and control
+    messages, the bytes by point-to-point sends in a process group of the ranks and the engine (``group``:
+    ``"gloo"``, or ``"nccl"`` with the segment in CUDA memory), whose rendezvous each rank is told in the
+    answer to its hello."""
+
+    transport = "group"
+    receives = {"sends": "_receive_sends"}
+
+    @classmethod
+    def backend(cls, device: torch.device | str) -> str | None:
+        return send_group.backend_for(device)
+
+    def _check_place(self, name: str | None, address: tuple[str, int] | None, group: str | None) -> None:
+        if group is None or address is None or name is not None or group not in send_group.BACKENDS:
+            raise ValueError(f"SegmentHost's group is one of {send_group.BACKENDS}, with an address, not {group!r}")
+
+    def _allocate(self, group: str | None) -> None:
+        if group != "nccl":
+            super()._allocate(group)
+        # NCCL: device memory the receives land in (the segment is a tensor)
+
+    def _open_group(self, address: tuple[str, int] | None, group: str | None) -> None:
         try:
-            if self._map is not None:
-                self._map.close()
-        except BufferError:  # staging views still referenced elsewhere: the mapping goes with them
-            pass
-        if self.fd is not None:
-            os.close(self.fd)
+            self.rendezvous = send_group.Rendezvous(address[0], group, self.timeout)
+        except Exception:
+            self._sock.close()
+            self.segment.close()
+            raise
+
+    def _welcome(self, rank: int, world: int, conn: socket.socket, reply: dict[str, Any]) -> Any:
+        # told on this authenticated connection only
+        generation, reply["group"] = self.rendezvous.join(rank, world, conn.getsockname()[0])
+        self._generation[rank] = generation
+        return generation
+
+    def _farewell(self, rank: int | None, generation: Any) -> None:
+        self.rendezvous.end(generation, f"trainer rank {rank} left")
+
+    def _receive_sends(self, ch: Channel, rank: int, msg: dict[str, Any]) -> str | None:
+        """The group plane: ``rank``'s declared slices of the parameters ``msg`` names, received in declared
+        order through the send group straight into the segment. Returns why not (the segment is then
+        dirty), or None."""
+        params = msg.get("params")
+        with self.ledger.cond:
+            state, writing = self.ledger.ranks.get(rank), self.ledger.writing
+        if state is None or writing is None or state.report is not None:
+            return f"rank {rank} announced sends outside an open write"
+        if not isinstance(params, list) or not all(type(i) is int and 0 <= i < len(self.specs) for i in params):
+            return f"rank {rank} announced sends of malformed parameters {str(params)[:80]}"
+        try:
+            group = self.rendezvous.ready(self._generation_of(rank))
+        except PlaneError as exc:
+            ch.send_json({"ok": False, "error": str(exc)})
+            return str(exc)
+        ch.send_json({"ok": True})
+        wanted = set(params)
+        for index, start, numel in state.slices:
+            if index not in wanted:
+                continue
+            offset, nbytes = self.layout.span(index, start, numel)
+            try:
+                send_group.recv(group, self.segment.bytes_at(offset, nbytes), rank, self.timeout)
+            except Exception as exc:  # noqa: BLE001 - the library's error, named; the segment is dirty
+                return (f"receiving rank {rank}'s slice of {self.specs[index].name} through the send group failed: "
+                        f"{type(exc).__name__}: {str(exc)[:300]}")
+        return None
+
+    def _generation_of(self, rank: int) -> send_group.Generation:
+        gen = self._generation.get(rank)
+        if gen is None:
+            raise PlaneError(f"rank {rank} joined no send group")
+        return gen
 
 
 class SegmentWriter:
-    """One trainer rank's end. ``slices``: this rank's ``(param index, start, values)`` (values a 1-D
-    view of its served shard), the same every update. ``name``: the engine's local socket (one host:
-    the rank maps the segment and copies its slices in); ``address``: the engine's TCP ``(host, port)``
-    (any host: the rank sends its slices as authenticated frames, or, ``group=True``, by sends in the
-    process group the engine describes when the rank joins)."""
+    """One trainer rank's end of a plane; one subclass per plane (:class:`ShmWriter`, :class:`NetWriter`,
+    :class:`GroupWriter`), which says how the rank reaches the engine and how its bytes cross. The handshake,
+    the hello, the reports and the commit are this class's, the same on every plane.
+
+    ``slices``: this rank's ``(param index, start, values)`` (values a 1-D view of its served shard), the
+    same every update. ``name``: the engine's local socket (one host: the rank maps the segment and copies
+    its slices in); ``address``: the engine's TCP ``(host, port)`` (any host: the rank sends its slices as
+    authenticated frames, or, ``group=True``, by sends in the process group the engine describes when the
+    rank joins). ``SegmentWriter(...)`` itself builds the subclass these arguments describe; the push path
+    builds the plane it names (:mod:`faircast_ds.vllm.transfer.planes`)."""
+
+    transport = ""  # the plane's name, in stage names
+    chunks = False  # the rank sends bytes as authenticated frames (the channel's limits allow a chunk)
+    sparse = False  # a delta may carry each slice's changed elements only
+
+    def __new__(cls, name: str | None, specs: Sequence[ParamSpec], slices: Sequence[tuple[int, int, torch.Tensor]],
+                *, address: tuple[str, int] | None = None, group: bool = False, **kw: Any) -> SegmentWriter:
+        if cls is SegmentWriter:
+            if (name is None) == (address is None):
+                raise ValueError("SegmentWriter writes through a local socket name (one host) or a TCP address, "
+                                 "not both")
+            cls = ShmWriter if address is None else GroupWriter if group else NetWriter
+        return super().__new__(cls)
 
     def __init__(self, name: str | None, specs: Sequence[ParamSpec], slices: Sequence[tuple[int, int, torch.Tensor]], *,
                  rank: int, world: int, session: str, timeout: float = 120.0,
                  secret: str | bytes | None = None, address: tuple[str, int] | None = None,
                  group: bool = False) -> None:
-        if (name is None) == (address is None):
-            raise ValueError("SegmentWriter writes through a local socket name (one host) or a TCP address, not both")
-        if group and address is None:
-            raise ValueError("SegmentWriter's send group needs the engine's address")
+        self._check_place(name, address, group)
         self.address = address
-        self.transport = "shm" if address is None else ("group" if group else "net")
         self.group: Any = None  # the group plane: this rank's end of the send group
         self.backend: str | None = None
         self.name, self.specs, self.slices = name, list(specs), list(slices)
@@ -433,27 +564,46 @@ class SegmentWriter:
     def connected(self) -> bool:
         return self.channel is not None and not self.channel.closed
 
+    # -- what a plane says (the defaults: the engine's TCP address) --------------------------------------
+    def _check_place(self, name: str | None, address: tuple[str, int] | None, group: bool) -> None:
+        if name is not None or address is None:
+            raise ValueError(f"the {self.transport} plane's rank writes to the engine's TCP address, not a local "
+                             "socket name")
+
+    def _open(self) -> tuple[socket.socket, str]:
+        """A connection to the engine's plane, and where it is (for messages)."""
+        host, port = self.address
+        where = f"{host}:{port}"
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=self.timeout)
+        except OSError as exc:
+            raise WeightSyncError(f"no faircast weight plane at {where}: {exc}") from None
+        return sock, where
+
+    def _joined(self, reply: dict[str, Any]) -> None:
+        """The engine accepted this rank's hello (``reply``): what the plane sets up before the first write."""
+
+    def _begun(self) -> int | None:
+        """The engine accepted a write: what it hands over on the connection (the shm plane's descriptor)."""
+        return None
+
+    def _move(self, ch: Channel, positions: list[int], pieces: list[tuple[int, int, torch.Tensor]], params: set[int],
+              stages: Stages, pause: Any, handed: int | None,
+              sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
+        """This rank's slices at ``positions`` of :attr:`slices` (``pieces``; ``params`` their parameters)
+        into the engine's segment; returns the bytes that crossed."""
+        raise NotImplementedError
+
+    def failed(self) -> None:
+        """A push failed on some rank: what this rank's end does before the next one."""
+
+    # -- every plane -----------------------------------------------------------------------------------
     def connect(self) -> None:
         key = _require_secret(self._secret)
-        if self.address is None:
-            where = f"@{self.name}"
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout)
-            try:
-                sock.connect(_address(self.name))
-            except OSError as exc:
-                sock.close()
-                raise WeightSyncError(f"no faircast shared-memory plane at {where}: {exc}") from None
-        else:
-            host, port = self.address
-            where = f"{host}:{port}"
-            try:
-                sock = socket.create_connection((host, int(port)), timeout=self.timeout)
-            except OSError as exc:
-                raise WeightSyncError(f"no faircast weight plane at {where}: {exc}") from None
+        sock, where = self._open()
         self._sock = sock
         self.channel = client_handshake(sock, key, timeout=self.timeout, peer=f"the engine's plane at {where}",
-                                        limits=_limits(self.specs, chunks=self.transport == "net"))
+                                        limits=_limits(self.specs, chunks=self.chunks))
         self.channel.send_json({"type": "hello", "protocol": PROTOCOL, "session": self.session, "rank": self.rank,
                                 "world": self.world, "params": _spec_list(self.specs),
                                 "slices": [[i, s, v.numel()] for i, s, v in self.slices]})
@@ -464,14 +614,7 @@ class SegmentWriter:
         if reply.get("nbytes") != self.layout.nbytes or reply.get("offsets") != list(self.layout.offsets):
             self.close()
             raise WeightSyncError("the engine lays the staging segment out differently from this trainer")
-        if self.transport == "group":  # blocks until every rank and the engine joined
-            info = reply.get("group")
-            try:
-                self.group = send_group.build(info, self.rank, self._sock.getsockname()[0])
-            except PlaneError as exc:
-                self.close()
-                raise WeightSyncError(f"rank {self.rank}: {exc}") from None
-            self.backend = info["backend"]
+        self._joined(reply)
 
     def write(self, version: int, kind: str, base: int | None, params: set[int], stages: Stages,
               pause: Any = None, *, changes: Sequence[int] | None = None,
@@ -492,21 +635,16 @@ class SegmentWriter:
             raise ValueError("changes= (one count per slice) and indices= go together")
         positions = [k for k, (i, _, _) in enumerate(self.slices) if i in params]
         pieces = [self.slices[k] for k in positions]
-        sparse = changes is not None and kind == "delta" and self.transport == "net"
+        sparse = changes is not None and kind == "delta" and self.sparse
         with stages(f"{self.transport}.begin"):
             ch.send_json({"type": "begin", "version": int(version), "kind": kind, "base": base})
             reply = ch.recv_json()
             if reply.get("ok") is not True:
                 raise PlaneError(f"the engine refused the write of version {version}: {reply.get('error')}")
-            fd = self._receive_segment() if self.transport == "shm" else None
+            handed = self._begun()
         try:
-            if fd is not None:
-                written = self._copy_into_segment(fd, pieces, stages, pause)
-            elif self.transport == "group":
-                written = self._send_group(ch, pieces, params, stages, pause)
-            else:
-                written = self._send_pieces(ch, positions, stages, pause,
-                                            (changes, indices) if sparse else None)
+            written = self._move(ch, positions, pieces, params, stages, pause, handed,
+                                 (changes, indices) if sparse else None)
             with stages(f"{self.transport}.digest"):
                 digest = write_digest(pieces)
         except BaseException as exc:
@@ -520,6 +658,66 @@ class SegmentWriter:
         ch.send_json({"type": "written", "version": int(version), "params": sorted(params), "bytes": covered,
                       "sent": written, "digest": digest})
         return written
+
+    def commit(self, version: int, params: set[int] | None, stages: Stages) -> dict[str, Any]:
+        """Rank 0: commit ``version`` (``params``: a delta's carried parameters; None: dense)."""
+        with stages(f"{self.transport}.commit"):
+            self.channel.send_json({"type": "commit", "version": int(version), "world": self.world,
+                                    "params": None if params is None else sorted(params)})
+            reply = self.channel.recv_json(timeout=self.timeout + 30.0)
+        if reply.get("ok") is not True:
+            raise PlaneError(f"the engine did not commit version {version}: {reply.get('error')}")
+        stages.merge({f"engine.{k}": v for k, v in (reply.get("stages") or {}).items()})
+        return reply
+
+    def same(self, version: int, base: int) -> None:
+        self.channel.send_json({"type": "same", "version": int(version), "base": int(base)})
+        reply = self.channel.recv_json()
+        if reply.get("ok") is not True:
+            raise PlaneError(f"the engine refused the no-change update {version}: {reply.get('error')}")
+
+    def close(self) -> None:
+        if self.channel is not None and not self.channel.closed:
+            try:
+                self.channel.send_json({"type": "bye"})
+            except WeightSyncError:
+                pass
+            self.channel.close()
+        self.channel = None
+        self._sock = None
+        self.group = None  # this rank's end of the send group goes with its connection
+
+
+class ShmWriter(SegmentWriter):
+    """The shm plane's rank end (one host): it connects to the engine's abstract local socket, receives the
+    segment's descriptor in answer to each ``begin``, maps it and copies its slices to their offsets."""
+
+    transport = "shm"
+
+    def _check_place(self, name: str | None, address: tuple[str, int] | None, group: bool) -> None:
+        if name is None or address is not None:
+            raise ValueError("the shm plane's rank writes through the engine's local socket name, not an address")
+        if group:
+            raise ValueError("SegmentWriter's send group needs the engine's address")
+
+    def _open(self) -> tuple[socket.socket, str]:
+        where = f"@{self.name}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(_address(self.name))
+        except OSError as exc:
+            sock.close()
+            raise WeightSyncError(f"no faircast shared-memory plane at {where}: {exc}") from None
+        return sock, where
+
+    def _begun(self) -> int | None:
+        return self._receive_segment()
+
+    def _move(self, ch: Channel, positions: list[int], pieces: list[tuple[int, int, torch.Tensor]], params: set[int],
+              stages: Stages, pause: Any, handed: int | None,
+              sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
+        return self._copy_into_segment(handed, pieces, stages, pause)
 
     def _receive_segment(self) -> int:
         """The shm plane: the segment's descriptor, sent on this authenticated connection after ``begin``."""
@@ -566,6 +764,21 @@ class SegmentWriter:
                 mapped.close()
         return written
 
+
+class NetWriter(SegmentWriter):
+    """The net plane's rank end (any host): its slices cross its own authenticated TCP connection to the
+    engine's address, in chunks the engine reads straight into the segment; a delta may carry each slice's
+    changed elements only."""
+
+    transport = "net"
+    chunks = True
+    sparse = True
+
+    def _move(self, ch: Channel, positions: list[int], pieces: list[tuple[int, int, torch.Tensor]], params: set[int],
+              stages: Stages, pause: Any, handed: int | None,
+              sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
+        return self._send_pieces(ch, positions, stages, pause, sparse)
+
     def _send_pieces(self, ch: Channel, positions: list[int], stages: Stages, pause: Any,
                      sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
         """The net plane: each slice as ``piece`` + its bytes in authenticated chunks, or (a delta with
@@ -601,6 +814,31 @@ class SegmentWriter:
                 pause(k)
         return written
 
+
+class GroupWriter(SegmentWriter):
+    """The group plane's rank end (any host, a network you trust): the net plane's connection for the control
+    messages; its slices by point-to-point sends in the process group the engine describes when the rank
+    joins. After a failed push the rank leaves the group, and the next push forms a new one."""
+
+    transport = "group"
+
+    def _joined(self, reply: dict[str, Any]) -> None:  # blocks until every rank and the engine joined
+        info = reply.get("group")
+        try:
+            self.group = send_group.build(info, self.rank, self._sock.getsockname()[0])
+        except PlaneError as exc:
+            self.close()
+            raise WeightSyncError(f"rank {self.rank}: {exc}") from None
+        self.backend = info["backend"]
+
+    def _move(self, ch: Channel, positions: list[int], pieces: list[tuple[int, int, torch.Tensor]], params: set[int],
+              stages: Stages, pause: Any, handed: int | None,
+              sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
+        return self._send_group(ch, pieces, params, stages, pause)
+
+    def failed(self) -> None:
+        self.close()
+
     def _send_group(self, ch: Channel, pieces: list[tuple[int, int, torch.Tensor]], params: set[int], stages: Stages,
                     pause: Any) -> int:
         """The group plane: name the carried parameters, then send each piece (in declared order, as the
@@ -631,34 +869,6 @@ class SegmentWriter:
                 if pause is not None:
                     pause(k)
         return written
-
-    def commit(self, version: int, params: set[int] | None, stages: Stages) -> dict[str, Any]:
-        """Rank 0: commit ``version`` (``params``: a delta's carried parameters; None: dense)."""
-        with stages(f"{self.transport}.commit"):
-            self.channel.send_json({"type": "commit", "version": int(version), "world": self.world,
-                                    "params": None if params is None else sorted(params)})
-            reply = self.channel.recv_json(timeout=self.timeout + 30.0)
-        if reply.get("ok") is not True:
-            raise PlaneError(f"the engine did not commit version {version}: {reply.get('error')}")
-        stages.merge({f"engine.{k}": v for k, v in (reply.get("stages") or {}).items()})
-        return reply
-
-    def same(self, version: int, base: int) -> None:
-        self.channel.send_json({"type": "same", "version": int(version), "base": int(base)})
-        reply = self.channel.recv_json()
-        if reply.get("ok") is not True:
-            raise PlaneError(f"the engine refused the no-change update {version}: {reply.get('error')}")
-
-    def close(self) -> None:
-        if self.channel is not None and not self.channel.closed:
-            try:
-                self.channel.send_json({"type": "bye"})
-            except WeightSyncError:
-                pass
-            self.channel.close()
-        self.channel = None
-        self._sock = None
-        self.group = None  # this rank's end of the send group goes with its connection
 
 
 def find_segments(name: str = MEMFD_NAME) -> list[str]:

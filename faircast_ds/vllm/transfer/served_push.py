@@ -30,10 +30,11 @@ from typing import Any
 from faircast_ds._util.dist import rank_world
 from faircast_ds.export.channel import DEFAULT_HOST
 from faircast_ds.export.source import ServedReport
+from faircast_ds.vllm.transfer import planes
 from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
 from faircast_ds.vllm.transfer.server import VllmServer
 
-PLANES = ("tcp", "shm", "net", "group")
+PLANES = planes.NAMES
 
 
 class ServedPush:
@@ -52,20 +53,21 @@ class ServedPush:
     def __init__(self, model: Any, server: VllmServer | str | None, *, plane: str = "tcp", verify: bool | str = True,
                  delta: bool = True, timeout: float = 120.0, port: int = 0, host: str = DEFAULT_HOST,
                  check_columns: int = SAMPLE_COLUMNS, secret: str | bytes | None = None, inplace: bool = True) -> None:
-        if plane not in PLANES:
+        if not isinstance(plane, str) or plane not in planes.PLANES:
             raise ValueError(f"plane must be one of {PLANES}, not {plane!r}")
+        way = planes.PLANES[plane]
         _check_verify(verify)
         if type(inplace) is not bool:
             raise ValueError(f"inplace must be True or False, got {inplace!r}")
         given = {k for k, v, default in (("port", port, 0), ("host", host, DEFAULT_HOST),
                                          ("check_columns", check_columns, SAMPLE_COLUMNS)) if v != default}
-        networked = {"port", "host", "check_columns"}
-        foreign = sorted(given - {"shm": {"check_columns"}, "net": networked, "group": networked, "tcp": given}[plane])
+        foreign = sorted(given - way.options)
         if foreign:
             raise ValueError(f"{', '.join(foreign)}: not an option of plane {plane!r}")
-        if plane == "tcp" and secret is not None:
-            raise ValueError("secret: an option of planes 'shm', 'net' and 'group' (the channel reads "
-                             "FAIRCAST_DS_SYNC_SECRET)")
+        if not way.takes_secret and secret is not None:
+            takers = [n for n, p in planes.PLANES.items() if p.takes_secret]
+            raise ValueError(f"secret: an option of planes {', '.join(map(repr, takers[:-1]))} and {takers[-1]!r} "
+                             "(the channel reads FAIRCAST_DS_SYNC_SECRET)")
         rank, _ = rank_world()
         if rank == 0 and server is None:
             raise ValueError("ServedPush needs the server (or its URL) on rank 0")
@@ -74,7 +76,7 @@ class ServedPush:
         elif not isinstance(server, VllmServer):
             server = VllmServer(url=server)
         self.model, self.plane = model, plane
-        if plane in ("shm", "net", "group"):
+        if way.segment:
             from faircast_ds.vllm.transfer.plane_route import PlaneRoute
 
             self.route: Any = PlaneRoute(model, server, plane=plane, host=host, port=port, timeout=timeout,

@@ -20,8 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from faircast_ds.export.channel import DEFAULT_HOST
-from faircast_ds.vllm.transfer.trainer import free_port
+from faircast_ds.export.channel import DEFAULT_HOST, free_port
 
 # what a launcher sets and vLLM would read as its own world (see faircast_ds.vllm.colocated.inference)
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",

@@ -22,7 +22,6 @@ session, so the next round reconnects and is dense.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -33,17 +32,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from faircast_ds._util.dist import from_rank0, rank_world
-from faircast_ds.export.channel import DEFAULT_HOST, WeightSyncError
+from faircast_ds.export.channel import DEFAULT_HOST, WeightSyncError, free_port  # noqa: F401 - free_port: its old home
 from faircast_ds.export.stages import Stages
 from faircast_ds.export.source import ServedReport
 from faircast_ds.export.sync import WeightSender, spec_list
 from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
-
-
-def free_port(host: str = DEFAULT_HOST) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -1,0 +1,105 @@
+"""The planes of a push into ``vllm serve``, by name: the one place where a plane's name is read.
+
+A plane is how the served bits cross from the trainer ranks into the engine's staging segment
+(:mod:`faircast_ds.vllm.transfer.segment`); each has one class on each end:
+
+==========  =====================  ===================  ==============================================
+name        trainer rank's end     engine's end         where it serves
+==========  =====================  ===================  ==============================================
+``shm``     :class:`ShmWriter`     :class:`ShmHost`     the trainer and the server on one host (memfd)
+``net``     :class:`NetWriter`     :class:`NetHost`     any host (each rank's authenticated connection)
+``group``   :class:`GroupWriter`   :class:`GroupHost`   any host, a network you trust (gloo / NCCL sends)
+==========  =====================  ===================  ==============================================
+
+``tcp`` is not a plane of the segment but the older route (rank 0's authenticated channel,
+:mod:`faircast_ds.vllm.transfer.tcp_route`); it is named here so that :class:`ServedPush` and the engine
+ask this registry, not the string, what a name means. Everything else asks a :class:`Plane` (or an end)
+what it needs: never compare a plane's name (the layout test counts such comparisons outside this
+module).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from faircast_ds.export.channel import free_port
+from faircast_ds.export.served import ParamSpec
+from faircast_ds.vllm.transfer.segment import (GroupHost, GroupWriter, NetHost, NetWriter, SegmentHost, SegmentWriter,
+                                               ShmHost, ShmWriter, socket_name)
+
+_NETWORKED = frozenset({"port", "host", "check_columns"})
+
+
+@dataclass(frozen=True)
+class Plane:
+    """One way in: its ``name``, its two ends (None for the TCP route, which has no segment), whether the
+    trainer and the engine must share a host (``local``: a local socket, not an address), the
+    :class:`ServedPush` options it takes besides the common ones, and whether it reads the channel's
+    ``secret`` from ServedPush (the TCP route reads ``FAIRCAST_DS_SYNC_SECRET`` itself)."""
+
+    name: str
+    writer: type[SegmentWriter] | None
+    host: type[SegmentHost] | None
+    local: bool
+    options: frozenset[str]
+    takes_secret: bool
+    where: str  # one line: where it serves
+
+    @property
+    def segment(self) -> bool:
+        """Whether the ranks write the engine's staging segment (the data-plane route), or rank 0 sends
+        through the TCP route."""
+        return self.writer is not None
+
+    def place(self, host: str, port: int) -> tuple[str | None, int]:
+        """Rank 0: where the engine's end listens — a fresh local socket name (``local``), or ``port`` of
+        ``host`` (0: a free port of this host, for an engine on this host)."""
+        return (socket_name(), 0) if self.local else (None, port or free_port(host))
+
+    def open_writer(self, name: str | None, host: str, port: int, specs: Sequence[ParamSpec],
+                    slices: Sequence[Any], **kw: Any) -> SegmentWriter:
+        """A trainer rank's end, to the place :meth:`place` chose (``name``, or ``host:port``)."""
+        if self.local:
+            return self.writer(name, specs, slices, **kw)
+        return self.writer(None, specs, slices, address=(host, port), **kw)
+
+    def open_host(self, specs: Sequence[ParamSpec], info: Any, device: Any) -> SegmentHost:
+        """The engine's end for the trainer's ``init_info`` (``socket``; or ``host``, ``port``), the model
+        on ``device``. ValueError where ``info`` does not say where."""
+        if self.local:
+            if not isinstance(info.socket, str) or not info.socket:
+                raise ValueError(f"faircast init_info with plane {self.name!r} needs 'socket' (the local socket's name)")
+            return self.host(specs, info.socket, timeout=float(info.timeout))
+        if type(info.port) is not int or not 0 < info.port < 65536:
+            raise ValueError(f"faircast init_info with plane {self.name!r} needs the 'port' to listen on, "
+                             f"got {info.port!r}")
+        return self.host(specs, address=(str(info.host), info.port), timeout=float(info.timeout),
+                         group=self.host.backend(device))
+
+
+TCP = Plane("tcp", None, None, local=False, options=_NETWORKED, takes_secret=False,
+            where="any host: rank 0 sends every served weight over the backend's authenticated channel")
+SHM = Plane("shm", ShmWriter, ShmHost, local=True, options=frozenset({"check_columns"}), takes_secret=True,
+            where="the trainer and the server on one host: every rank copies its slices into a shared segment")
+NET = Plane("net", NetWriter, NetHost, local=False, options=_NETWORKED, takes_secret=True,
+            where="any host: every rank sends its slices on its own authenticated connection")
+GROUP = Plane("group", GroupWriter, GroupHost, local=False, options=_NETWORKED, takes_secret=True,
+              where="any host, a network you trust: every rank's slices by sends in a process group")
+
+PLANES: dict[str, Plane] = {p.name: p for p in (TCP, SHM, NET, GROUP)}
+NAMES = tuple(PLANES)
+
+
+def listed(names: Sequence[str] = NAMES) -> str:
+    """``'a', 'b' or 'c'``: names for a message."""
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def plane(name: Any, *, segment: bool = False) -> Plane:
+    """The plane named ``name`` (``segment``: only a plane of the staging segment); ValueError otherwise."""
+    found = PLANES.get(name) if isinstance(name, str) else None
+    if found is None or (segment and not found.segment):
+        names = [n for n, p in PLANES.items() if p.segment or not segment]
+        raise ValueError(f"the plane is {listed(names)}, not {name!r}")
+    return found
