@@ -16,7 +16,7 @@ import deepspeed
 import deepspeed.comm as dist
 import torch
 
-from faircast_ds.jobs.staleness import build_model
+from faircast_jobs.staleness import build_model
 
 CONFIGS = {
     "deepspeed (no fair_cast)": None,

@@ -2,13 +2,13 @@
 
     python benchmarks/gpu_grpo.py --model-dir DIR [--minutes 8] [--steps 100] [--modes nearest,dither] [--out DIR]
 
-What the real-model job (faircast_ds/jobs/grpo.py with --model smollm2-135m-instruct --task addition, docs/pretrained.md)
+What the real-model job (faircast_jobs/grpo.py with --model smollm2-135m-instruct --task addition, docs/pretrained.md)
 does per step, without DeepSpeed and without vLLM, so that it runs where only torch, transformers, safetensors
 and Triton are installed:
 
 - the task: one-digit additions through the chat template, reward 1 when the answer's last integer is right
-  (faircast_ds/jobs/addition.py), 16 rollouts a step (4 prompts x 4 completions, the GRPO group), 16 tokens
-  sampled at temperature 1 by inverse CDF from the task's uniforms (faircast_ds/jobs/grpo.py's HF ``rollout``:
+  (faircast_jobs/addition.py), 16 rollouts a step (4 prompts x 4 completions, the GRPO group), 16 tokens
+  sampled at temperature 1 by inverse CDF from the task's uniforms (faircast_jobs/grpo.py's HF ``rollout``:
   every mode of one seed sees the same prompts and the same sampling noise);
 - the *served* copy: a bf16 model whose weights are written after every optimizer step by the public
   ``faircast_ds.cast_into`` (the Triton kernel on CUDA, the fused C++ one on CPU) from fp32 masters, keyed
@@ -59,10 +59,10 @@ sys.path.insert(0, str(ROOT))
 
 import faircast_ds  # noqa: E402
 from faircast_ds.casting.modes import MODES  # noqa: E402
-from faircast_ds.jobs.addition import AdditionTask  # noqa: E402
-from faircast_ds.jobs.config import GEMM_NOTES, GEMMS  # noqa: E402
-from faircast_ds.jobs.grpo import rollout  # noqa: E402  (module level: torch and the pure jobs/ modules only)
-from faircast_ds.jobs.tasks import group_advantages  # noqa: E402
+from faircast_jobs.addition import AdditionTask  # noqa: E402
+from faircast_jobs.config import GEMM_NOTES, GEMMS  # noqa: E402
+from faircast_jobs.grpo import rollout  # noqa: E402  (module level: torch and the pure jobs/ modules only)
+from faircast_jobs.tasks import group_advantages  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 REFERENCE = "fp32"  # served = master, no cast
@@ -207,7 +207,7 @@ def sync() -> None:
 
 def train_step(trainer: Trainer, task: AdditionTask, rollouts: int, step: int, device: str,
                even_tokens: bool = False, temperature: float = 1.0) -> dict:
-    """The job's train_step (faircast_ds/jobs/grpo.py) on one device: rollouts from the served copy, rewards,
+    """The job's train_step (faircast_jobs/grpo.py) on one device: rollouts from the served copy, rewards,
     the masked GRPO loss on the served copy, AdamW on the masters, the cast. ``even_tokens`` (dry runs only):
     reward the share of even token ids instead of the answer, so that a truncated model, which never answers
     right (every advantage 0, no update), still moves its weights."""

@@ -11,7 +11,7 @@
 #   bash launch/main.sh --model smollm2-135m-instruct --task addition   # the pretrained SmolLM2-135M-Instruct
 #       (docs/pretrained.md): fp32, nearest, dither; 4 prompts x 4 completions from `vllm serve`; resumable:
 #       give --out/--name and run the same command again to continue (--session-steps N stops after N steps)
-# Every option and its check: faircast_ds/jobs/config.py, `python3 -m faircast_ds.jobs.grpo --help`.
+# Every option and its check: faircast_jobs/config.py, `python3 -m faircast_jobs.grpo --help`.
 # Wall times are in docs/grpo.md.
 # JOB=staleness runs the older served-weights-changed-per-step job instead.
 set -euo pipefail
@@ -20,4 +20,4 @@ export DS_ACCELERATOR=cpu
 ranks="${NUM_RANKS:-2}"
 threads=$(( $(nproc) / ranks ))
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}"
-exec deepspeed --num_gpus "$ranks" --master_port "${MASTER_PORT:-29500}" --module "faircast_ds.jobs.${JOB:-grpo}" "$@"
+exec deepspeed --num_gpus "$ranks" --master_port "${MASTER_PORT:-29500}" --module "faircast_jobs.${JOB:-grpo}" "$@"

@@ -38,7 +38,7 @@ rerun=()
 for seed in 0 1; do
   if ! "${PYTHON:-python3}" - "$out" "$seed" <<'PY'
 import sys
-from faircast_ds.jobs import campaign as c
+from faircast_jobs import campaign as c
 out, seed = sys.argv[1], int(sys.argv[2])
 plan = c.load_plan("docs/pretrained/campaign/preregistered.json")
 runs, where = c.read_runs([*c.expand(out), plan.against], plan.lr)

@@ -19,6 +19,8 @@ import pytest
 pytest_plugins = ["skip_policy"]
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # faircast_jobs/ (the research beside the package) is imported from the root
+    sys.path.insert(0, str(ROOT))
 DIST = ROOT / "tests" / "dist"
 
 

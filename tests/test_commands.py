@@ -271,7 +271,7 @@ def test_job_report_commands_run(fresh_copy, tmp_path):
         if not re.search(r"^python3 -m faircast_ds\.jobs\.(report|endpoints|findings|grpo --help)", command):
             continue
         concrete = command.replace("runs/<name>", "docs/grpo/paper").replace("RUN_DIR", "docs/grpo/paper")
-        if concrete.endswith("faircast_ds.jobs.endpoints"):
+        if concrete.endswith("faircast_jobs.endpoints"):
             concrete += " docs/grpo/paper"
         proc = run_in(fresh_copy, concrete.replace("python3", shlex.quote(sys.executable), 1), timeout=300)
         assert proc.returncode == 0 and proc.stdout.strip(), f"{concrete}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"

@@ -23,9 +23,9 @@ from package_scan import (
 
 INTEGRATIONS = ("faircast_ds.deepspeed", "faircast_ds.megatron")
 FRAMEWORKS = ("deepspeed", "megatron")
-# may import a framework: the integrations themselves, the GRPO job and the benchmark workers launched under
+# may import a framework: the integrations themselves and the benchmark workers launched under
 # DeepSpeed; the shared model builders do not (ZeRO-3's zero.Init build is faircast_ds/deepspeed/zero_init.py)
-MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS + ("faircast_ds.jobs", "faircast_ds.tools.bench.casts",
+MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS + ("faircast_ds.tools.bench.casts",
                                          "faircast_ds.tools.bench.model_worker", "faircast_ds.tools.bench.push_worker")
 
 

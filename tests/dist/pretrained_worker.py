@@ -39,7 +39,7 @@ from faircast_ds.models import pretrained
 from faircast_ds.deepspeed.zero_init import ZeroInit  # noqa: E402
 from faircast_ds.models.gemm import use_fp32_accumulation  # noqa: E402
 from faircast_ds.export import served_weights  # noqa: E402
-from faircast_ds.jobs.release import release  # noqa: E402
+from faircast_jobs.release import release  # noqa: E402
 
 NAME, SEED, LR = "smollm2-135m-instruct", 77, 1e-5
 QUESTION = "What is 3 + 4?"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from faircast_ds.jobs import campaign
+from faircast_jobs import campaign
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 100

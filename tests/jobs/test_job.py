@@ -20,7 +20,7 @@ EVAL_EVERY = 2
 def job_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo")
     cmd = [deepspeed_runner(), "--num_gpus", "2", "--master_port", str(free_port()),
-           "--module", "faircast_ds.jobs.grpo", "--steps", str(STEPS), "--seeds", "1", "--hidden", "64",
+           "--module", "faircast_jobs.grpo", "--steps", str(STEPS), "--seeds", "1", "--hidden", "64",
            "--rollouts", "32", "--horizon", "8", "--eval-every", str(EVAL_EVERY), "--out", str(out), "--name", "t"]
     run_logged(cmd, out / "launch.log", env=cpu_env(), timeout=300, cwd=ROOT)
     return out / "t", (out / "launch.log").read_text()

@@ -1,4 +1,4 @@
-"""The GRPO job's options (faircast_ds/jobs/config.py) and its off-grid control (jobs/offgrid.py), in process.
+"""The GRPO job's options (faircast_jobs/config.py) and its off-grid control (jobs/offgrid.py), in process.
 
 The off-grid masters are checked against an oracle of their own: numpy bit arithmetic for each bf16
 value's neighbours and the midpoints between them (exact in float64), and torch's own round-to-nearest
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from faircast_ds.jobs.config import FULL_SEEDS, JOB_MODES, REGIMES, JobConfig, parse
+from faircast_jobs.config import FULL_SEEDS, JOB_MODES, REGIMES, JobConfig, parse
 
 
 def usage_error(capsys, argv: list[str]) -> str:
@@ -121,7 +121,7 @@ EDGES = [1.0, -1.0, 2.0**-10, -(2.0**-10), 0.0, -0.0, 0.1, 3.0, 2.0**-133, -(2.0
 
 
 def test_off_grid_masters_lie_inside_their_cells():
-    from faircast_ds.jobs.offgrid import off_grid
+    from faircast_jobs.offgrid import off_grid
 
     g = torch.Generator().manual_seed(0)
     values = torch.cat([torch.tensor(EDGES).to(torch.bfloat16).repeat(200),
@@ -140,8 +140,8 @@ def test_off_grid_masters_lie_inside_their_cells():
 
 
 def test_off_grid_is_seeded_and_the_same_for_every_mode():
-    from faircast_ds.jobs.grpo import build_model
-    from faircast_ds.jobs.offgrid import off_grid, off_grid_state
+    from faircast_jobs.grpo import build_model
+    from faircast_jobs.offgrid import off_grid, off_grid_state
 
     values = (0.1 * torch.randn(4096, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
     a = off_grid(values, seed=8, name="w")
@@ -159,7 +159,7 @@ def test_off_grid_is_seeded_and_the_same_for_every_mode():
 
 
 def test_off_grid_refuses_values_off_the_grid():
-    from faircast_ds.jobs.offgrid import off_grid
+    from faircast_jobs.offgrid import off_grid
 
     with pytest.raises(ValueError, match="off the bf16 grid"):
         off_grid(torch.tensor([0.1, 0.2], dtype=torch.float32), seed=0, name="w")
@@ -168,7 +168,7 @@ def test_off_grid_refuses_values_off_the_grid():
 
 
 def test_the_zero_stage_reaches_the_deepspeed_config_with_only_its_own_keys():
-    from faircast_ds.jobs.grpo import ds_config
+    from faircast_jobs.grpo import ds_config
 
     for stage in (1, 2, 3):
         cfg = parse(["--model", "smollm2-135m-instruct", "--task", "addition", "--zero-stage", str(stage), "--name", "x"])

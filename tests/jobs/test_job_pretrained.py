@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from faircast_ds.jobs import resume
-from faircast_ds.jobs.config import PRETRAINED, parse
+from faircast_jobs import resume
+from faircast_jobs.config import PRETRAINED, parse
 
 NAME = "smollm2-135m-instruct"
 CHATML = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -61,7 +61,7 @@ def task():
     """The task on the tokenizer read straight from the installed GGUF file (no dequantization)."""
     import transformers
 
-    from faircast_ds.jobs.addition import AdditionTask
+    from faircast_jobs.addition import AdditionTask
     from faircast_ds.models.pretrained import gguf_file
 
     path = gguf_file(NAME)
@@ -116,7 +116,7 @@ def test_the_fixed_batch_holds_right_answers(task):
 
 
 def test_kl_per_token_against_a_direct_sum():
-    from faircast_ds.jobs.policy_kl import kl_per_token
+    from faircast_jobs.policy_kl import kl_per_token
 
     g = torch.Generator().manual_seed(0)
     m, s = torch.randn(2, 3, 11, generator=g), torch.randn(2, 3, 11, generator=g)
@@ -177,7 +177,7 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path
 
     def launch(name: str, *extra: str) -> None:
         cmd = [deepspeed_runner(), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-               "faircast_ds.jobs.grpo", *common, "--name", name, *extra]
+               "faircast_jobs.grpo", *common, "--name", name, *extra]
         run_logged(cmd, tmp_path / f"{name}-{len(extra)}.log", env=env, timeout=1500, cwd=ROOT)
 
     launch("straight")
@@ -203,8 +203,8 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path
 def test_a_resumed_job_rewrites_the_rows_it_read_back_as_it_wrote_them(tmp_path):
     """steps.csv read back on resume (numbers parsed) and written again is the same file: integers stay
     integers and engine_weights_equal stays True/False (it used to come back as 1.0)."""
-    from faircast_ds.jobs.report import write_csv
-    from faircast_ds.jobs.steps_csv import read_csv
+    from faircast_jobs.report import write_csv
+    from faircast_jobs.steps_csv import read_csv
 
     rows = [{"mode": "dither", "seed": 0, "step": s, "reward": 0.25 * s, "changed": 12 * s, "numel": 1000,
              "engine_weights_equal": s % 2 == 0, "engine_sync_ms": 1.5} for s in (1, 2, 3)]

@@ -2,7 +2,7 @@
 headline numbers are what docs/grpo/paper/steps.csv says.
 
 The headline check recomputes every number with code of its own (csv, numpy, scipy, the standard
-library), not with faircast_ds.jobs: the final-window and AUC endpoints, Student-t intervals, the
+library), not with faircast_jobs: the final-window and AUC endpoints, Student-t intervals, the
 percentile bootstrap (10,000 resamples from ``random.Random(0)``, as documented), W/T/L, the exact sign
 test, the lag transient, the delay fit, the evaluation-batch gap, the KL per step and seed 0 alone.
 """
@@ -23,7 +23,7 @@ PAPER = ROOT / "docs" / "grpo" / "paper" / "steps.csv"
 
 
 def test_committed_runs_rebuild_byte_for_byte(tmp_path, monkeypatch):
-    from faircast_ds.jobs import report
+    from faircast_jobs import report
 
     monkeypatch.chdir(ROOT)  # the summaries name their run directory as given: relative, as committed
     dirs = report.run_dirs("docs/grpo")

@@ -1,4 +1,4 @@
-"""faircast_ds.jobs.stats: the paired statistics of the GRPO job, against independent computations."""
+"""faircast_jobs.stats: the paired statistics of the GRPO job, against independent computations."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from faircast_ds.jobs import stats
+from faircast_jobs import stats
 
 
 @pytest.mark.parametrize("df,q975", [(1, 12.7062047), (2, 4.3026527), (7, 2.3646243), (30, 2.0422725)])
@@ -87,7 +87,7 @@ def test_paired_counts_and_separation():
 def test_report_summarize_pairs_by_seed():
     """report.summarize on synthetic rows: the paired statistics are those of stats.paired on the
     per-seed final rewards (mean of the last 20% of steps), against RN and against fp32."""
-    from faircast_ds.jobs import report
+    from faircast_jobs import report
 
     nan = float("nan")
     rows = []
@@ -122,7 +122,7 @@ def test_report_summarize_pairs_by_seed():
 
 def test_endpoints_on_known_curves():
     """jobs/endpoints.py (docs/grpo.md, "Pre-registered") on curves whose endpoints are known by hand."""
-    from faircast_ds.jobs import endpoints as ep
+    from faircast_jobs import endpoints as ep
 
     r = [0.2] * 10 + [0.4] * 10
     assert ep.steps_to(r) == 20  # (10 x 0.2 + 10 x 0.4) / 20 = 0.30 first at step 20
@@ -159,7 +159,7 @@ def test_endpoints_on_known_curves():
 def test_primary_endpoint_on_the_end_screen():
     """The job's end screen states the pre-registered primary endpoint (dither − RN in AUC): one seed is
     labelled as one seed (its difference, no interval, no verdict), several seeds get the decision rule."""
-    from faircast_ds.jobs import endpoints as ep
+    from faircast_jobs import endpoints as ep
 
     def rows(shift: dict[int, float], modes=("nearest", "dither")) -> list[dict]:
         out = []
@@ -188,8 +188,8 @@ def test_primary_endpoint_on_the_end_screen():
 
 
 def test_report_summary_labels_one_seed_and_states_the_primary_endpoint():
-    from faircast_ds.jobs import report
-    from faircast_ds.jobs.config import JobConfig
+    from faircast_jobs import report
+    from faircast_jobs.config import JobConfig
 
     nan = float("nan")
     rows = []

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from faircast_ds.jobs import paper_table
+from faircast_jobs import paper_table
 
 COLUMNS = ["mode", "seed", "step", "reward", "changed", "numel", "changed_fraction", "gap_spacings", "lag_steps",
            "lag_drift_steps", "bias_spacings", "kl_master", "rollout_ms", "train_ms", "extra_ms"]
@@ -111,7 +111,7 @@ def test_the_committed_table_rebuilds_from_the_committed_rows(tmp_path, capsys, 
     assert capsys.readouterr().out == (committed / "table.md").read_text()
     assert (tmp_path / "steps.csv").read_bytes() == (committed / "steps.csv").read_bytes()
     doc = (ROOT / "docs" / "pretrained.md").read_text()
-    command = (f"python3 -m faircast_ds.jobs.paper_table docs/{folder}/steps.csv "
+    command = (f"python3 -m faircast_jobs.paper_table docs/{folder}/steps.csv "
                + " ".join(f'--predict "{p}"' for p in predictions) + f" --out docs/{folder}")
     assert command in doc  # the documented command is this one
     assert (committed / "table.md").read_text().split("\n\n", 1)[1].strip() in doc  # and the page shows its table

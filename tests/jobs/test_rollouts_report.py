@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from faircast_ds.jobs.rollouts import VllmRollouts
+from faircast_jobs.rollouts import VllmRollouts
 
 
 class _Pushes:

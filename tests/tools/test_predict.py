@@ -405,7 +405,7 @@ def test_bad_paths(tmp_path, capsys) -> None:
 
 def test_job_save_at_option() -> None:
     """The GRPO job's --save-at (checkpoints for predict): steps in order, bad values named."""
-    from faircast_ds.jobs.config import parse
+    from faircast_jobs.config import parse
 
     assert parse(["--steps", "500", "--save-at", "500,50"]).save_steps == (50, 500)
     assert parse([]).save_steps == ()

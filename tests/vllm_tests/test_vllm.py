@@ -54,7 +54,7 @@ def test_pack_round_trips_bits():
 
 
 def test_unknown_rollout_engine_is_refused():
-    from faircast_ds.jobs.grpo import parse
+    from faircast_jobs.grpo import parse
 
     assert parse(["--engine", "vllm", "--name", "x"]).rollout_engine == "vllm"
     with pytest.raises(SystemExit):

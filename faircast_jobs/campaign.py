@@ -1,10 +1,10 @@
 """The pre-registered SmolLM2 campaign, analysed as registered (docs/pretrained/campaign/README.md).
 
-    python3 -m faircast_ds.jobs.campaign [ROWS...] [--prereg FILE] [--out DIR] [--pooled-steps]
+    python3 -m faircast_jobs.campaign [ROWS...] [--prereg FILE] [--out DIR] [--pooled-steps]
                                          [--count-unchecked] [--lr LR --steps N]
 
 ROWS are run folders (``steps.csv`` and ``job.json``, as ``launch/smollm2_campaign.sh`` writes them under
-runs/campaign) or ``steps.csv`` tables ``faircast_ds.jobs.paper_table`` wrote; the committed rows the
+runs/campaign) or ``steps.csv`` tables ``faircast_jobs.paper_table`` wrote; the committed rows the
 registration's reproduction check names (``reproduce.against``) are always read too. Only rows at the
 registered learning rate count. It prints (and with ``--out`` writes ``table.md`` and ``campaign.png``):
 
@@ -41,8 +41,8 @@ from typing import Sequence
 
 import numpy as np
 
-from faircast_ds.jobs import stats
-from faircast_ds.jobs.paper_table import TableError, block_bootstrap, read_input
+from faircast_jobs import stats
+from faircast_jobs.paper_table import TableError, block_bootstrap, read_input
 
 PREREG = "docs/pretrained/campaign/preregistered.json"
 RESAMPLES = 10_000
@@ -451,7 +451,7 @@ def plot(an: Analysis, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from faircast_ds.jobs.plots import COLORS, smooth
+    from faircast_jobs.plots import COLORS, smooth
 
     a, b = an.plan.pair
     fig, axes = plt.subplots(1, 1 + len(an.plan.endpoints), figsize=(6 + 4.5 * len(an.plan.endpoints), 4.5))
@@ -491,7 +491,7 @@ def expand(path: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m faircast_ds.jobs.campaign", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m faircast_jobs.campaign", description=__doc__.split("\n\n")[0])
     parser.add_argument("rows", nargs="*", help="run folders (steps.csv + job.json) or steps.csv tables")
     parser.add_argument("--prereg", default=PREREG, help=f"the registration (default {PREREG})")
     parser.add_argument("--out", help="write table.md and campaign.png here")

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from faircast_ds.jobs.config import ROLLOUT_ENGINES as ENGINES
+from faircast_jobs.config import ROLLOUT_ENGINES as ENGINES
 
 ALIGNED_PROFILE = "vllm-cpu"
 KV_CACHE_GIB = 1 / 16  # 64 MiB: a step's rollouts need ~2 MB; the engine process then holds ~0.8 GiB, not ~1.7

@@ -64,7 +64,7 @@ class JobConfig:
     # "module": through the engine's module (ZeRO-3 hooks gather what is not persistent)
     rollout_via: str = "view"
     # where rollouts come from: "hf" (the trainer's forward on the served copy) or "vllm" (a vLLM engine
-    # on rank 0, pushed the served weights after every step; faircast_ds/jobs/rollouts.py). Flag: --engine
+    # on rank 0, pushed the served weights after every step; faircast_jobs/rollouts.py). Flag: --engine
     rollout_engine: str = "hf"
     # comma-separated steps after which each engine saves a DeepSpeed checkpoint (ZeRO optimizer state with
     # AdamW's moments, for `faircast-ds predict`) to <out>/<name>/checkpoints/<mode>-seed<seed>/global_step<N>
@@ -252,14 +252,14 @@ def parse_modes(text: str) -> tuple[str, ...]:
 DESCRIPTION = """GRPO on a tiny Qwen3 under the deepspeed runner, one ZeRO-3 engine per (cast mode, seed):
 does the cast of the served weights change what RL learns? (docs/grpo.md)
 
-  deepspeed --num_gpus 2 --module faircast_ds.jobs.grpo [options]     (bash launch/main.sh [options])"""
+  deepspeed --num_gpus 2 --module faircast_jobs.grpo [options]     (bash launch/main.sh [options])"""
 
 _SPECIAL = {"modes", "seed_list", "off_grid", "regime", "rollout_engine"}
 
 
 def parser() -> argparse.ArgumentParser:
     """The job's command line: ``--full``, and one flag per :class:`JobConfig` field."""
-    p = argparse.ArgumentParser(prog="faircast_ds.jobs.grpo", description=DESCRIPTION,
+    p = argparse.ArgumentParser(prog="faircast_jobs.grpo", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help=f"the regime's committed number of seeds: {FULL_SEEDS}")
     p.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(JOB_MODES)} (default: all)")

@@ -1,6 +1,6 @@
 """What a GRPO run's steps.csv says about RN's delay: every figure the README's headline quotes.
 
-``python3 -m faircast_ds.jobs.findings docs/grpo/paper`` prints, from the CSV alone:
+``python3 -m faircast_jobs.findings docs/grpo/paper`` prints, from the CSV alone:
 
 - RN's lag along the drift (mean over seeds, per step): its peak and when, its value at the last step,
   its mean over all steps and over the last 20%; the steps whose mean lies in 50–150;
@@ -22,9 +22,9 @@ import math
 import os
 from typing import Sequence
 
-from faircast_ds.jobs.config import CONTROL, REFERENCE
-from faircast_ds.jobs.endpoints import auc, curves, final_window, steps_to
-from faircast_ds.jobs.steps_csv import read_csv
+from faircast_jobs.config import CONTROL, REFERENCE
+from faircast_jobs.endpoints import auc, curves, final_window, steps_to
+from faircast_jobs.steps_csv import read_csv
 
 TAIL = 0.2
 

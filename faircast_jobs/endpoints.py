@@ -10,8 +10,8 @@ Per (mode, seed) reward curve ``r_t`` (the ``reward`` column, ``t = 1 … T``):
 With ``--span a-b`` the AUC is the mean over steps ``a..b``, and steps to 0.30 and the final window are
 those of the curve cut at step ``b`` (the 500-step endpoints of a longer run: ``--span 1-500``).
 
-Contrasts are paired by seed with :func:`faircast_ds.jobs.stats.paired` (bootstrap interval, sign
-test, W/T/L with a tie band per endpoint). ``python3 -m faircast_ds.jobs.endpoints RUN_DIR [--span a-b]``
+Contrasts are paired by seed with :func:`faircast_jobs.stats.paired` (bootstrap interval, sign
+test, W/T/L with a tie band per endpoint). ``python3 -m faircast_jobs.endpoints RUN_DIR [--span a-b]``
 prints the table.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from faircast_ds.jobs import stats
-from faircast_ds.jobs.steps_csv import read_csv
+from faircast_jobs import stats
+from faircast_jobs.steps_csv import read_csv
 
 THRESHOLD = 0.30
 WINDOW = 25

@@ -1,6 +1,6 @@
 """GRPO on a tiny Qwen3 under the ``deepspeed`` runner: does the cast of the served weights change what RL learns?
 
-Launch: ``deepspeed --num_gpus 2 --module faircast_ds.jobs.grpo [--full] [--seeds N | --seed-list 8-19]
+Launch: ``deepspeed --num_gpus 2 --module faircast_jobs.grpo [--full] [--seeds N | --seed-list 8-19]
 [--steps N] [--lr LR] [--init-std S] [--modes fp32,nearest,dither] [--off-grid] [--engine hf|vllm]``
 (``bash launch/main.sh`` does this on CPU ranks; every option: ``jobs/config.py`` and docs/grpo.md).
 
@@ -14,7 +14,7 @@ initial weights, prompts and sampling noise for a given seed.
 
 Writes ``<out>/<name>/``: ``steps.csv`` (every step of every run), ``reward.png``, ``results.md`` (the
 table), ``summary.txt`` and ``endpoints.md`` (what is printed at the end) and ``run.json`` (settings and
-wall time). ``python3 -m faircast_ds.jobs.report --rebuild <out>/<name>`` rewrites all but the CSV and
+wall time). ``python3 -m faircast_jobs.report --rebuild <out>/<name>`` rewrites all but the CSV and
 run.json from those two.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from faircast_ds.jobs.config import (
+from faircast_jobs.config import (
     FULL_SEEDS,
     JOB_MODES,
     REFERENCE,
@@ -38,7 +38,7 @@ from faircast_ds.jobs.config import (
     JobConfig,
     parse,
 )
-from faircast_ds.jobs.tasks import LowTokenTask, group_advantages, sample_token
+from faircast_jobs.tasks import LowTokenTask, group_advantages, sample_token
 
 __all__ = ["FULL_SEEDS", "JOB_MODES", "REFERENCE", "REGIMES", "JobConfig", "parse", "run_one", "main"]
 
@@ -301,7 +301,7 @@ def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
     import deepspeed.comm as dist
 
     from faircast_ds import get_fair_cast
-    from faircast_ds.jobs import offgrid, rollouts
+    from faircast_jobs import offgrid, rollouts
 
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = cfg.rollouts // world
@@ -377,7 +377,7 @@ def policy_figures(run: Run, task: LowTokenTask, step: int, trained: Trained) ->
     served_eval = master_eval = math.nan
     kl_master = math.nan
     if cfg.kl_master_every and (step % cfg.kl_master_every == 0 or step == cfg.steps):
-        from faircast_ds.jobs.policy_kl import master_served_kl
+        from faircast_jobs.policy_kl import master_served_kl
 
         kl_master = 0.0 if run.master_view is None else master_served_kl(run, task)  # fp32: served = master
     if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
@@ -454,7 +454,7 @@ def finish_run(run: Run, last_seqs: torch.Tensor) -> dict[str, Any]:
     run.source.close()
     run.engine.destroy()
     if run.cfg.model:  # the next engine must fit beside what this one leaves behind (jobs/release.py)
-        from faircast_ds.jobs.release import release
+        from faircast_jobs.release import release
 
         release(run.engine)
     return final
@@ -472,7 +472,7 @@ def run_one(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask, progress: 
     for it) and save one every that many steps (jobs/resume.py); ``on_step`` gets the rows after each step."""
     import deepspeed.comm as dist
 
-    from faircast_ds.jobs import resume
+    from faircast_jobs import resume
 
     run = start_run(mode, seed, cfg, task)
     run_dir = os.path.join(cfg.out, cfg.name)
@@ -542,7 +542,7 @@ def make_task(cfg: JobConfig) -> Any:
     if not cfg.model:
         return LowTokenTask(vocab=cfg.vocab, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, group=cfg.group,
                             prompt_vocab=cfg.prompt_vocab)
-    from faircast_ds.jobs.addition import AdditionTask
+    from faircast_jobs.addition import AdditionTask
     from faircast_ds.models.pretrained import load_tokenizer
 
     return AdditionTask(load_tokenizer(cfg.model), gen_len=cfg.gen_len, group=cfg.group, high=cfg.operand_max)
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> None:
 
     quiet()
 
-    from faircast_ds.jobs import plots, provenance, report
+    from faircast_jobs import plots, provenance, report
 
     started = time.time()
     deepspeed.init_distributed(dist_backend="gloo" if os.environ.get("DS_ACCELERATOR") == "cpu" else None)
@@ -591,8 +591,8 @@ def main(argv: list[str] | None = None) -> None:
     csv_path = os.path.join(run_dir, "steps.csv")
     earlier: list[dict] = []
     if cfg.save_every:
-        from faircast_ds.jobs import resume
-        from faircast_ds.jobs.steps_csv import read_csv
+        from faircast_jobs import resume
+        from faircast_jobs.steps_csv import read_csv
 
         if rank == 0:
             os.makedirs(run_dir, exist_ok=True)
@@ -640,7 +640,7 @@ def main(argv: list[str] | None = None) -> None:
                     write(run_rows)
                 else:
                     report.write_csv(csv_path, rows)
-    from faircast_ds.jobs import rollouts
+    from faircast_jobs import rollouts
 
     rollouts.shutdown()  # the vLLM engine, if one served the rollouts
     if any(f.get("unfinished") for f in finals):
@@ -668,7 +668,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(os.path.join(run_dir, "summary.txt"), "w") as f:
             f.write(text + "\n")
         # the pre-registered endpoints (AUC, steps to 0.30): the delay that a final-window tie can hide
-        from faircast_ds.jobs import endpoints
+        from faircast_jobs import endpoints
 
         table = endpoints.markdown(rows)
         with open(os.path.join(run_dir, "endpoints.md"), "w") as f:

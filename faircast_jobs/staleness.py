@@ -1,6 +1,6 @@
 """How many served bf16 weights does each optimizer step change? One ZeRO-3 run per cast mode.
 
-Launch: ``deepspeed --num_gpus 2 --module faircast_ds.jobs.staleness [--steps 30]``.
+Launch: ``deepspeed --num_gpus 2 --module faircast_jobs.staleness [--steps 30]``.
 A tiny transformers Qwen3 (built from a config, no download) trains on a synthetic next-token task
 with AdamW at an RL learning rate; the fp32 master starts on the bf16 grid, as when fine-tuning a
 bf16 checkpoint. Per step and mode it prints how many served weights changed, then a summary, and

@@ -1,7 +1,7 @@
 """The paper's table on a real checkpoint (docs/pretrained.md): round-to-nearest's changed fraction per
 step and its lag from the pretrained bf16 start, beside dither, the fp32 reference and ``faircast-ds predict``.
 
-    python3 -m faircast_ds.jobs.paper_table RUN_DIR_OR_CSV... [--predict LABEL=FILE.json ...] [--out DIR]
+    python3 -m faircast_jobs.paper_table RUN_DIR_OR_CSV... [--predict LABEL=FILE.json ...] [--out DIR]
 
 Each RUN_DIR is one job's output (``steps.csv`` and ``job.json``, as ``launch/smollm2_runs.sh`` writes them);
 runs of any learning rate mix. A ``.csv`` file instead is a table this command wrote (``DIR/steps.csv``), so the
@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from faircast_ds.jobs.config import JOB_MODES, REFERENCE
+from faircast_jobs.config import JOB_MODES, REFERENCE
 
 PAPER = "0.4–0.5% of served weights change per step; the served policy trails the fp32 master by 50–150 steps"
 BLOCK = 10
@@ -216,7 +216,7 @@ def plot(rows: Sequence[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from faircast_ds.jobs.plots import COLORS
+    from faircast_jobs.plots import COLORS
 
     lrs = sorted({r["lr"] for r in rows}, reverse=True)
     fig, axes = plt.subplots(3, len(lrs), figsize=(5.5 * len(lrs), 9), squeeze=False)
@@ -254,7 +254,7 @@ def write_csv(rows: Sequence[dict], path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m faircast_ds.jobs.paper_table", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m faircast_jobs.paper_table", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="run directories (each with steps.csv and job.json), or a "
                         "steps.csv this command wrote")
     parser.add_argument("--predict", action="append", default=[], metavar="LABEL=FILE",

@@ -36,9 +36,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from faircast_ds.jobs import stats
-from faircast_ds.jobs.config import CONTROL, GEMM_NOTES, REFERENCE, JobConfig
-from faircast_ds.jobs.steps_csv import read_csv
+from faircast_jobs import stats
+from faircast_jobs.config import CONTROL, GEMM_NOTES, REFERENCE, JobConfig
+from faircast_jobs.steps_csv import read_csv
 
 LAG_MIN = 20  # "the served copy lags": lag along drift at least this many steps
 
@@ -297,7 +297,7 @@ def summary_text(summaries: Sequence[ModeSummary], cfg: Any, world: int, wall: f
                  rows: Sequence[dict] | None = None) -> str:
     """The job's end screen (summary.txt). With ``rows`` (the run's steps) it states the pre-registered
     primary endpoint (``endpoints.primary_text``); a one-seed run is labelled as one."""
-    from faircast_ds.jobs import endpoints
+    from faircast_jobs import endpoints
 
     seeds = sorted({s for m in summaries for s in m.final_by_seed})
     lines = [headline(cfg, world), f"wall {wall:.0f} s", "",
@@ -386,7 +386,7 @@ def rebuild(run_dir: str, out_dir: str | None = None) -> str:
     inputs give the same bytes (the PNG carries no version or date)."""
     import json
 
-    from faircast_ds.jobs import endpoints, plots
+    from faircast_jobs import endpoints, plots
 
     out_dir = out_dir or run_dir
     os.makedirs(out_dir, exist_ok=True)
@@ -423,9 +423,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="faircast_ds.jobs.report",
+        prog="faircast_jobs.report",
         description="Rebuild a GRPO run's tables and plot from its steps.csv and run.json: "
-                    "python3 -m faircast_ds.jobs.report --rebuild docs/grpo (every committed run below it)")
+                    "python3 -m faircast_jobs.report --rebuild docs/grpo (every committed run below it)")
     parser.add_argument("run_dir", nargs="*", help="run directories (or folders holding them)")
     parser.add_argument("--rebuild", nargs="+", default=[], metavar="DIR", help="same as the positional directories")
     args = parser.parse_args(argv)
