@@ -146,6 +146,15 @@ def test_a_job_started_before_gemm_existed_resumes_only_with_native_gemms(tmp_pa
         resume.check_settings(str(tmp_path), cfg)
 
 
+def test_a_job_started_before_zero_stage_existed_resumes_at_stage_3_only(tmp_path):
+    cfg = parse(["--model", NAME, "--out", str(tmp_path), "--name", "r"]).to_json()
+    older = {k: v for k, v in cfg.items() if k != "zero_stage"}  # its job.json has no zero_stage: it ran ZeRO-3
+    resume.check_settings(str(tmp_path), older)
+    resume.check_settings(str(tmp_path), cfg)  # the default, 3
+    with pytest.raises(SystemExit, match=r"zero_stage \(was 3, now 2\)"):
+        resume.check_settings(str(tmp_path), {**cfg, "zero_stage": 2})
+
+
 def test_latest_step_reads_deepspeeds_latest_file(tmp_path):
     assert resume.latest_step(str(tmp_path)) == 0
     (tmp_path / "global_step5").mkdir()
