@@ -83,6 +83,8 @@ class ServedReport:
     collectives: int = 0  # collectives of the training job during the update (walk gathers not counted)
     tracking: str | None = None  # how deltas find changes: "marks" (the cast's, 1 bit/element), "baseline" (a copy)
     tracking_bytes: int = 0  # this rank's memory for that between pushes
+    plane: str | None = None  # the push into vllm serve: the plane it crossed (ServedPush)
+    plane_choice: str | None = None  # why that plane, where ServedPush chose it (None: the caller named it)
 
     def __post_init__(self) -> None:
         if self.elements is None:

