@@ -2,7 +2,9 @@
 
 The public API is a handful of names. They are loaded lazily so that the
 interpreter-start hook (``faircast_ds.deepspeed.autoload``) costs nothing for programs
-that never import DeepSpeed.
+that never import DeepSpeed, and importing ``faircast_ds`` imports neither DeepSpeed nor vLLM:
+``ServedPush`` and ``VllmServer`` (the served weights into a ``vllm serve`` process, docs/vllm.md)
+load their modules on first use.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ _LAZY = {
     "save_hf": "faircast_ds.export",
     "WeightSender": "faircast_ds.export",
     "WeightReceiver": "faircast_ds.export",
+    "ServedPush": "faircast_ds.vllm.transfer.served_push",
+    "VllmServer": "faircast_ds.vllm.transfer.server",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -1,4 +1,4 @@
-"""Shipping the served weights: export, weight sync, inspection.
+"""Shipping the served weights: the served-weight source, HF export, weight sync.
 
 - :class:`ServedSource` is the one served-weight source every route reads: walks that yield each
   parameter's served bf16 bits once (dense) or only the parameters changed since the last
@@ -9,8 +9,15 @@
   integration attached is read as a plain module).
 - :func:`save_hf` writes a Hugging Face directory (safetensors + config) atomically.
 - :class:`WeightSender` / :class:`WeightReceiver` push the weights to a separate inference process
-  over an authenticated TCP channel of their own, dense or as sparse deltas, all-or-nothing.
-- :func:`inspect_path` summarizes a checkpoint's Fair Cast state or an export (``faircast-ds inspect``).
+  over an authenticated TCP channel of their own, dense or as sparse deltas, all-or-nothing (the
+  channel's errors: :class:`WeightSyncError` and its kinds).
+- :class:`ParamSpec`, :class:`AtomicDirectory`: a served parameter's name, shape and dtype; a directory
+  written whole or not at all.
+
+The pieces the push into ``vllm serve`` shares with its engine (the data plane's layout and ledger,
+``plane``; the send group, ``send_group``; change tracking, ``tracking``; delta encodings, ``delta``) are
+modules here, not names of this face: their user is :mod:`faircast_ds.vllm.transfer`. A checkpoint's or an
+export's summary (``faircast-ds inspect``) is :mod:`faircast_ds.tools.inspect`.
 """
 from __future__ import annotations
 

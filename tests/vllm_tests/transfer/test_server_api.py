@@ -85,3 +85,20 @@ def test_no_module_outside_server_py_posts_through_vllm_servers_private_post():
                  if path.name != "server.py" or path.parent.name != "transfer"
                  for line in private_post_calls(path.read_text())]
     assert not offenders, "call VllmServer's public methods:\n" + "\n".join(offenders)
+
+
+def test_the_root_exports_servedpush_and_vllmserver_lazily():
+    """``from faircast_ds import ServedPush, VllmServer`` gives the push's classes; ``import faircast_ds`` alone
+    loads neither their modules nor vLLM (a fresh interpreter, so this suite's imports do not count)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, faircast_ds\n"
+            "assert not [m for m in sys.modules if m.startswith('faircast_ds.vllm') or m == 'vllm'], sys.modules\n"
+            "from faircast_ds import ServedPush, VllmServer\n"
+            "from faircast_ds.vllm.transfer import served_push, server\n"
+            "assert ServedPush is served_push.ServedPush and VllmServer is server.VllmServer\n"
+            "assert {'ServedPush', 'VllmServer'} <= set(faircast_ds.__all__)\n"
+            "assert 'vllm' not in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
