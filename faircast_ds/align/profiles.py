@@ -12,9 +12,14 @@ from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 EngineName = Literal["hf", "vllm-cuda", "vllm-inductor", "sglang", "vllm-cpu"]
+# vllm-cpu on a named kind of CPU (``get_profile("vllm-cpu")`` picks the host's); the Python API takes them,
+# the ``align_rounding`` config takes ``vllm-cpu``
+CpuVariantName = Literal["vllm-cpu-avx512bf16", "vllm-cpu-avx2"]
 RegionName = Literal["rope", "swiglu", "rmsnorm", "attention"]
+ToBf16 = Literal["nearest", "truncate"]
 
 ENGINES: tuple[str, ...] = get_args(EngineName)
+CPU_VARIANTS: tuple[str, ...] = get_args(CpuVariantName)
 REGIONS: tuple[str, ...] = get_args(RegionName)
 
 
@@ -32,6 +37,13 @@ class Rounding:
             residual add (only the stored residual is rounded), whether or not the norm itself
             is fused. Every engine that fuses the norm also keeps the sum, so it defaults to
             ``fused``; vLLM's CPU build keeps the sum but rounds inside the norm like HF.
+        to_bf16: how a fused region's one rounding from fp32 to bf16 is done: ``nearest``
+            (round to nearest even, as torch's ``.to(bf16)`` and every GPU kernel do) or
+            ``truncate`` (drop the low 16 bits: toward zero), what vLLM's CPU kernels do on an x86
+            CPU without AVX512-BF16.
+        kernel_order: attention only (fused): the arithmetic order of vLLM's CPU ``vec`` attention kernel:
+            q is scaled in fp32 before ``q·kᵀ``, and the softmax numerators go unnormalized through
+            ``P·V``, which is multiplied by ``1/sum`` at the end (instead of normalizing P first).
     """
 
     fused: bool
@@ -39,14 +51,21 @@ class Rounding:
     source: str
     fp32_table: bool = False
     fp32_sum: bool | None = None
+    to_bf16: ToBf16 = "nearest"
+    kernel_order: bool = False
 
     def __post_init__(self) -> None:
         if self.fp32_sum is None:
             object.__setattr__(self, "fp32_sum", self.fused)
+        if self.to_bf16 not in get_args(ToBf16):
+            raise ValueError(f"to_bf16 must be one of {get_args(ToBf16)}, got {self.to_bf16!r}")
+        if (self.to_bf16 != "nearest" or self.kernel_order) and not self.fused:
+            raise ValueError("to_bf16 and kernel_order describe a fused region; an unfused region rounds as torch")
 
     def same_numerics(self, other: Rounding) -> bool:
-        """True when both round in the same places (the prose may differ)."""
-        return (self.fused, self.fp32_table, self.fp32_sum) == (other.fused, other.fp32_table, other.fp32_sum)
+        """True when both round in the same places and the same way (the prose may differ)."""
+        return ((self.fused, self.fp32_table, self.fp32_sum, self.to_bf16, self.kernel_order)
+                == (other.fused, other.fp32_table, other.fp32_sum, other.to_bf16, other.kernel_order))
 
 
 @dataclass(frozen=True)
@@ -197,15 +216,20 @@ SGLANG = EngineProfile(
 )
 
 # vLLM's CPU build (vllm-cpu 0.32, eager), read from the installed sources and checked against the
-# running engine in tests/vllm_tests/test_vllm.py: the aligned trainer reproduces its log-probs bit for bit on
-# most tokens; what remains is inside the attention kernel (docs/alignment.md).
-VLLM_CPU = EngineProfile(
-    name="vllm-cpu",
+# running engine: tests/vllm_tests/test_vllm.py (tiny Qwen3, an AVX512-BF16 CPU), tests/align/test_align_engine.py
+# and benchmarks/align_probe.py (any CPU; SmolLM2 in docs/alignment.md). Its RoPE and attention are C++
+# kernels that compute in fp32 and convert to bf16 with the CPU's vector types (`csrc/cpu/cpu_types_x86.hpp`):
+# `_mm512_cvtneps_pbh` (round to nearest even) where the CPU has AVX512-BF16, otherwise a 16-bit shift
+# (`FP32Vec8_to_BF16Vec8_avx2`, the AVX-512F branch alike): truncation toward zero. The norms, SwiGLU and the
+# projections are torch ops (round to nearest) on every CPU.
+_CPU_KERNELS = "vLLM `csrc/cpu/cpu_types_x86.hpp` (`BF16Vec8/BF16Vec16(const FP32Vec…&)`)"
+VLLM_CPU_AVX512BF16 = EngineProfile(
+    name="vllm-cpu-avx512bf16",
     rope=Rounding(
         fused=True,
-        where="cos/sin cache cast to bf16 (query dtype); fp32 `x·cos − y·sin` (FP32Vec8), one rounding",
+        where="cos/sin cache cast to bf16 (query dtype); fp32 `x·cos − y·sin` (FP32Vec8), one rounding (to nearest)",
         source="vLLM `model_executor/layers/rotary_embedding/base.py` (`forward_cpu` → `_C.rotary_embedding`, "
-        "`_match_cos_sin_cache_dtype`), `csrc/cpu/pos_encoding.cpp`",
+        f"`_match_cos_sin_cache_dtype`), `csrc/cpu/pos_encoding.cpp`; {_CPU_KERNELS}: `_mm512_cvtneps_pbh`",
     ),
     swiglu=Rounding(
         fused=False,
@@ -221,20 +245,69 @@ VLLM_CPU = EngineProfile(
     ),
     attention=Rounding(
         fused=True,
-        where="fp32 scores `q·kᵀ·scale`, fp32 softmax, fp32 `P·V`, one rounding of the output",
-        source="vLLM `v1/attention/backends/cpu_attn.py` (`cpu_attention_with_kv_cache`), `csrc/cpu/cpu_attn_impl.hpp`",
+        where="fp32 scores `q·kᵀ·scale`, fp32 softmax, fp32 `P·V`, one rounding of the output (to nearest)",
+        source="vLLM `v1/attention/backends/cpu_attn.py` (`cpu_attention_with_kv_cache`), `csrc/cpu/cpu_attn_impl.hpp`; "
+        f"{_CPU_KERNELS}: `_mm512_cvtneps_pbh`",
     ),
 )
+VLLM_CPU_AVX2 = replace(
+    VLLM_CPU_AVX512BF16,
+    name="vllm-cpu-avx2",
+    rope=replace(VLLM_CPU_AVX512BF16.rope, to_bf16="truncate",
+                 where="cos/sin cache cast to bf16 (query dtype); fp32 `x·cos − y·sin` (FP32Vec8), one rounding: "
+                 "truncated toward zero (no AVX512-BF16)",
+                 source=VLLM_CPU_AVX512BF16.rope.source.replace("`_mm512_cvtneps_pbh`", "`FP32Vec8_to_BF16Vec8_avx2`")),
+    attention=replace(VLLM_CPU_AVX512BF16.attention, to_bf16="truncate", kernel_order=True,
+                      where="fp32 `(q·scale)·kᵀ`, fp32 `exp(s − max)`, unnormalized fp32 `P·V` times `1/sum`, one "
+                      "rounding of the output: truncated toward zero (no AVX512-BF16)",
+                      source=VLLM_CPU_AVX512BF16.attention.source.replace("`_mm512_cvtneps_pbh`",
+                                                                          "`FP32Vec8_to_BF16Vec8_avx2`")
+                      + ", `csrc/cpu/cpu_attn_vec.hpp` (`scale_on_logits = false`: q scaled in `copy_q_heads_tile`)"),
+)
 
-PROFILES: dict[str, EngineProfile] = {p.name: p for p in (HF, VLLM_CUDA, VLLM_INDUCTOR, SGLANG, VLLM_CPU)}
+
+def host_has_avx512_bf16() -> bool:
+    """Whether this machine's CPU has AVX512-BF16 (Linux: ``/proc/cpuinfo``; elsewhere torch's check)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    import torch  # not at import time: the config stays torch-free
+
+    return bool(torch.cpu._is_avx512_bf16_supported())
+
+
+def _host_vllm_cpu() -> EngineProfile:
+    """``vllm-cpu``: vLLM's CPU build as it runs on this machine's CPU."""
+    import platform
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    variant = VLLM_CPU_AVX2 if x86 and not host_has_avx512_bf16() else VLLM_CPU_AVX512BF16
+    return replace(variant, name="vllm-cpu")
+
+
+PROFILES: dict[str, EngineProfile] = {
+    p.name: p for p in (HF, VLLM_CUDA, VLLM_INDUCTOR, SGLANG, VLLM_CPU_AVX512BF16, VLLM_CPU_AVX2)}
+# names resolved on the machine that asks: the engine is assumed to run on a CPU of the same kind
+HOST_RESOLVED = {"vllm-cpu": _host_vllm_cpu}
 
 
 def get_profile(engine: str) -> EngineProfile:
-    """The profile of ``engine``; ``ValueError`` naming the known engines otherwise."""
+    """The profile of ``engine``; ``ValueError`` naming the known engines otherwise.
+
+    ``vllm-cpu`` is vLLM's CPU build on this machine's kind of CPU (``vllm-cpu-avx512bf16`` where it has
+    AVX512-BF16, ``vllm-cpu-avx2`` on any other x86 CPU), under the name ``vllm-cpu``; name the variant
+    when the engine runs on another kind of CPU than the trainer.
+    """
+    if isinstance(engine, str) and engine in HOST_RESOLVED:
+        return HOST_RESOLVED[engine]()
     try:
         return PROFILES[engine]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown engine {engine!r}; known engines: {', '.join(ENGINES)}") from None
+        raise ValueError(f"unknown engine {engine!r}; known engines: {', '.join(ENGINES + CPU_VARIANTS)}") from None
 
 
 def check_regions(regions: list[str] | tuple[str, ...]) -> tuple[str, ...]:

@@ -22,6 +22,21 @@ def wide(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def round_to(x: Tensor, dtype: torch.dtype, mode: str = "nearest") -> Tensor:
+    """``x`` rounded to ``dtype`` once: to nearest even (``x.to(dtype)``), or for ``mode="truncate"`` an fp32
+    ``x`` going to bf16 keeps its top 16 bits (toward zero, as vLLM's CPU kernels convert without
+    AVX512-BF16). The gradient passes straight through, as autograd treats ``.to(dtype)``."""
+    if mode == "nearest" or dtype != torch.bfloat16 or x.dtype != torch.float32:
+        return x.to(dtype)
+    if mode != "truncate":
+        raise ValueError(f"unknown rounding mode {mode!r}")
+    bits = x.detach().view(torch.int32) & -65536  # 0xFFFF0000: sign, exponent and the 7 bits bf16 keeps
+    kept = bits.view(torch.float32)
+    if x.requires_grad:
+        kept = x + (kept - x.detach())
+    return kept.to(dtype)  # exact: the dropped bits are zero
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """(x1, x2) -> (-x2, x1) on the last dim: the NeoX-style pairing HF and the engines use."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -39,7 +54,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, rounding: Rounding) -> Tensor:
     if not rounding.fused:
         return x * cos + rotate_half(x) * sin  # three bf16 ops, three roundings (HF eager)
     xw = wide(x)
-    return (xw * wide(cos) + rotate_half(xw) * wide(sin)).to(x.dtype)
+    return round_to(xw * wide(cos) + rotate_half(xw) * wide(sin), x.dtype, rounding.to_bf16)
 
 
 def swiglu(gate: Tensor, up: Tensor, rounding: Rounding) -> Tensor:
@@ -107,7 +122,8 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, sc
     """Causal attention ``[B, H, T, D]`` of already repeated (GQA) heads; ``mask`` is additive.
 
     Unfused (HF eager): bf16 scores, scaled in bf16, fp32 softmax rounded to bf16, bf16 ``P·V``.
-    Fused: scores, softmax and ``P·V`` in fp32, one rounding of the output (vLLM's CPU kernel).
+    Fused: scores, softmax and ``P·V`` in fp32, one rounding of the output (vLLM's CPU kernel), done as
+    ``rounding.to_bf16`` says.
     """
     if not rounding.fused:
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling
@@ -115,7 +131,14 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, sc
             scores = scores + mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         return torch.matmul(probs, value)
+    if rounding.kernel_order:  # vLLM's CPU vec kernel: q scaled first; P·V unnormalized, then · 1/sum
+        scores = torch.matmul(wide(query) * scaling, wide(key).transpose(2, 3))
+        if mask is not None:
+            scores = scores + wide(mask)
+        numerators = torch.exp(scores - scores.amax(-1, keepdim=True).detach())
+        out = torch.matmul(numerators, wide(value)) * (1 / numerators.sum(-1, keepdim=True))
+        return round_to(out, query.dtype, rounding.to_bf16)
     scores = torch.matmul(wide(query), wide(key).transpose(2, 3)) * scaling
     if mask is not None:
         scores = scores + wide(mask)
-    return torch.matmul(F.softmax(scores, dim=-1), wide(value)).to(query.dtype)
+    return round_to(torch.matmul(F.softmax(scores, dim=-1), wide(value)), query.dtype, rounding.to_bf16)

