@@ -2,6 +2,12 @@
 plane on the authenticated channel, the bytes in shared buffers, and the one small interface behind which
 the GPU-only calls sit.
 
+**Prepared GPU code, out of the push path.** No push imports this module (``tests/test_layout.py`` checks
+that no module of ``faircast_ds/vllm/`` does, nor any module a push loads): it is the shape a GPU transport
+would take, run today only by ``benchmarks/gpu_buckets.py``, ``benchmarks/gpu_check.py`` and
+``tests/export/test_buckets.py``. The pushes into ``vllm serve`` stage the whole model instead
+(:mod:`faircast_ds.vllm.transfer.planes`).
+
 **Slots.** The engine allocates a few bucket buffers (two by default: one is filled while the other is
 drained) and describes each to an authenticated trainer rank (:meth:`SlotSharing.export`, a JSON-able
 dict sent as a channel message, never pickled); the rank opens them (:meth:`SlotSharing.open`). Holding

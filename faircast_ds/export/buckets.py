@@ -3,6 +3,12 @@ staging copy of the whole model (issue 32 item 7, the shape GPU transports use: 
 spare a second copy of the model, so it lends a bucket or two of device memory and loads what each
 carries).
 
+**Prepared GPU code, out of the push path.** No push imports this module (``tests/test_layout.py`` checks
+that no module of ``faircast_ds/vllm/`` does, nor any module a push loads): it is the shape a GPU transport
+would take, run today only by ``benchmarks/gpu_buckets.py``, ``benchmarks/gpu_check.py`` and
+``tests/export/test_buckets.py``. The pushes into ``vllm serve`` stage the whole model instead
+(:mod:`faircast_ds.vllm.transfer.planes`).
+
 Pure planning and copying, on whatever device the tensors are: no transport, no socket, no CUDA call.
 :func:`plan` cuts a rank's write list — ``(param index, start element, numel)`` of the served parameters,
 the same pieces the shared-memory plane writes at their :class:`~faircast_ds.export.plane.Layout` offsets —
