@@ -25,6 +25,7 @@ from conftest import AVX512, NO_AVX512, ROOT, cpu_env, free_port
 
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 PREFIXES = ("bash launch/", "faircast-ds ", "faircast-vllm", "python3 -m faircast_ds", "python -m faircast_ds",
+            "python3 -m faircast_jobs", "python -m faircast_jobs",
             "python3 benchmarks/", "python benchmarks/", "nice -n", "NUM_RANKS=", "JOB=", "vllm serve",
             "VLLM_SERVER_DEV_MODE=", "FAIRCAST_SOAK_", "python3 -m pytest", "pip install", "export ")
 
@@ -38,14 +39,14 @@ COVERAGE: list[tuple[str, str, str]] = [
     (r"^(JOB=staleness )?bash launch/main\.sh( |$)", "quick", "test_main_job_commands_run_quick"),
     (r"^bash launch/(setup\.sh && bash launch/)?test\.sh", "long",
      "the suite itself: .ci/run runs `bash launch/setup.sh && bash launch/test.sh`"),
-    (r"^python3 -m faircast_ds\.jobs\.(report|endpoints|findings)\b", "quick", "test_job_report_commands_run"),
-    (r"^python3 -m faircast_ds\.jobs\.grpo --help$", "quick", "test_job_report_commands_run"),
+    (r"^python3 -m faircast_jobs\.(report|endpoints|findings)\b", "quick", "test_job_report_commands_run"),
+    (r"^python3 -m faircast_jobs\.grpo --help$", "quick", "test_job_report_commands_run"),
     (r"^python3 -m faircast_ds\.config\.keys", "quick", "test_config_and_check_commands_run"),
     (r"^faircast-ds check", "quick", "test_config_and_check_commands_run"),
     (r"^faircast-ds predict", "test", "tests/tools/test_predict.py::test_text_report"),
-    (r"^python3 -m faircast_ds\.jobs\.paper_table docs/pretrained/(tied-head-fixed/)?steps\.csv", "test",
+    (r"^python3 -m faircast_jobs\.paper_table docs/pretrained/(tied-head-fixed/)?steps\.csv", "test",
      "tests/jobs/test_paper_table.py::test_the_committed_table_rebuilds_from_the_committed_rows"),
-    (r"^python3 -m faircast_ds\.jobs\.campaign docs/pretrained/tied-head-fixed/steps\.csv", "test",
+    (r"^python3 -m faircast_jobs\.campaign docs/pretrained/tied-head-fixed/steps\.csv", "test",
      "tests/jobs/test_campaign.py::test_the_two_committed_seeds_per_seed_and_over_seeds"),
     (r"^faircast-ds inspect", "test", "tests/export/test_export_zero.py::test_inspect_checkpoint_reports_residuals_per_module_type"),
     (r"^faircast-ds to-universal", "test", "tests/deepspeed_tests/test_checkpoint.py::test_elastic_resume_2_to_3_to_1_ranks"),
@@ -268,7 +269,7 @@ def test_job_report_commands_run(fresh_copy, tmp_path):
     there), placeholders replaced by a committed run directory."""
     ran = 0
     for command in documented_commands():
-        if not re.search(r"^python3 -m faircast_ds\.jobs\.(report|endpoints|findings|grpo --help)", command):
+        if not re.search(r"^python3 -m faircast_jobs\.(report|endpoints|findings|grpo --help)", command):
             continue
         concrete = command.replace("runs/<name>", "docs/grpo/paper").replace("RUN_DIR", "docs/grpo/paper")
         if concrete.endswith("faircast_jobs.endpoints"):

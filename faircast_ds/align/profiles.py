@@ -16,7 +16,7 @@ EngineName = Literal["hf", "vllm-cuda", "vllm-inductor", "sglang", "vllm-cpu"]
 # the ``align_rounding`` config takes ``vllm-cpu``
 CpuVariantName = Literal["vllm-cpu-avx512bf16", "vllm-cpu-avx2"]
 RegionName = Literal["rope", "swiglu", "rmsnorm", "attention"]
-ToBf16 = Literal["nearest", "truncate"]
+ToBf16 = Literal["even", "truncate"]
 
 ENGINES: tuple[str, ...] = get_args(EngineName)
 CPU_VARIANTS: tuple[str, ...] = get_args(CpuVariantName)
@@ -37,7 +37,7 @@ class Rounding:
             residual add (only the stored residual is rounded), whether or not the norm itself
             is fused. Every engine that fuses the norm also keeps the sum, so it defaults to
             ``fused``; vLLM's CPU build keeps the sum but rounds inside the norm like HF.
-        to_bf16: how a fused region's one rounding from fp32 to bf16 is done: ``nearest``
+        to_bf16: how a fused region's one rounding from fp32 to bf16 is done: ``even``
             (round to nearest even, as torch's ``.to(bf16)`` and every GPU kernel do) or
             ``truncate`` (drop the low 16 bits: toward zero), what vLLM's CPU kernels do on an x86
             CPU without AVX512-BF16.
@@ -51,7 +51,7 @@ class Rounding:
     source: str
     fp32_table: bool = False
     fp32_sum: bool | None = None
-    to_bf16: ToBf16 = "nearest"
+    to_bf16: ToBf16 = "even"
     kernel_order: bool = False
 
     def __post_init__(self) -> None:
@@ -59,7 +59,7 @@ class Rounding:
             object.__setattr__(self, "fp32_sum", self.fused)
         if self.to_bf16 not in get_args(ToBf16):
             raise ValueError(f"to_bf16 must be one of {get_args(ToBf16)}, got {self.to_bf16!r}")
-        if (self.to_bf16 != "nearest" or self.kernel_order) and not self.fused:
+        if (self.to_bf16 != "even" or self.kernel_order) and not self.fused:
             raise ValueError("to_bf16 and kernel_order describe a fused region; an unfused region rounds as torch")
 
     def same_numerics(self, other: Rounding) -> bool:

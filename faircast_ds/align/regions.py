@@ -22,11 +22,11 @@ def wide(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def round_to(x: Tensor, dtype: torch.dtype, mode: str = "nearest") -> Tensor:
+def round_to(x: Tensor, dtype: torch.dtype, mode: str = "even") -> Tensor:
     """``x`` rounded to ``dtype`` once: to nearest even (``x.to(dtype)``), or for ``mode="truncate"`` an fp32
     ``x`` going to bf16 keeps its top 16 bits (toward zero, as vLLM's CPU kernels convert without
     AVX512-BF16). The gradient passes straight through, as autograd treats ``.to(dtype)``."""
-    if mode == "nearest" or dtype != torch.bfloat16 or x.dtype != torch.float32:
+    if mode == "even" or dtype != torch.bfloat16 or x.dtype != torch.float32:
         return x.to(dtype)
     if mode != "truncate":
         raise ValueError(f"unknown rounding mode {mode!r}")
