@@ -88,9 +88,10 @@ class JobConfig:
     # "native" or "fp32" (GEMMS); --model sets fp32. Only the bf16 modes' trainer is affected (the fp32 reference
     # multiplies in fp32 either way; the vLLM engine uses its own kernels)
     gemm: str = "native"
-    # DeepSpeed ZeRO stage of the trainer (1, 2 or 3). The served bits do not depend on it (tests/deepspeed_tests/
-    # test_stages.py); with 2 ranks neither do the gradients (the average of two is exact), so the trajectory
-    # is the same and 1/2 only skip ZeRO-3's parameter gathers (benchmarks/pretrained_step.py)
+    # DeepSpeed ZeRO stage of the trainer (1, 2 or 3). The cast's served bits do not depend on it (tests/
+    # deepspeed_tests/test_stages.py), but the SmolLM2 job's trajectory does: at stage 2 its first step's loss
+    # already differs from stage 3's (benchmarks/pretrained_step.py; docs/pretrained.md), so runs are compared
+    # only at one stage
     zero_stage: int = 3
 
     def __post_init__(self) -> None:
