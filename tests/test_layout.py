@@ -176,17 +176,24 @@ BUILT_IN_MODES = {"nearest", "stochastic", "dither", "error_feedback"}  # spelle
 MAY_NAME_MODES = ("faircast_ds.casting", "faircast_ds.config")  # the registry, the rules, the oracle, the config
 
 
-def mode_name_comparisons(source: str) -> list[int]:
-    """Lines where a comparison (==, !=, in, not in) has a built-in mode's name as a literal on either side."""
-    def literals(node: ast.AST) -> set[str]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return {node.value}
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return set().union(*(literals(e) for e in node.elts)) if node.elts else set()
-        return set()
+def _literals(node: ast.AST) -> set[str]:
+    """The string literals a comparison operand spells: one constant, or a tuple, list or set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_literals(e) for e in node.elts)) if node.elts else set()
+    return set()
 
+
+def literal_comparisons(source: str, names: set[str] | frozenset[str]) -> list[int]:
+    """Lines where a comparison (==, !=, in, not in) has one of ``names`` as a literal on either side."""
     return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
-            and (literals(node.left).union(*(literals(c) for c in node.comparators)) & BUILT_IN_MODES)]
+            and (_literals(node.left).union(*(_literals(c) for c in node.comparators)) & names)]
+
+
+def mode_name_comparisons(source: str) -> list[int]:
+    """Lines where a comparison has a built-in mode's name as a literal on either side."""
+    return literal_comparisons(source, BUILT_IN_MODES)
 
 
 def test_the_mode_scan_finds_comparisons():
@@ -304,16 +311,8 @@ MAY_NAME_PLANES = ("faircast_ds.vllm.transfer.planes",)  # the registry that bui
 
 
 def plane_name_comparisons(source: str) -> list[int]:
-    """Lines where a comparison (==, !=, in, not in) has a push plane's name as a literal on either side."""
-    def literals(node: ast.AST) -> set[str]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return {node.value}
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return set().union(*(literals(e) for e in node.elts)) if node.elts else set()
-        return set()
-
-    return sorted(node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
-                  and (literals(node.left).union(*(literals(c) for c in node.comparators)) & PLANE_NAMES))
+    """Lines where a comparison has a push plane's name as a literal on either side."""
+    return sorted(literal_comparisons(source, PLANE_NAMES))
 
 
 def test_the_plane_scan_finds_comparisons():
