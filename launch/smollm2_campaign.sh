@@ -10,24 +10,15 @@ out="${1:-runs/campaign}"
 retries="${RETRIES:-5}"
 mkdir -p "$out"
 echo 1000 > /proc/self/oom_score_adj 2>/dev/null || true
-run() {  # name, then the job's flags
-  local name="$1"; shift
-  for attempt in $(seq 1 "$retries"); do
-    if MASTER_PORT="${MASTER_PORT:-29660}" bash launch/main.sh --model smollm2-135m-instruct --task addition \
-        --out "$out" --name "$name" --lr 1e-5 --steps 100 "$@" >> "$out/$name.log" 2>&1; then
-      echo "$(date -u +%FT%TZ) $name finished" >> "$out/runs.log"
-      return 0
-    fi
-    echo "$(date -u +%FT%TZ) $name stopped (attempt $attempt); resuming from its checkpoint" >> "$out/runs.log"
-    sleep 30
-  done
-  return 1
-}
+port="${MASTER_PORT:-29660}"
+pause=30
+source launch/smollm2_run.sh
+registered=(--lr 1e-5 --steps 100)  # the registration's learning rate and length, for every run
 # reproduction: the first 5 steps of seeds 0 and 1 (a session stops after 5 trained steps per mode run)
 for seed in 0 1; do
   for mode in nearest dither; do
     [ -e "$out/repro-seed$seed-$mode/done" ] && continue
-    run "repro-seed$seed-$mode" --seed-list "$seed" --modes "$mode" --session-steps 5 && \
+    run "repro-seed$seed-$mode" "${registered[@]}" --seed-list "$seed" --modes "$mode" --session-steps 5 && \
       touch "$out/repro-seed$seed-$mode/done"
   done
 done
@@ -50,8 +41,8 @@ PY
 done
 echo "$(date -u +%FT%TZ) seeds run again in full: ${rerun[*]:-none}" >> "$out/runs.log"
 for seed in "${rerun[@]}" 2 3 4 5 6 7; do
-  run "lr1e-5-seed$seed" --seed-list "$seed" --modes nearest,dither
+  run "lr1e-5-seed$seed" "${registered[@]}" --seed-list "$seed" --modes nearest,dither
 done
 for seed in "${rerun[@]}" 2; do
-  run "lr1e-5-fp32-seed$seed" --seed-list "$seed" --modes fp32
+  run "lr1e-5-fp32-seed$seed" "${registered[@]}" --seed-list "$seed" --modes fp32
 done

@@ -11,19 +11,9 @@ out="${1:-runs/smollm2}"
 retries="${RETRIES:-5}"
 mkdir -p "$out"
 echo 1000 > /proc/self/oom_score_adj 2>/dev/null || true
-run() {  # name, then the job's flags
-  local name="$1"; shift
-  for attempt in $(seq 1 "$retries"); do
-    if MASTER_PORT="${MASTER_PORT:-29650}" bash launch/main.sh --model smollm2-135m-instruct --task addition \
-        --out "$out" --name "$name" "$@" >> "$out/$name.log" 2>&1; then
-      echo "$(date -u +%FT%TZ) $name finished" >> "$out/runs.log"
-      return 0
-    fi
-    echo "$(date -u +%FT%TZ) $name stopped (attempt $attempt); resuming from its checkpoint" >> "$out/runs.log"
-    sleep 60
-  done
-  return 1
-}
+port="${MASTER_PORT:-29650}"
+pause=60
+source launch/smollm2_run.sh
 # lr 1e-5: nearest and dither on seed 0 first, 100 steps each, rollouts from `vllm serve`
 run lr1e-5-seed0 --lr 1e-5 --steps 100 --seed-list 0 --modes nearest,dither
 # then lr 1e-6 (the paper's rate): nearest and dither on one seed, 50 steps, for the changed fraction
