@@ -1,11 +1,11 @@
 """One step of the SmolLM2 job by stage, two settings side by side in one run (issue 49 item 1).
 
     python benchmarks/pretrained_step.py [--steps 10] [--mode dither] [--seed 0] \
-        [--base "--zero-stage 3 --kl-master-every 1"] [--fast "--zero-stage 2 --kl-master-every 5"]
+        [--base '--engine-threads 1 --push-plane tcp --kl-master-every 1'] [--fast '']
 
 Runs `bash launch/main.sh --model smollm2-135m-instruct --task addition` for ``--steps`` steps of one mode and
 seed, once with each setting (base first, then fast, then base and fast again with ``--rounds 2``), each into a
-scratch folder, and reads their steps.csv. Per stage, the median over steps 2.. (the checkpoint's mean) of: rollouts (the engine's
+scratch folder, and reads their steps.csv. Per stage, the median over steps 2.. (the mean for the periodic stages: the checkpoint and the diagnostics) of: rollouts (the engine's
 generation and the broadcast), forward+backward, the optimizer step (the cast included), the push into
 `vllm serve` (``engine_sync_ms``), the diagnostics (the rest of the step after the push: KL(master || served),
 Fair Cast's lag, the change counts) and the checkpoint (``save_ms``, one save every 5 steps); the step is their
@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("rollout", "fwd_bwd", "opt", "push", "diagnostics", "save")
 SAME = ("reward", "loss", "changed", "changed_fraction")
+PERIODIC = ("diagnostics", "save")
 
 
 def stage_ms(row: dict) -> dict[str, float]:
@@ -55,8 +56,9 @@ def run_job(flags: str, steps: int, mode: str, seed: int, out: Path, name: str, 
 
 def summarize(rows: list[dict]) -> dict[str, float]:
     per = [stage_ms(r) for r in rows if int(r["step"]) >= 2]
-    # medians (robust to a busy machine), but the checkpoint's mean: a save every 5 steps, amortized
-    out = {s: (statistics.fmean if s == "save" else statistics.median)(p[s] for p in per) for s in STAGES}
+    # medians (robust to a busy machine), but means where a stage's work comes every few steps (a save every
+    # 5 steps; KL(master || served) every --kl-master-every): their cost amortized over the steps
+    out = {s: (statistics.fmean if s in PERIODIC else statistics.median)(p[s] for p in per) for s in STAGES}
     out["step"] = sum(out[s] for s in STAGES)
     return out
 
@@ -76,8 +78,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mode", default="dither")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--base", default="--zero-stage 3 --kl-master-every 1")
-    p.add_argument("--fast", default="--zero-stage 2 --kl-master-every 5")
+    p.add_argument("--base", default="--engine-threads 1 --push-plane tcp --kl-master-every 1",
+                   help="the job as the committed SmolLM2 runs ran it (the engine on 1 thread, tcp, KL every step)")
+    p.add_argument("--fast", default="", help="the job's defaults now")
     p.add_argument("--rounds", type=int, default=1, help="base, fast, base, fast, ... (alternated)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
@@ -96,7 +99,7 @@ def main() -> None:
     med = {label: {k: statistics.median(s[k] for s in results[label]) for k in (*STAGES, "step")}
            for label in results}
     print(f"\nSmolLM2-135M-Instruct, {args.mode} seed {args.seed}, {args.steps} steps per run, {args.rounds} round(s); "
-          f"median over steps 2..{args.steps} (ms)")
+          f"median over steps 2..{args.steps}, the checkpoint and diagnostics their mean (ms)")
     print(f"base: {args.base}\nfast: {args.fast}\n")
     print("| stage | base ms | fast ms | fast / base |\n|---|---|---|---|")
     for k in (*STAGES, "step"):

@@ -93,6 +93,13 @@ class JobConfig:
     # already differs from stage 3's (benchmarks/pretrained_step.py; docs/pretrained.md), so runs are compared
     # only at one stage
     zero_stage: int = 3
+    # --engine vllm: the `vllm serve` process's CPU threads (0: every core of this host; the trainer's ranks
+    # wait while it samples). Its tokens and log-probs are bit-for-bit the same at 1 and 2 threads
+    # (benchmarks/pretrained_step.py checks the trajectory), so a job may resume with another value
+    engine_threads: int = 0
+    # --engine vllm: the plane the served weights reach `vllm serve` by ("": ServedPush's fastest that works,
+    # shm on one host, with a secret the job draws; every push is verified, so a job may resume with another)
+    push_plane: str = ""
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -185,8 +192,14 @@ def _problems(cfg: JobConfig) -> list[str]:
         positive_int(name, getattr(cfg, name))
     if isinstance(cfg.operand_max, int) and not isinstance(cfg.operand_max, bool) and cfg.operand_max > 9:
         out.append(f"--operand-max must be at most 9 (one-digit operands), got {cfg.operand_max}")
-    for name in ("kl_master_every", "save_every", "session_steps"):
+    for name in ("kl_master_every", "save_every", "session_steps", "engine_threads"):
         positive_int(name, getattr(cfg, name), low=0)
+    if cfg.push_plane:
+        from faircast_ds.vllm.transfer.planes import PLANES
+
+        if cfg.push_plane not in PLANES:
+            out.append(f"--push-plane must be one of {', '.join(PLANES)} (or leave it out: the fastest that "
+                       f"works), got {cfg.push_plane!r}")
     if isinstance(cfg.zero_stage, bool) or cfg.zero_stage not in (1, 2, 3):
         out.append(f"--zero-stage must be 1, 2 or 3, got {cfg.zero_stage!r}")
     if cfg.session_steps and not cfg.save_every:
@@ -216,7 +229,7 @@ TASKS: tuple[str, ...] = ("", "addition")
 # tokens from `vllm serve` fed the served weights, the fp32 reference and the two casts, checkpoints to resume
 PRETRAINED_DEFAULTS: dict[str, Any] = {
     "steps": 100, "lr": 1e-5, "modes": ("fp32", "nearest", "dither"), "rollouts": 16, "group": 4, "gen_len": 16,
-    "rollout_engine": "vllm", "rollout_via": "module", "eval_every": 0, "kl_every": 0, "kl_master_every": 1,
+    "rollout_engine": "vllm", "rollout_via": "module", "eval_every": 0, "kl_every": 0, "kl_master_every": 5,
     "save_every": 5, "persist_threshold": 100_000, "task": "addition", "gemm": "fp32",
 }
 # what a run.json written before regimes existed ran with (the settings it does not list)

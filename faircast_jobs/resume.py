@@ -20,7 +20,7 @@ import shutil
 from typing import Any
 
 # settings a resumed job may change (where it writes and what it shows), every other one must match
-FREE = ("out", "name", "session_steps")
+FREE = ("out", "name", "session_steps", "engine_threads", "push_plane")  # the last two: same bits (config.py)
 # settings added after jobs were started, with the value a job.json written before them ran with
 ADDED = {"gemm": "native", "zero_stage": 3}  # settings added since: what a job.json without them ran with
 INTEGER_COLUMNS = ("seed", "step", "changed", "numel", "sync_bytes", "sync_bytes_dense", "engine_sync_params",

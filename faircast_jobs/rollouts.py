@@ -30,6 +30,7 @@ import torch
 from faircast_jobs.config import ROLLOUT_ENGINES as ENGINES
 
 ALIGNED_PROFILE = "vllm-cpu"
+SECRET_ENV = "FAIRCAST_DS_SYNC_SECRET"
 KV_CACHE_GIB = 1 / 16  # 64 MiB: a step's rollouts need ~2 MB; the engine process then holds ~0.8 GiB, not ~1.7
 _SEED_MOD = 2**63 - 1
 
@@ -75,7 +76,8 @@ class VllmRollouts:
 
     name = "vllm"
 
-    def __init__(self, ds_engine: Any, view: Any, *, fp32: bool, seed: int, max_len: int, run_dir: str) -> None:
+    def __init__(self, ds_engine: Any, view: Any, *, fp32: bool, seed: int, max_len: int, run_dir: str,
+                 threads: int = 0, plane: str = "") -> None:
         import torch.distributed as dist
 
         from faircast_ds.export import save_hf
@@ -85,6 +87,10 @@ class VllmRollouts:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ds_engine, self.view, self.fp32 = ds_engine, view, fp32
         dtype = "float32" if fp32 else "bfloat16"
+        if SECRET_ENV not in os.environ:  # one secret per job, on every rank and the server: the shm plane's
+            from faircast_ds._util.dist import from_rank0  # handshake needs one (the job's engine is on this host)
+
+            os.environ[SECRET_ENV] = from_rank0(os.urandom(16).hex())
         if _Shared.engine is not None and _Shared.dtype != dtype:
             _Shared.engine.close()
             _Shared.engine = None
@@ -94,14 +100,14 @@ class VllmRollouts:
             if self.rank == 0:
                 # a `vllm serve` process on loopback with the faircast backend, killed with its group at the end
                 _Shared.engine = VllmServer(directory, dtype=dtype, seed=seed, max_model_len=max_len,
-                                            kv_cache_gib=KV_CACHE_GIB,
+                                            kv_cache_gib=KV_CACHE_GIB, threads=threads or os.cpu_count(),
                                             log_path=os.path.join(run_dir, f"vllm-server-{dtype}.log"))
             _Shared.dtype = dtype
             dist.barrier()
         self.engine = _Shared.engine if self.rank == 0 else None
         if _Shared.push is not None:
             _Shared.push.close()  # the previous run's session: this run's first push is dense
-        self.push = _Shared.push = ServedPush(ds_engine, self.engine)
+        self.push = _Shared.push = ServedPush(ds_engine, self.engine, plane=plane or None)
         report = self.push.push(kind="dense")  # every run starts from its own initial weights
         if report.verified is not True:
             raise RuntimeError(f"the vLLM engine does not hold the served weights after the first push: {report}")
@@ -180,11 +186,12 @@ def _gap_sums(trainer: torch.Tensor, engine: torch.Tensor) -> list[float]:
 
 
 def make(name: str, *, sample: Callable[..., torch.Tensor], ds_engine: Any, view: Any, fp32: bool, seed: int,
-         max_len: int, run_dir: str) -> HFRollouts | VllmRollouts:
+         max_len: int, run_dir: str, **engine: Any) -> HFRollouts | VllmRollouts:
+    """``engine``: VllmRollouts' ``threads`` and ``plane`` (--engine-threads, --push-plane)."""
     if name == "hf":
         return HFRollouts(sample, ds_engine, view)
     if name == "vllm":
-        return VllmRollouts(ds_engine, view, fp32=fp32, seed=seed, max_len=max_len, run_dir=run_dir)
+        return VllmRollouts(ds_engine, view, fp32=fp32, seed=seed, max_len=max_len, run_dir=run_dir, **engine)
     raise ValueError(f"unknown rollout engine {name!r}; choose from {', '.join(ENGINES)}")
 
 

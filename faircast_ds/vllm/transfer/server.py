@@ -38,13 +38,16 @@ class VllmServer:
     ``launcher``: a command prefix the server runs under, e.g. ``["ip", "netns", "exec", NS]`` for a
     server in another network namespace (the benchmark's cross-host row); it must exec the command it
     is given (the server stays this object's child, killed with its process group). With a launcher
-    the port is not probed here (this host may not own ``host``): pass ``port``."""
+    the port is not probed here (this host may not own ``host``): pass ``port``.
+
+    ``threads``: the server's CPU threads (``OMP_NUM_THREADS``; None: this process's). On a CPU host where
+    the trainer waits while the engine samples, give it every core."""
 
     def __init__(self, model_dir: str | os.PathLike | None = None, *, url: str | None = None,
                  host: str = DEFAULT_HOST, port: int | None = None, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int | None = None, kv_cache_gib: float = 1 / 16, log_path: str | os.PathLike | None = None,
                  start_timeout: float = 600.0, request_timeout: float = 300.0, extra_args: Sequence[str] = (),
-                 worker_extension: bool = False, launcher: Sequence[str] = ()) -> None:
+                 worker_extension: bool = False, launcher: Sequence[str] = (), threads: int | None = None) -> None:
         self.proc: subprocess.Popen | None = None
         self.request_timeout = request_timeout
         self._log = None
@@ -54,6 +57,8 @@ class VllmServer:
         if model_dir is None:
             raise ValueError("VllmServer needs model_dir (to start a server) or url (to attach to one)")
         launcher = [str(a) for a in launcher]
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"VllmServer: threads must be a positive int or None, not {threads!r}")
         if launcher and not port:
             raise ValueError("VllmServer with a launcher needs an explicit port (this process may not reach "
                              f"{host} to find a free one)")
@@ -75,6 +80,8 @@ class VllmServer:
             cmd += ["--max-model-len", str(max_model_len)]
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         if not torch.cuda.is_available():
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: pin nothing
         self.log_path = Path(log_path) if log_path is not None else Path(f"vllm-server-{port}.log")

@@ -1,0 +1,45 @@
+"""faircast_jobs.delta_table: the per-mode delta-sync table of docs/modes.md, read from job folders."""
+import csv
+import json
+
+import pytest
+
+from faircast_jobs import delta_table
+
+FIELDS = ("mode", "seed", "step", "changed_fraction", "sync_bytes", "sync_bytes_dense", "engine_sync_bytes")
+
+
+def write_job(folder, lr, rows):
+    folder.mkdir(parents=True)
+    (folder / "job.json").write_text(json.dumps({"lr": lr}))
+    with open(folder / "steps.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow(dict(zip(FIELDS, r)))
+
+
+def test_medians_leave_step_one_out_and_each_lr_keeps_its_own_rows(tmp_path):
+    # step 1 is huge on purpose: a table that kept it would show it (median of 3 values would move)
+    write_job(tmp_path / "a", 1e-5, [("nearest", 0, 1, 0.5, 900, 1000, 900), ("nearest", 0, 2, 0.01, 10, 1000, 12),
+                                      ("nearest", 0, 3, 0.03, 30, 1000, 32), ("dither", 0, 2, 0.02, 20, 1000, 22)])
+    write_job(tmp_path / "b", 1e-6, [("nearest", 0, 2, 0.004, 4, 1000, 5)])
+    text = delta_table.table(delta_table.read(tmp_path))
+    lines = [line for line in text.splitlines() if line.startswith("| 1e-")]
+    # by hand: lr 1e-5 nearest over steps 2,3: changed median 2%, delta median 20 B = 2.0% of 1000, pushed 22 B
+    assert lines[0] == "| 1e-05 | nearest | 2..3 | 2.00% | 98.00% | 0.0 MB | 2.0% | 0.0 MB |"
+    assert lines[1].startswith("| 1e-05 | dither | 2..2 | 2.00% |")
+    assert lines[2] == "| 1e-06 | nearest | 2..2 | 0.40% | 99.60% | 0.0 MB | 0.4% | 0.0 MB |"
+
+
+def test_a_folder_without_its_job_or_rows_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="no .*steps.csv"):
+        delta_table.read(tmp_path)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "steps.csv").write_text("mode,step\n")
+    with pytest.raises(SystemExit, match="no job.json"):
+        delta_table.read(tmp_path)
+    write_job(tmp_path / "y", 1e-5, [("nearest", 0, 1, 0.5, 900, 1000, 900)])
+    (tmp_path / "x" / "steps.csv").unlink()
+    with pytest.raises(SystemExit, match="only step 1"):
+        delta_table.table(delta_table.read(tmp_path))
