@@ -10,6 +10,10 @@ value encodings, over the full served model), that delta as a share of a dense b
 (``engine_sync_bytes``, the job's ServedPush). Beside them, two outside figures a delta-sync user compares
 against (in docs/modes.md, with their sources): ~99% of bf16 weights unchanged per step, and 20-35 MB per
 step against 1.2 GB dense (1.7-2.9%) at Qwen3-0.6B.
+
+Where the rows carry them (the job's importance-sampling columns, faircast_jobs/rollouts.py ``is_figures``), a
+second table puts beside each mode's lag what TRL's vLLM importance-sampling correction would see of the
+trainer-engine gap (docs/mismatch.md): does the correction see round-to-nearest's lag?
 """
 from __future__ import annotations
 
@@ -63,9 +67,40 @@ def table(runs: dict[tuple[float, str], list[dict]]) -> str:
     return "\n".join(lines)
 
 
+CORRECTION = ("is_token_mean", "is_seq_min", "is_seq_max", "is_seq_masked", "phantom_clip_tokens", "engine_mismatch_k3")
+
+
+def correction_table(runs: dict[tuple[float, str], list[dict]]) -> str | None:
+    """Per lr and mode over steps 2..: the lag along the drift (median), the mean token ratio (median of the
+    steps' means), the sequence ratio's extremes (min and max over the steps), the share of sequences TRL's
+    default sequence_mask drops and of tokens outside [0.8, 1.2] (means over the steps), the K3 KL (median)."""
+    lines = ["| lr | mode | steps | lag along drift (median) | token ratio mean | sequence ratio min, max | "
+             "sequences masked (TRL default) | tokens outside [0.8, 1.2] | K3 KL |", "|---|---|---|---|---|---|---|---|---|"]
+    found = False
+    for lr in sorted({k[0] for k in runs}, reverse=True):
+        for mode in sorted((m for (x, m) in runs if x == lr), key=lambda m: (ORDER + (m,)).index(m)):
+            later = [r for r in runs[(lr, mode)] if int(r["step"]) >= 2 and r.get("is_token_mean", "") not in ("", "nan")]
+            if not later:
+                continue
+            found = True
+            col = lambda key: [float(r[key]) for r in later]  # noqa: E731
+            lag = [x for x in col("lag_drift_steps") if x == x]
+            lines.append(f"| {lr:g} | {mode} | {len(later)} | {statistics.median(lag) if lag else float('nan'):.1f} | "
+                         f"{statistics.median(col('is_token_mean')):.4f} | {min(col('is_seq_min')):.3f}, "
+                         f"{max(col('is_seq_max')):.3f} | {100 * statistics.fmean(col('is_seq_masked')):.2f}% | "
+                         f"{100 * statistics.fmean(col('phantom_clip_tokens')):.2f}% | "
+                         f"{statistics.median(col('engine_mismatch_k3')):.2e} |")
+    return "\n".join(lines) if found else None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    print(table(read(Path(args[0] if args else "runs/delta"))))
+    runs = read(Path(args[0] if args else "runs/delta"))
+    print(table(runs))
+    more = correction_table(runs)
+    if more is not None:
+        print("\nWhat an importance-sampling correction sees, beside the lag (steps with the columns):\n")
+        print(more)
 
 
 if __name__ == "__main__":

@@ -43,3 +43,24 @@ def test_a_folder_without_its_job_or_rows_is_named(tmp_path):
     (tmp_path / "x" / "steps.csv").unlink()
     with pytest.raises(SystemExit, match="only step 1"):
         delta_table.table(delta_table.read(tmp_path))
+
+
+def test_the_correction_table_reads_the_importance_sampling_columns_beside_the_lag(tmp_path):
+    fields = ("mode", "step", "lag_drift_steps", "is_token_mean", "is_seq_min", "is_seq_max", "is_seq_masked",
+              "phantom_clip_tokens", "engine_mismatch_k3")
+    folder = tmp_path / "a"
+    folder.mkdir()
+    (folder / "job.json").write_text(json.dumps({"lr": 1e-6}))
+    rows = [("nearest", 1, "nan", 9.0, 0.1, 9.0, 1.0, 1.0, 1.0),  # step 1: left out (it would move every figure)
+            ("nearest", 2, 3.0, 1.01, 0.90, 1.20, 0.0, 0.02, 1e-3),
+            ("nearest", 3, 5.0, 1.03, 0.80, 1.10, 0.5, 0.04, 3e-3),
+            ("dither", 2, "nan", "nan", "nan", "nan", "nan", "nan", "nan")]  # no columns yet: no row
+    with open(folder / "steps.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(fields)
+        w.writerows(rows)
+    text = delta_table.correction_table(delta_table.read(tmp_path))
+    body = [line for line in text.splitlines() if line.startswith("| 1e-")]
+    # by hand over steps 2-3: lag median 4.0, token mean median 1.02, sequence min 0.80 max 1.20,
+    # masked mean 25%, outside mean 3%, K3 median 2e-3
+    assert body == ["| 1e-06 | nearest | 2 | 4.0 | 1.0200 | 0.800, 1.200 | 25.00% | 3.00% | 2.00e-03 |"]
