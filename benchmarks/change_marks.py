@@ -18,7 +18,7 @@ import torch
 
 from faircast_ds.casting.marks import MarkSet
 from faircast_ds.config.section import FairCastConfig
-from faircast_ds.export.tracking import BaselineTracker, MarksTracker
+from faircast_ds.export.source import BaselineTracker, MarksTracker
 from faircast_ds.shard.caster import ShardCaster, ShardSlice
 from timing import best as _best
 

@@ -74,8 +74,8 @@ _HOST = _COMMON + textwrap.dedent("""
 """)
 
 _RANK = _COMMON + textwrap.dedent("""
-    from faircast_ds.export.stages import Stages
     from faircast_ds.casting import marks as M
+    from faircast_ds.export import delta
     from faircast_ds.vllm.transfer.segment import SegmentWriter
     rank = {rank}
     half = n // 2
@@ -91,9 +91,9 @@ _RANK = _COMMON + textwrap.dedent("""
     sent = {{}}
     for version in range(1, {repeats} + 1):
         t = time.perf_counter()
-        w.write(version, "dense", None, set(range({params})), Stages())
+        w.write(version, "dense", None, set(range({params})), {{}})
         if rank == 0:
-            w.commit(version, None, Stages())
+            w.commit(version, None, {{}})
             times["dense"].append(time.perf_counter() - t)
         wait(f"seen{{version}}")
     # deltas: a share of each rank's elements changed (evenly spread), carried as whole changed slices
@@ -112,12 +112,16 @@ _RANK = _COMMON + textwrap.dedent("""
                 marks = M.new_bitmap(bits.numel(), fill=False)
                 M.or_mask(marks, 0, bits != base)
                 counts = [M.count_range(marks, i * half, half) for i in range({params})]
-                extra = dict(changes=counts, indices=lambda k: M.read_indices(marks, k * half, half)) \
-                    if variant == "changes" else {{}}
                 t = time.perf_counter()
-                w.write(version, "delta", version - 1, set(range({params})), Stages(), **extra)
+                lists = {{}}  # as ServedPush builds them: where a change list is the smallest encoding
+                if variant == "changes":
+                    for k, (_, _, v) in enumerate(slices):
+                        if delta.best(half, counts[k], 2) == delta.COO:
+                            where = M.read_indices(marks, k * half, half)
+                            lists[k] = (where.to(delta.index_dtype(half)), v.view(torch.int16)[where])
+                w.write(version, "delta", version - 1, set(range({params})), {{}}, changes=lists)
                 if rank == 0:
-                    reply = w.commit(version, set(range({params})), Stages())
+                    reply = w.commit(version, set(range({params})), {{}})
                     times[key].append(time.perf_counter() - t)
                     sent[key] = reply.get("sent")
                 del base, marks

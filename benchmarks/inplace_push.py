@@ -105,7 +105,7 @@ def main() -> None:
                   f"{med(k, 'inplace_seconds'):>10.3f} {med(k, 'reload_seconds'):>9.3f} {med(k, 'probe_seconds'):>8.3f} "
                   f"{med(k, 'check_seconds'):>8.3f} {int(med(k, 'inplace')):>9}/{int(med(k, 'reloaded')):<8} "
                   f"{med(k, 'push') / med(base, 'push'):>15.2f} {med(k, 'load_seconds') / med(base, 'load_seconds'):>6.2f}")
-    # where an in-place push's seconds go, by the push's own stages (faircast_ds.export.stages; they overlap:
+    # where an in-place push's seconds go, by the push's own stages (faircast_ds.export.source.Stages; they overlap:
     # the HTTP update call waits while the trainer walks and sends)
     keys = [(True, share) for share in args.shares]
     stages = sorted({f for k in keys for x in rows[k] for f in x if f.startswith("stage ")},

@@ -1,13 +1,13 @@
 """Push times into a separate vLLM engine process, on the same model: the `faircast` weight-transfer backend
-into `vllm serve` (faircast_ds.vllm.transfer: vLLM's HTTP routes + the authenticated channel or the data
+into `vllm serve` (faircast_ds.vllm.transfer: vLLM's HTTP routes + the data
 plane, the engine's check inside finish) against the route it replaces, faircast_ds.vllm.remote (its own engine server and control
 protocol; only in commits before its removal), when that module is importable.
 
-    python benchmarks/vllm_push.py [--hidden 256 --layers 4 --vocab 2048 --repeats 3 --planes tcp shm net]
+    python benchmarks/vllm_push.py [--hidden 256 --layers 4 --vocab 2048 --repeats 3 --planes shm net]
 
 Prints one line per route and update kind (dense; a delta of 4 changed elements; a push with nothing
 changed): median seconds of the whole push (verification included), bytes on the channel, HTTP calls and
-collectives, then the median seconds of each stage (faircast_ds.export.stages; stages overlap, e.g. the
+collectives, then the median seconds of each stage (faircast_ds.export.source.Stages; stages overlap, e.g. the
 HTTP update call waits while the trainer streams, so they do not sum to the push). One process, no DeepSpeed (an nn.Module); each route starts its own engine.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--planes", nargs="+", choices=("tcp", "shm", "net"), default=["tcp", "shm"],
+    ap.add_argument("--planes", nargs="+", choices=("shm", "net"), default=["shm", "net"],
                     help="the faircast backend's data planes to time, one after the other on one server")
     ap.add_argument("--skip-remote", action="store_true", help="do not try the removed faircast_ds.vllm.remote")
     args = ap.parse_args()
@@ -89,10 +89,6 @@ def main() -> None:
     from faircast_ds.vllm.transfer import ServedPush, VllmServer
 
     with VllmServer(work / "export", max_model_len=64, log_path=work / "server.log") as server:
-        if "tcp" in args.planes:
-            push = ServedPush(model, server)
-            report("faircast backend, TCP channel", timed(push.push, model, args.repeats), numel)
-            push.close()
         if "shm" in args.planes:
             push = ServedPush(model, server, plane="shm")
             report("faircast backend, shared memory", timed(push.push, model, args.repeats), numel)
@@ -109,7 +105,7 @@ def main() -> None:
     except ImportError:
         print("faircast_ds.vllm.remote: not in this commit (removed); run this script at an earlier commit for it")
         return
-    from faircast_ds.vllm.transfer.trainer import free_port
+    from faircast_ds.export.channel import free_port
 
     port, control = free_port(), free_port()
     with open(work / "remote.log", "w") as log:

@@ -29,7 +29,9 @@ the update carries. The commit is counted only when *every* rank of the world re
 ``v``, the reported parameters are exactly the commit's, each rank's byte count equals its declared
 slices of those parameters, the ranks' slices cover each parameter exactly once, and every digest
 matches. A rank that vanishes before the commit fails the write. Until a later dense write commits,
-a dirty segment takes no delta.
+a dirty segment takes no delta. Versions only increase: a write of a version not newer than the last
+one committed (or named by a no-change update) is refused before it begins, so a version names one set
+of bits and the engine's weight version never goes back within a session.
 """
 from __future__ import annotations
 
@@ -234,6 +236,7 @@ class Ledger:
         self.ranks: dict[int, RankState] = {}
         self.session: str | None = None
         self.segment_version: int | None = None  # the version whose complete bits the segment holds
+        self.last_version: int | None = None  # the newest version committed (or named the same) here
         self.writing: tuple[int, str, int | None] | None = None  # (version, kind, base) of the open write
         self.failure: str | None = None  # why the open write cannot commit
         self.committed: Commit | None = None  # committed, not yet taken by the engine's update call
@@ -289,6 +292,12 @@ class Ledger:
         if type(version) is not int or not 0 <= version < 2**63 or kind not in ("dense", "delta"):
             raise PlaneError(f"malformed begin: version {version!r}, kind {kind!r}")
         with self.cond:
+            if self.last_version is not None and version <= self.last_version and not (
+                    self.writing is not None and self.writing[0] == version):
+                # a version names one set of bits, and the engine's weight version must not go back
+                raise PlaneError(f"update version {version} is " + (
+                    f"older than the weights served (version {self.last_version})" if version < self.last_version
+                    else "the version the engine already holds; versions must increase when the weights change"))
             if self.writing is not None and self.writing[0] == version:
                 if self.writing[1:] != (kind, base):
                     raise PlaneError(f"rank {rank} writes version {version} as {kind} on {base}, rank 0's write "
@@ -393,6 +402,7 @@ class Ledger:
             done = Commit(version, kind, want, nbytes, {"commit_wait": time.perf_counter() - began},
                           sum(self.ranks[r].report["sent"] for r in range(world)), listed)
             self.segment_version, self.writing, self.committed = version, None, done
+            self.last_version = version
             self.commits += 1
             return done
 
@@ -402,7 +412,7 @@ class Ledger:
             if self.segment_version is None or base != self.segment_version or type(version) is not int:
                 raise PlaneError(f"a no-change update on version {base!r} but the staging segment is "
                                  f"{'dirty' if self.segment_version is None else self.segment_version}")
-            self.segment_version = version
+            self.segment_version = self.last_version = version
 
     def take(self, version: int) -> Commit:
         """The committed write of ``version`` for the engine to load (once)."""

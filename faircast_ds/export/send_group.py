@@ -7,7 +7,7 @@ its own served slices to the engine with point-to-point ``send``/``recv`` (the s
 prefix, only on that rank's authenticated channel (after the handshake and the hello the ledger
 accepted). The group has ``world + 1`` members: the trainer ranks keep their own numbers and the engine is
 the last. One :class:`Generation` is one group; a rank that leaves ends it, and the ranks then join a new
-one together (:class:`~faircast_ds.vllm.transfer.plane_route.PlaneRoute` closes every rank's end after a
+one together (:class:`~faircast_ds.vllm.transfer.served_push.ServedPush` closes every rank's end after a
 failed push).
 
 **What it does not authenticate.** The bytes of a send carry no MAC, and the store and the library's own

@@ -8,7 +8,7 @@ fp32 is ever read here, and no framework is imported.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -21,13 +21,13 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    numel: int = field(init=False, repr=False, compare=False)  # elements, counted once
 
-    @property
-    def numel(self) -> int:
+    def __post_init__(self) -> None:
         n = 1
         for d in self.shape:
             n *= d
-        return n
+        object.__setattr__(self, "numel", n)
 
 
 @dataclass(frozen=True)

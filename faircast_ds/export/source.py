@@ -29,11 +29,31 @@ a model hands export its reader: :func:`provide` (DeepSpeed's attach provides
 its HF-named ``MegatronHFReader``). :func:`reader_of` is the one lookup; a model no integration
 provided a reader for is read as a plain module (:class:`ModelReader`). No framework, no integration
 and no engine is imported here, and nothing depends on what was imported before.
+
+**What changed** since the version an engine acknowledged, per local slice (the question every delta
+asks, issue 32 item 4), has two answers with one interface: :class:`MarksTracker` reads the cast's own
+change marks (:mod:`faircast_ds.casting.marks`, 1 bit per shard element, set by the kernel that writes
+the served bits), used when the reader offers them (``reader.change_marks()``: DeepSpeed with Fair Cast
+attached) and they cover every local slice; :class:`BaselineTracker` compares against a copy of each
+slice's bits at the acknowledged version (2 bytes per element): weights no cast marks, or a second
+engine when the marks already serve one. :func:`tracker_for` picks one; both are rank-local.
+
+**Seconds per stage** of one update, on both ends (issue 32 item 1): a :class:`Stages` accumulates wall
+seconds under stage names; every route fills one per update and hands it back in its report
+(:attr:`ServedReport.stages`, a plain dict). Names are ``side.stage``: ``trainer.walk`` (reading the
+served weights: ZeRO-3 gathers, or each rank's slices), ``trainer.diff`` (what changed),
+``trainer.encode`` (delta encodings), ``trainer.mac`` / ``engine.mac`` (HMAC over frames),
+``trainer.send`` / ``engine.receive`` (socket time, MAC excluded), ``engine.stage``, ``engine.load``
+(inside vLLM's ``reload_weights``), ``trainer.collectives``, ``http.<route>`` (one entry per HTTP call,
+its whole round trip), ``shm.*`` / ``net.*`` / ``group.*`` (a plane's begin, write or send, digest,
+commit). Stages may overlap (an HTTP call that waits while the trainer streams): they are not meant to
+sum to the push.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Protocol, Sequence
 
@@ -42,7 +62,6 @@ import torch.distributed as dist
 
 from faircast_ds._util.dist import collective_device, rank_world
 from faircast_ds.export import delta as delta_encoding
-from faircast_ds.export.tracking import BaselineTracker, MarksTracker, tracker_for
 from faircast_ds.export.served import (
     LocalSlice,
     ParamSpec,
@@ -52,6 +71,141 @@ from faircast_ds.export.served import (
 )
 
 DENSE, DELTA = "dense", "delta"
+
+
+# ---------------------------------------------------------------- seconds per stage
+class Stages:
+    """Wall seconds and call counts per stage name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def add(self, name: str, seconds: float, calls: int = 1) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + float(seconds)
+        self.calls[name] = self.calls.get(name, 0) + int(calls)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - began)
+
+    def merge(self, other: Mapping[str, float] | "Stages" | None, prefix: str = "") -> None:
+        if other is None:
+            return
+        items = other.seconds.items() if isinstance(other, Stages) else other.items()
+        for k, v in items:
+            if isinstance(v, (int, float)):
+                self.add(prefix + k, v, other.calls.get(k, 1) if isinstance(other, Stages) else 1)
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+    def http_calls(self) -> int:
+        return sum(n for k, n in self.calls.items() if k.startswith("http."))
+
+
+def format_stages(stages: Mapping[str, float], total: float | None = None, width: int = 22) -> str:
+    """One line per stage, slowest first, with its share of ``total``."""
+    lines = []
+    for name, s in sorted(stages.items(), key=lambda kv: -kv[1]):
+        share = f"  {s / total:6.1%}" if total else ""
+        lines.append(f"  {name:<{width}} {s * 1e3:9.1f} ms{share}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- what changed since the acknowledged version
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The elements as same-width integers (a flat view): bits compared, never values."""
+    return t.detach().view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+class BaselineTracker:
+    """Changes against a kept copy of the acknowledged bits (2 bytes per local element)."""
+
+    kind = "baseline"
+
+    def __init__(self) -> None:
+        self._baseline: list[torch.Tensor] | None = None
+
+    def counts(self, values: Sequence[torch.Tensor]) -> list[int]:
+        return [int((_bits(v) != base).sum()) for v, base in zip(values, self._require(values))]
+
+    def mask(self, position: int, values: torch.Tensor) -> torch.Tensor:
+        base = self._baseline[position] if self._baseline is not None else None
+        if base is None:
+            raise RuntimeError("no acknowledged version to compare against")
+        return torch.ne(_bits(values), base)
+
+    def indices(self, position: int, values: torch.Tensor) -> torch.Tensor:
+        """Sorted int64 indices of the elements of slice ``position`` that changed."""
+        return self.mask(position, values).nonzero().view(-1)
+
+    def acknowledge(self, values: Sequence[torch.Tensor], positions: set[int] | None = None) -> None:
+        """The engine now serves ``values``' bits (those of ``positions`` only, the others unchanged)."""
+        if self._baseline is None or len(self._baseline) != len(values):
+            self._baseline = [_bits(v).clone() for v in values]
+            return
+        for p in range(len(values)) if positions is None else positions:  # in place: no second copy
+            self._baseline[p].copy_(_bits(values[p]))
+
+    def _require(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self._baseline is None or len(self._baseline) != len(values):
+            raise RuntimeError("no acknowledged version to compare against")
+        return self._baseline
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._baseline or ())
+
+    def close(self) -> None:
+        self._baseline = None
+
+
+class MarksTracker:
+    """Changes read from the cast's change marks (1 bit per local element, kept by the casters)."""
+
+    kind = "marks"
+
+    def __init__(self, marks: Any) -> None:
+        self.marks = marks
+
+    def counts(self, values: Sequence[torch.Tensor]) -> list[int]:
+        return [self.marks.count(v) for v in values]
+
+    def mask(self, position: int, values: torch.Tensor) -> torch.Tensor:
+        return self.marks.mask(values)
+
+    def indices(self, position: int, values: torch.Tensor) -> torch.Tensor:
+        return self.marks.indices(values)
+
+    def acknowledge(self, values: Sequence[torch.Tensor], positions: set[int] | None = None) -> None:
+        """The engine now serves every local bit as it is: no element changed since. (Slices a delta
+        did not carry had no marks set, so clearing them all is the same.)"""
+        self.marks.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.marks.nbytes)
+
+    def close(self) -> None:
+        self.marks.release(self)
+
+
+def tracker_for(reader: Any, values: Sequence[torch.Tensor]) -> MarksTracker | BaselineTracker:
+    """The cast's marks when ``reader`` offers them, they cover every one of ``values`` and no other
+    consumer holds them; else a baseline."""
+    offer = getattr(reader, "change_marks", None)
+    marks = offer() if callable(offer) else None
+    if marks is not None and all(marks.covers(v) for v in values):
+        tracker = MarksTracker(marks)
+        if marks.claim(tracker):
+            marks.invalidate()  # nothing this consumer's engine acknowledged yet
+            return tracker
+    return BaselineTracker()
 
 
 @dataclass(frozen=True)
@@ -78,7 +232,7 @@ class ServedReport:
     verify_seconds: float = 0.0
     verified: bool | None = None  # None: not checked
     mismatched: list[str] = field(default_factory=list)
-    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (faircast_ds.export.stages)
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (:class:`Stages`)
     http_calls: int = 0  # HTTP round trips to the engine during the update
     collectives: int = 0  # collectives of the training job during the update (walk gathers not counted)
     tracking: str | None = None  # how deltas find changes: "marks" (the cast's, 1 bit/element), "baseline" (a copy)
@@ -101,7 +255,7 @@ class ServedReader(Protocol):
       ValueError when this rank's pieces cannot be read (no delta is possible then).
     - ``change_marks()`` (optional): the cast's change marks over this rank's pieces
       (:class:`faircast_ds.casting.marks.MarkSet`), or None; deltas read them instead of keeping a copy
-      of the acknowledged bits (:mod:`faircast_ds.export.tracking`).
+      of the acknowledged bits (:func:`tracker_for`).
     - :meth:`full`: parameter ``index`` in full, in its served dtype, for the duration (a collective
       over :attr:`group` where :meth:`is_gathered` says so).
     - :attr:`group`: the process group the walk's own collectives run on (None: the default group).

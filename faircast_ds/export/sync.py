@@ -70,8 +70,7 @@ from faircast_ds.export.channel import (
     resolve_secret,
 )
 from faircast_ds.export.served import ParamSpec, module_of
-from faircast_ds.export.source import ServedItem, ServedReport, ServedSource, Walk
-from faircast_ds.export.stages import Stages
+from faircast_ds.export.source import ServedItem, ServedReport, ServedSource, Stages, Walk
 
 PROTOCOL = 2  # 2: the framed, authenticated channel (1 was the gloo channel)
 _END = -1
@@ -189,24 +188,9 @@ class WeightSender:
         with self.stages("trainer.collectives"):
             return from_rank0(obj)
 
-    def delta_walk(self, kind: str = "auto", version: int | None = None, *,
-                   groups: Mapping[str, Sequence[str]] | None = None) -> Walk | None:
-        """Start this sync's delta walk ahead of :meth:`sync` (collective: the session check and the
-        changed-count all-reduce), so a caller sees ``walk.changed`` before it asks the engine for an
-        update round; pass the walk to :meth:`sync`, or :meth:`Walk.close` it when nothing changed
-        (the receiver then still holds the acknowledged version, and the bits are the same). None
-        when this sync cannot be a delta (no live session, nothing acknowledged, ``kind="dense"``)."""
-        self.stages, self.collectives, self._engine_stages = Stages(), 0, {}
-        if kind not in ("auto", "dense", "delta") or kind == "dense" or not self.can_delta:
-            return None
-        if self._baseline_version is None or not self._session_alive():
-            return None
-        with self.stages("trainer.diff"):
-            return self.source.walk("delta", masks=True, groups=groups, version=version)
-
     def sync(self, version: int | None = None, kind: str = "auto", *,
              on_param: Callable[[ServedItem], None] | None = None,
-             groups: Mapping[str, Sequence[str]] | None = None, walk: Walk | None = None) -> ServedReport:
+             groups: Mapping[str, Sequence[str]] | None = None) -> ServedReport:
         """Push the served weights (collective). ``version`` defaults to the engine's ``global_steps``.
         ``kind``: ``auto`` (delta when the receiver acknowledged a previous sync in this session, else
         dense), ``dense``, or ``delta``. Reconnects first if the session is gone. Raises
@@ -214,23 +198,18 @@ class WeightSender:
         still serves its previous weights). ``on_param`` sees every parameter the walk yields, on
         every rank, while its bits are at hand (a route's verification digests: no second walk).
         ``groups`` (name -> names, the same on every rank): a delta walk also yields the unchanged
-        members of a group with a changed member, to ``on_param`` only (they are not sent). ``walk``:
-        the one :meth:`delta_walk` started (its stages and collectives count in this sync's)."""
+        members of a group with a changed member, to ``on_param`` only (they are not sent)."""
         began = time.perf_counter()
-        if walk is None:
-            self.stages, self.collectives, self._engine_stages = Stages(), 0, {}
+        self.stages, self.collectives, self._engine_stages = Stages(), 0, {}
         if version is None:
             version = getattr(self.model, "global_steps", None)
             if version is None:
                 raise ValueError("sync(version=...) is required for a model that is not a DeepSpeed engine")
         if kind not in ("auto", "dense", "delta"):
             raise ValueError(f"kind must be 'auto', 'dense' or 'delta', not {kind!r}")
-        if walk is not None:
-            use_delta = True  # the session was alive and a version acknowledged when the walk began
-        else:
-            if not self._session_alive():
-                self.connect()
-            use_delta = kind != "dense" and self.can_delta and self._baseline_version is not None
+        if not self._session_alive():
+            self.connect()
+        use_delta = kind != "dense" and self.can_delta and self._baseline_version is not None
         if kind == "delta" and not use_delta:
             raise WeightSyncError("a delta sync needs a previous sync acknowledged in this session" + (
                 "" if self.can_delta else " and each rank's served shard (under ZeRO-3: Fair Cast attached)"))
@@ -245,9 +224,8 @@ class WeightSender:
         if error is not None:
             self.source.require_dense()
             raise WeightSyncError(error)
-        if walk is None:
-            walk = self.source.walk("delta" if use_delta else "dense", masks=use_delta, groups=groups,
-                                    version=int(version))
+        walk = self.source.walk("delta" if use_delta else "dense", masks=use_delta, groups=groups,
+                                version=int(version))
         self.last_walk = walk
         failure, params, carried = self._stream(walk, on_param)
         if self.rank == 0 and failure is None:
@@ -418,15 +396,6 @@ class WeightReceiver:
             logger.warning("faircast-ds weight receiver %s:%d is not authenticated: any local process can push "
                            "weights; set %s on both ends", self.host, self.port, SECRET_ENV)
         self.lock = threading.Lock()
-        # with track_touched set, each delta leaves in last_touched, per 2-D parameter it wrote, the rows and
-        # columns holding an element it changed (delta.touched_lines); None after a dense update (everything)
-        self.track_touched = False
-        self.last_touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-        # with track_changes set, each delta leaves in last_changes, per parameter it wrote, the element
-        # indices it changed when they came as a change list, None when they came as a bitmap (not listed);
-        # last_changes itself is None after a dense update (everything)
-        self.track_changes = False
-        self.last_changes: dict[str, torch.Tensor | None] | None = None
         self.channel: Channel | None = None
         self.version: int | None = None  # of the weights now served, None before the first update
         self.updates = 0
@@ -594,17 +563,6 @@ class WeightReceiver:
             raise WeightSyncError(f"refused update {version}: it changes the weights this receiver already serves "
                                   f"as version {version}; versions must increase when the weights change")
         t_stage = time.perf_counter()
-        touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-        if is_delta and self.track_touched:  # from the payloads alone: before the lock, off the readers' wait
-            touched = {}
-            for index, (encoding, first, _) in staged.items():
-                lines = delta_encoding.touched_lines(self.specs[index].shape, encoding, first)
-                if lines is not None:
-                    touched[self.names[index]] = lines
-        changes: dict[str, torch.Tensor | None] | None = None
-        if is_delta and self.track_changes:
-            changes = {self.names[index]: first if encoding == delta_encoding.COO else None
-                       for index, (encoding, first, _) in staged.items()}
         with self.lock:  # validated in full: nothing below can fail halfway
             for index, (encoding, first, values) in staged.items():
                 target = self.targets[self.names[index]]
@@ -617,8 +575,6 @@ class WeightReceiver:
             self.version = int(version)
             self.updates += 1
             self._synced_in_session = True
-            self.last_touched = touched
-            self.last_changes = changes
         stages = {"receive": self.channel.io_seconds - io_before, "mac": self.channel.mac_seconds - mac_before,
                   "stage": time.perf_counter() - t_stage}
         stages["other"] = max(0.0, t_stage - began - stages["receive"] - stages["mac"])  # waits, parsing, checks

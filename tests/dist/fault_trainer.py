@@ -3,24 +3,23 @@ own process (``python fault_trainer.py URL DIR VERSION... [--pause-at N]``) so t
 
 The served weights are a plain bf16 module, not a DeepSpeed engine: the faults concern the transport
 and the engine, and a plain process starts in seconds. :func:`set_version` gives every version its own
-weights (a subset of the parameters moves, so deltas are partial). :func:`pause_mid_update` holds a
-sender inside an update after ``n`` parameters were sent (the engine has the header and part of the
-payload), which is where the tests kill the engine or the trainer.
+weights (a subset of the parameters moves, so deltas are partial).
 
-As a process: pushes each VERSION in turn; writes DIR/pushed-<v> after each; with ``--pause-at N``
-the last version's update stops after N parameters, with ``--pause-before-finish`` once the engine has
-received all of it but before ``finish_weight_update``; then it writes DIR/paused and waits to be killed.
+As a process: pushes each VERSION in turn through ``ServedPush(plane=PLANE)`` (``--plane``, default net);
+writes DIR/pushed-<v> after each; with ``--pause-at N`` the last version's write stops after N slices
+(ServedPush's ``pause``: the engine has part of the write, no report), with ``--pause-before-finish``
+once rank 0 committed it and vLLM's update holds it but before ``finish_weight_update``; then it writes
+DIR/paused and waits to be killed.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -126,30 +125,6 @@ def expected_checksums(model: torch.nn.Module, prefix: str = "dp0:pp0:pcp0:tp0:"
     return out
 
 
-@contextlib.contextmanager
-def pause_mid_update(n: int, on_pause: Callable[[], None]) -> Iterator[None]:
-    """Within the block, the first update that sends more than ``n`` parameters calls ``on_pause()``
-    before its (n+1)-th one (which may block or never return)."""
-    from faircast_ds.export.sync import WeightSender
-
-    original = WeightSender._send
-    sent = {"n": 0, "paused": False}
-
-    def send(self: Any, failure: Any, *args: Any, **kwargs: Any) -> Any:
-        if failure is None and not sent["paused"]:
-            if sent["n"] == n:
-                sent["paused"] = True
-                on_pause()
-            sent["n"] += 1
-        return original(self, failure, *args, **kwargs)
-
-    WeightSender._send = send
-    try:
-        yield
-    finally:
-        WeightSender._send = original
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
@@ -159,11 +134,12 @@ def main() -> None:
     parser.add_argument("--pause-before-finish", action="store_true",
                         help="the last version's update: all sent and received, then stop before finish_weight_update")
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--plane", default="net")
     args = parser.parse_args()
-    from faircast_ds.vllm.transfer import ServedPush
+    from faircast_ds.vllm.transfer import ServedPush, VllmServer
 
     model = build_model()
-    push = ServedPush(model, args.url, timeout=args.timeout, verify=False)
+    push = ServedPush(model, args.url, plane=args.plane, timeout=args.timeout, verify=False)
     for i, version in enumerate(args.versions):
         set_version(model, version)
         last = i == len(args.versions) - 1
@@ -173,12 +149,10 @@ def main() -> None:
                 time.sleep(1)
 
         if last and args.pause_at is not None:
-            with pause_mid_update(args.pause_at, hold):
-                push.push(version)
+            push.pause = lambda k: hold() if k == args.pause_at else None
+            push.push(version)
         elif last and args.pause_before_finish:
-            from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-            HTTPVLLMWeightSyncClient.finish_weight_update = hold  # the engine has the whole update, staged
+            VllmServer.finish_weight_update = hold  # the engine has the whole update, staged
             push.push(version)
         else:
             report = push.push(version)

@@ -53,7 +53,7 @@ def main() -> None:
                     while True:  # until killed, holding the mapping mid-write
                         time.sleep(1)
 
-            push.route.pause = hold
+            push.pause = hold
         try:
             report = push.push(version)
         except Exception as exc:  # noqa: BLE001 - handed to the test

@@ -1,5 +1,5 @@
 """What changed since an engine's acknowledged version (issue 32 item 4): the casts' change marks where
-the reader offers them, a kept copy of the bits otherwise (faircast_ds/export/tracking.py), through a
+the reader offers them, a kept copy of the bits otherwise (faircast_ds/export/source.py), through a
 real ShardCaster over the stand-in adapter's two flat shards and the one attach handle (FairCast).
 
 The oracle is a copy of the served shards taken here at each acknowledgement and compared element by
@@ -17,7 +17,7 @@ from stand_ins import TwoGroups
 from faircast_ds.config.section import FairCastConfig
 from faircast_ds.export.served import adapter_slices
 from faircast_ds.export.source import ServedSource
-from faircast_ds.export.tracking import BaselineTracker, MarksTracker, tracker_for
+from faircast_ds.export.source import BaselineTracker, MarksTracker, tracker_for
 from faircast_ds.shard.caster import ShardCaster
 from faircast_ds.shard.handle import FairCast
 

@@ -343,10 +343,10 @@ def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
                                      "launches whose results are already there are not repeated")
     model.add_argument("--push-modes", nargs="+", choices=MODES, default=None,
                        help="modes whose ZeRO-3 push into `vllm serve` is measured (default: dither stochastic)")
-    model.add_argument("--push-planes", nargs="+", choices=("tcp", "shm", "net", "netns", "group", "group-netns"),
+    model.add_argument("--push-planes", nargs="+", choices=("shm", "net", "netns", "group", "group-netns"),
                        default=None,
-                       help="the push's data planes: tcp (the authenticated channel, default), shm (one host, "
-                            "shared memory: each rank writes its own slices), net (each rank sends its own "
+                       help="the push's data planes: shm (one host, shared memory: each rank writes its own "
+                            "slices; the default), net (each rank sends its own "
                             "slices on its own connection; loopback here), netns (the net plane across hosts: "
                             "`vllm serve` in one network namespace, the trainer ranks in another, over a "
                             "veth pair; needs root and iproute2), group (each rank's slices by sends in a gloo "

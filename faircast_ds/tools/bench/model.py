@@ -88,12 +88,14 @@ def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup:
                log, f"{config} ZeRO-{stage}")
 
 
-# the push plane whose result files and column labels carry no plane's name (they predate the planes; what a
-# plane does is the push worker's and ServedPush's business, never this module's)
+# the push plane whose result files and column labels carry no plane's name: the TCP route's, which they
+# predate and which is gone (a result file of today always names its plane; what a plane does is the push
+# worker's and ServedPush's business, never this module's)
 UNNAMED_PLANE = "tcp"
+DEFAULT_PLANE = "shm"
 
 
-def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: str, plane: str = "tcp") -> None:
+def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: str, plane: str = DEFAULT_PLANE) -> None:
     """One push launch. ``plane="netns"`` (or ``"group-netns"``): two hosts on this machine (network
     namespaces joined by a veth pair, :mod:`faircast_ds.tools.bench.hosts`): the ranks run on one, ``vllm
     serve`` on the other (the worker reads where from ``ENGINE_NETNS``/``ENGINE_HOST``), and the push
@@ -378,8 +380,8 @@ def run(model: str, *, layers: int | None, stages: tuple[int, ...], configs: tup
 
 
 def run_push(model: str, *, layers: int, modes: tuple[str, ...], lr: float, out_dir: str, log=print,
-             failures: list[str] | None = None, planes: tuple[str, ...] = ("tcp",)) -> list[dict[str, Any]]:
-    """One push launch per mode and data plane (``tcp``: the authenticated channel; ``shm``: the one-host
+             failures: list[str] | None = None, planes: tuple[str, ...] = (DEFAULT_PLANE,)) -> list[dict[str, Any]]:
+    """One push launch per mode and data plane (``shm``: the one-host
     shared-memory plane; ``net``: each rank's own connection, on loopback; ``netns`` (``group-netns``: the
     group plane's sends): the same across two
     network namespaces); results already in ``out_dir`` are reused; their rank-0 JSON."""
@@ -419,12 +421,12 @@ def _read_push(stem: str, layers: int, lr: float) -> dict[str, Any] | None:
 
 def _verify_s(row: dict[str, Any]) -> float:
     """A push's verification seconds: the trainer's own (a route that compares on its side), else the
-    engine's check inside its finish call (the tcp, shm and net routes)."""
+    engine's check inside its finish call (every plane)."""
     return row.get("verify_seconds") or (row.get("engine") or {}).get("check_seconds") or 0.0
 
 
 def _label(data: dict[str, Any]) -> str:
-    """A push result's column label: its mode, and its data plane unless the default (tcp)."""
+    """A push result's column label: its mode, and its data plane unless unnamed (a result of the TCP route)."""
     plane = data.get("plane", UNNAMED_PLANE)
     return data["mode"] + ("" if plane == UNNAMED_PLANE else f"/{plane}")
 
@@ -508,7 +510,7 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
             "reload_weights of the tensors the update loaded (a delta's: the engine's whole load, with the elements "
             "its change lists named written in place where the kernels read them live); check: whole = every element read back through "
             "the kernels, sampled = vectors whole, the embedding's sampled rows, 64 input columns of every matrix "
-            "and, over TCP and the net plane, the rows and columns a delta touched; verify s: "
+            "and, on the net plane, the rows and columns a delta's change lists touched; verify s: "
             "dense = verified minus unverified push, delta = the check after the walk (verify x push: against "
             "the rest of the push); gathers: ZeRO-3 full-parameter gathers of the walk; x memcpy: against "
             "copying the same bf16 bytes once"]
@@ -526,7 +528,7 @@ def format_push_table(pushes: list[dict[str, Any]], *, model: str, layers: int, 
 
 
 def push_stages(data: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Seconds per stage (faircast_ds.export.stages) of the unverified dense push, the dense push with the
+    """Seconds per stage (faircast_ds.export.source.Stages) of the unverified dense push, the dense push with the
     sampled check and the deltas (median), rank 0's account; ``engine.load`` is vLLM's reload inside the
     engine. Empty for results written before pushes reported their stages."""
     p = data["pushes"]
@@ -596,7 +598,7 @@ def format_stage_table(pushes: list[dict[str, Any]]) -> str:
     for n in names:
         lines.append((n, *(f"{st[n]:.3f}" if n in st else "-" for _, _, st in cols)))
     first = pushes[0]["pushes"][3]
-    head = ["seconds per stage of the push, rank 0 (faircast_ds.export.stages; trainer.*: the trainer's walk, "
+    head = ["seconds per stage of the push, rank 0 (faircast_ds.export.source.Stages; trainer.*: the trainer's walk, "
             "encode, MAC and socket; engine.*: the engine's receiver; http.*: each HTTP round trip, whole; stages "
             f"overlap); per push {first.get('http_calls', '?')} HTTP calls and {first.get('collectives', '?')} "
             "collectives besides the walk's gathers (dense, sampled check)"]
@@ -641,7 +643,7 @@ def main_from_args(args) -> int:  # type: ignore[no-untyped-def]
     failures: list[str] = []
     rows = run(args.model, layers=args.layers, stages=stages, configs=configs, warmup=args.warmup,
                steps=args.steps, rounds=args.rounds, out_dir=out_dir, log=log, failures=failures)
-    planes = tuple(getattr(args, "push_planes", None) or ("tcp",))
+    planes = tuple(getattr(args, "push_planes", None) or (DEFAULT_PLANE,))
     pushes = run_push(args.model, layers=layers, modes=push_modes, lr=lr, out_dir=out_dir, log=log,
                       failures=failures, planes=planes) if push_modes else []
     table = format_table(rows, model=args.model, layers=layers, rounds=args.rounds, steps=args.steps, command=command)

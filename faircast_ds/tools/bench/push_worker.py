@@ -3,7 +3,7 @@
 pushes into a ``vllm serve`` process (the ``faircast`` weight-transfer backend, vLLM's HTTP routes,
 verification in the engine's finish: its kernels read back) started on rank 0 from the model's own export.
 
-Arguments (after the script): STEM MODEL LAYERS MODE LR [PLANE] (``tcp``, ``shm``, ``net``, ``group``, or
+Arguments (after the script): STEM MODEL LAYERS MODE LR [PLANE] (``shm``, the default, ``net``, ``group``, or
 ``netns``/``group-netns``: the net/group plane to a ``vllm serve`` in another network namespace, :func:`faircast_ds.tools.bench.model._launch_push`).
 The pushes, each with its own version:
 
@@ -57,7 +57,7 @@ def memcpy_floor(elements: int, repeats: int = 3) -> float:
 def main(argv: list[str]) -> None:
     args = [a for a in argv if not a.startswith("--local_rank")]
     stem, model_name, layers, mode, lr = args[:5]
-    plane = args[5] if len(args) > 5 else "tcp"
+    plane = args[5] if len(args) > 5 else "shm"
     layers, lr = int(layers), float(lr)
     import deepspeed
     import deepspeed.comm as dist
@@ -106,13 +106,13 @@ def main(argv: list[str]) -> None:
         out["server_start_s"] = time.perf_counter() - t
     try:
         push = ServedPush(engine, server, **where["push"])
-        default = push.route.check_columns
+        default = push.check_columns
         plan = [("dense", True, 0, default), ("dense", False, 0, default), ("dense", True, 0, default),
                 ("dense", True, 0, default), ("delta", True, 1, default), ("delta", True, 1, default),
                 ("dense", True, 0, 32), ("dense", True, 0, 16), ("dense", True, 1, default), ("delta", True, 1, default),
                 ("dense", True, 1, default), ("delta", True, 1, default)]
         for version, (kind, verify, steps, columns) in enumerate(plan):
-            push.route.check_columns = columns
+            push.check_columns = columns
             for _ in range(steps):
                 x = torch.randint(0, vocab, (1, SEQUENCE),
                                   generator=torch.Generator().manual_seed(1000 * version + rank))

@@ -1,9 +1,9 @@
-"""The ``vllm serve`` route: the ``faircast`` weight-transfer backend for vLLM's RL API (engine side
-:mod:`~faircast_ds.vllm.transfer.engine`, trainer side :mod:`~faircast_ds.vllm.transfer.trainer`), the
-``/weight_checker`` checksums of the bits the kernels compute with, the server process
-(:class:`VllmServer`) and the trainer's one entry point, :class:`ServedPush`
-(:mod:`~faircast_ds.vllm.transfer.served_push`: the authenticated channel, or the shared-memory plane on
-one host).
+"""The ``vllm serve`` route: the trainer's one entry point, :class:`ServedPush`
+(:mod:`~faircast_ds.vllm.transfer.served_push`: every rank's slices through a plane of
+:mod:`~faircast_ds.vllm.transfer.planes` into the engine's staging segment), the ``faircast``
+weight-transfer backend for vLLM's RL API (engine side :mod:`~faircast_ds.vllm.transfer.engine`, trainer
+side for vLLM's own clients :mod:`~faircast_ds.vllm.transfer.trainer`), the ``/weight_checker`` checksums
+of the bits the kernels compute with, and the server process (:class:`VllmServer`).
 
 Installed faircast-ds exposes :func:`register` in vLLM's ``vllm.general_plugins`` entry-point group
 (setup.py), so every vLLM process — ``vllm serve``, its engine core, its workers, an in-process

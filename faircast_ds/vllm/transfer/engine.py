@@ -1,30 +1,27 @@
-"""The engine side of the ``faircast`` weight-transfer backend: vLLM's ``WeightTransferEngine`` over
-:mod:`faircast_ds.export`'s authenticated weight sync.
+"""The engine side of the ``faircast`` weight-transfer backend: vLLM's ``WeightTransferEngine`` over the
+staging segment the trainer ranks write (:mod:`faircast_ds.vllm.transfer.segment`).
 
 vLLM calls it from its worker, through its own RPCs and HTTP routes (``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``):
 
-- ``init_transfer_engine({"port", "params", "host", "timeout"})`` opens a
-  :class:`~faircast_ds.export.WeightReceiver` on ``host:port`` (loopback by default) for the trainer's
-  parameter list, into a CPU staging copy of the weights (HF names). The secret is this process's
+- ``init_transfer_engine({"plane", "params", "socket" | "host" + "port", "timeout", "inplace"})`` opens the
+  plane's host end (:mod:`faircast_ds.vllm.transfer.planes`) for the trainer's parameter list: the staging
+  copy of the weights (HF names) is the segment itself. The secret is this process's
   ``FAIRCAST_DS_SYNC_SECRET`` (or ``..._FILE``): it never travels over HTTP.
-- ``update_weights({"version": v, "check": "sampled" | "full" | null, "check_columns": k})`` receives
-  one update of the sync (dense the first time in a session, then sparse deltas) into the staging copy
-  — applied there only once complete and checked (the receiver's all-or-nothing) — and checks it
-  carries version ``v``. The model is not touched. (On the shm plane the ranks have already written the
-  segment, and this call takes rank 0's commit of version ``v``.)
-- ``finish_weight_update()`` loads every staged tensor that changed since the last finish into the
-  model in one call (``reload_weights(..., is_checkpoint_format=True)``, whole fused groups: vLLM
-  rebuilds ``qkv_proj`` from q, k and v), between two engine steps; then, when the update asked,
-  reads the loaded layers' kernels back against the staging copy (``k`` sampled input columns per
-  matrix — on the TCP plane with the columns, and embedding rows, the staged deltas changed, up to ``k``
-  more — or every element for ``"full"``) and fails the call on a difference. vLLM then sets its
-  weight version: a verified push needs no other call.
+- ``update_weights({"version": v, "check": "sampled" | "full" | null, "check_columns": k})`` takes rank
+  0's commit of version ``v`` (the ranks have already written the segment, and the ledger checked every
+  rank's report). The model is not touched.
+- ``finish_weight_update()`` loads every staged tensor the commit carried into the model in one call
+  (``reload_weights(..., is_checkpoint_format=True)``, whole fused groups: vLLM rebuilds ``qkv_proj`` from
+  q, k and v; or in place, where the kernels read the engine's tensor live), between two engine steps;
+  then, when the update asked, reads the loaded layers' kernels back against the staging copy (``k``
+  sampled input columns per matrix — on the net plane with the columns, and embedding rows, the ranks'
+  change lists touched, up to ``k`` more — or every element for ``"full"``) and fails the call on a
+  difference. vLLM then sets its weight version: a verified push needs no other call.
 
-So a trainer killed, or a sync cut, before ``finish`` leaves the model and vLLM's weight version as
+So a trainer killed, or a write cut, before ``finish`` leaves the model and vLLM's weight version as
 they were. ``update_weights({"abandon": true})`` lets a restarted trainer end an update session a dead
-one left open (vLLM refuses a new ``start`` while one is active); the staged bits stay staged and are
-loaded at the next finish.
+one left open (vLLM refuses a new ``start`` while one is active).
 """
 from __future__ import annotations
 
@@ -42,8 +39,6 @@ from vllm.distributed.weight_transfer.base import (
 
 from faircast_ds.export import delta
 from faircast_ds.export.channel import DEFAULT_HOST
-from faircast_ds.export.source import ServedReport
-from faircast_ds.export.sync import WeightReceiver
 from faircast_ds.vllm import fused, inplace, kernels
 from faircast_ds.vllm.kernels import quiet_reload
 from faircast_ds.vllm.transfer import planes
@@ -57,14 +52,11 @@ _DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32)}
 class FairCastInitInfo(WeightTransferInitInfo):
     """What the trainer tells the engine at ``/init_weight_transfer_engine``."""
 
-    port: int
-    params: list  # [[HF name, shape, dtype], ...] in the trainer's served order (spec_list)
-    host: str = DEFAULT_HOST
-    timeout: float = 120.0  # each wait of the receiver inside an update, seconds
-    # "tcp": rank 0's authenticated channel; "shm": the one-host shared-memory plane; "net": the same plane
-    # across hosts, every trainer rank sending its own slices to host:port; "group": the same, the slices by
-    # sends in a process group (gloo, NCCL where the model is on a GPU) (segment.py)
-    plane: str = "tcp"
+    params: list  # [[HF name, shape, dtype], ...] in the trainer's served order
+    plane: str = ""  # "shm", "net" or "group" (planes.py): how the ranks' bytes reach the segment
+    host: str = DEFAULT_HOST  # net and group: where the engine's end listens
+    port: int = 0
+    timeout: float = 120.0  # the commit's wait for the ranks' reports, seconds
     socket: str = ""  # the shm plane's abstract AF_UNIX socket name (the trainer picks it)
     # write updates straight into the tensors the kernels compute with, where they read them live
     # (faircast_ds.vllm.inplace); False: every load through vLLM's reload_weights
@@ -73,7 +65,7 @@ class FairCastInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class FairCastUpdateInfo(WeightTransferUpdateInfo):
-    """One ``/update_weights`` call: receive the sync's update of ``version`` (or ``abandon`` it)."""
+    """One ``/update_weights`` call: take the committed write of ``version`` (or ``abandon`` the session)."""
 
     version: int | None = None
     abandon: bool = False
@@ -90,18 +82,15 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.receiver: WeightReceiver | None = None
-        self.plane: Any = None  # the segment plane's host end (planes.py), None on the TCP route
-        self._commit: Any = None  # the shm plane's committed write this session loads at finish
+        self.plane: Any = None  # the plane's host end (planes.py)
+        self._commit: Any = None  # the committed write this session loads at finish
         self._check_mode: str | None = None  # what this session's update asked finish to check
         self._check_columns = SAMPLE_COLUMNS
         self.staging: dict[str, torch.Tensor] = {}
         self.groups: dict[str, tuple[str, ...]] = {}
-        self._loaded: dict[str, int] = {}  # staging tensors' version counters at the last load into the model
-        self._received: ServedReport | None = None  # this session's complete update, not yet loaded
-        # tcp: per HF name, the (rows, columns) holding an element the deltas staged since the last load
-        # changed, which a sampled check also reads; None once a dense update (or a delta received without
-        # tracking) was staged: then the check reads its sample alone
+        # per HF name, the (rows, columns) holding an element the deltas staged since the last load changed,
+        # which a sampled check also reads; None once a dense update (or a delta without change lists) was
+        # staged: then the check reads its sample alone
         self._touched: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = {}
         self._abandoned = False
         self._inplace = True
@@ -109,8 +98,8 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         # reload of it), and that tensor's part, which later loads write in place
         self._live: dict[str, bool] = {}
         self._targets: dict[str, torch.Tensor] = {}
-        # tcp: per HF name, the element indices the deltas staged since the last load changed, where the deltas
-        # listed them (None for a name a delta sent as a bitmap or whole); None once a dense update was staged
+        # per HF name, the element indices the deltas staged since the last load changed, where the ranks
+        # listed them (None for a name written whole); None once a dense update was staged
         self._changes: dict[str, list[torch.Tensor] | None] | None = {}
         self.last: dict[str, Any] = {}
 
@@ -124,47 +113,36 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                 raise ValueError(f"faircast: {name} has dtype {dtype!r}; supported: {sorted(_DTYPES)}")
         try:
             way = planes.plane(init_info.plane)
-        except ValueError:
-            raise ValueError(f"faircast init_info 'plane' is {planes.listed()}, not {init_info.plane!r}") from None
+        except ValueError as exc:
+            raise ValueError(f"faircast init_info 'plane': {exc}") from None
         if type(init_info.inplace) is not bool:
             raise ValueError(f"faircast init_info 'inplace' is true or false, not {init_info.inplace!r}")
         self.shutdown()
-        if way.segment:
-            from faircast_ds.export.served import ParamSpec
+        self._commit = None  # a commit of the plane this init replaces is never loaded
+        from faircast_ds.export.served import ParamSpec
 
-            specs = [ParamSpec(str(n), tuple(int(d) for d in shape), _DTYPES[dtype]) for n, shape, dtype in params]
-            self.plane = way.open_host(specs, init_info, self.device)
-            staging = self.plane.views()  # the staging copy is the segment itself
-        else:
-            staging = {str(n): torch.zeros([int(d) for d in shape], dtype=_DTYPES[dtype]) for n, shape, dtype in params}
-            # a new trainer's first update is dense (the receiver asks it), so zeros are never loaded
-            self.receiver = WeightReceiver(staging, init_info.host, int(init_info.port), timeout=float(init_info.timeout))
-        self.staging = staging
+        specs = [ParamSpec(str(n), tuple(int(d) for d in shape), _DTYPES[dtype]) for n, shape, dtype in params]
+        self.plane = way.open_host(specs, init_info, self.device)
+        self.staging = staging = self.plane.views()  # the staging copy is the segment itself
         packed = {k: list(v) for k, v in (getattr(self.model, "packed_modules_mapping", None) or {}).items()}
         self.groups = fused.packed_groups(list(staging), packed)
-        self._loaded = {n: t._version for n, t in staging.items()}
         self._touched = {}
         self._inplace, self._live, self._targets, self._changes = init_info.inplace, {}, {}, {}
-        if self.receiver is not None:
-            logger.info("faircast weight transfer: receiver on %s:%d (%d parameters)", self.receiver.host,
-                        self.receiver.port, len(staging))
-        else:
-            logger.info("faircast weight transfer: %s plane %s (%d parameters, %d bytes)", init_info.plane,
-                        self.plane.where(), len(staging), self.plane.layout.nbytes)
+        logger.info("faircast weight transfer: %s plane %s (%d parameters, %d bytes)", init_info.plane,
+                    self.plane.where(), len(staging), self.plane.layout.nbytes)
 
     def start_weight_update(self) -> None:
         self._require()
-        self._received, self._abandoned = None, False
-        self._commit, self._check_mode = None, None
+        self._abandoned, self._commit, self._check_mode = False, None, None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class would synchronize an accelerator: this engine loads nothing before finish
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: FairCastUpdateInfo) -> None:
-        receiver = self._require()
+        self._require()
         if update_info.abandon:
-            self._received, self._abandoned, self._commit = None, True, None
+            self._abandoned, self._commit = True, None
             return
         if type(update_info.version) is not int:
             raise ValueError(f"faircast update_info needs an integer 'version', got {update_info.version!r}")
@@ -174,34 +152,11 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         if type(columns) is not int or columns < 1:
             raise ValueError(f"faircast update_info 'check_columns' must be a positive integer, got {columns!r}")
         self._check_mode, self._check_columns = update_info.check, columns
-        if self.plane is not None:  # the ranks wrote and rank 0 committed before this call
-            self._commit = self.plane.ledger.take(update_info.version)
-            self._stage_listed(self._commit.kind, self._commit.listed, update_info.check == "sampled")
-            self.last = {"version": self._commit.version, "kind": self._commit.kind, "params": len(self._commit.params),
-                         "bytes": self._commit.bytes, "receive_seconds": 0.0}
-            return
-        began = time.perf_counter()
-        report = None
-        receiver.track_touched = update_info.check == "sampled"
-        receiver.track_changes = self._inplace
-        for _ in range(2):  # a sender that ended its session (bye) is followed by its next one
-            if not receiver.connected:
-                receiver.accept(timeout=receiver.timeout)
-            report = receiver.receive(timeout=receiver.timeout)
-            if report is not None:
-                break
-        if report is None:
-            raise RuntimeError("faircast: the trainer ended its session without sending an update")
-        if report.version != update_info.version:
-            raise RuntimeError(f"faircast: received version {report.version}, the trainer announced "
-                               f"{update_info.version}; not loaded")
-        self._received = report
-        self._stage_touched(report.kind, receiver.last_touched)
-        self._stage_changes(report.kind, receiver.last_changes)
-        self.last = {"version": report.version, "kind": report.kind, "params": report.params,
-                     "elements": report.changed, "bytes": report.bytes,
-                     "receive_seconds": time.perf_counter() - began,
-                     **{f"stage.{k}": float(v) for k, v in (report.stages or {}).items()}}
+        # the ranks wrote and rank 0 committed before this call
+        self._commit = self.plane.ledger.take(update_info.version)
+        self._stage_listed(self._commit.kind, self._commit.listed, update_info.check == "sampled")
+        self.last = {"version": self._commit.version, "kind": self._commit.kind, "params": len(self._commit.params),
+                     "bytes": self._commit.bytes, "receive_seconds": 0.0}
 
     def finish_weight_update(self) -> None:
         """Load this session's update into the model (the groups with a changed member), then, when the
@@ -210,21 +165,15 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
         if self._abandoned:
             self._abandoned = False
             return  # an abandoned session: nothing loaded, vLLM's version unchanged (the trainer sends none)
-        if self._received is None and self._commit is None:
+        if self._commit is None:
             raise RuntimeError("faircast: no complete update was received in this session; the engine keeps "
                                "serving its previous weights")
         names = list(self.staging)
-        if self._commit is not None:  # shm: the committed write names the parameters it carried
-            commit, self._commit = self._commit, None
-            version, changed = commit.version, {names[i] for i in commit.params}
-        else:  # tcp: the receiver bumped the version counter of every staging tensor it wrote
-            version = self._received.version
-            changed = {n for n, t in self.staging.items() if t._version != self._loaded[n]}
-            self._received = None
+        commit, self._commit = self._commit, None  # the committed write names the parameters it carried
+        version, changed = commit.version, {names[i] for i in commit.params}
         load = [n for n in names if any(m in changed for m in self.groups.get(n, (n,)))]
         began = time.perf_counter()
         self._load(load, changed)
-        self._loaded = {n: t._version for n, t in self.staging.items()}
         touched, self._touched, self._changes = self._touched, {}, {}
         loaded = time.perf_counter()
         self.last.update(loaded=len(load), load_seconds=loaded - began)
@@ -376,16 +325,12 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                                f"{bad[:5]}")
 
     def shutdown(self) -> None:
-        if self.receiver is not None:
-            self.receiver.close()
-        self.receiver = None
         if self.plane is not None:
             self.staging = {}
             self.plane.close()
         self.plane = None
 
-    def _require(self) -> Any:
-        if self.receiver is None and self.plane is None:
+    def _require(self) -> None:
+        if self.plane is None:
             raise RuntimeError("faircast weight transfer is not initialized: POST /init_weight_transfer_engine "
                                "with the trainer's init_info first")
-        return self.receiver

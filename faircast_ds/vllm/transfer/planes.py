@@ -11,11 +11,9 @@ name        trainer rank's end     engine's end         where it serves
 ``group``   :class:`GroupWriter`   :class:`GroupHost`   any host, a network you trust (gloo / NCCL sends)
 ==========  =====================  ===================  ==============================================
 
-``tcp`` is not a plane of the segment but the older route (rank 0's authenticated channel,
-:mod:`faircast_ds.vllm.transfer.tcp_route`); it is named here so that :class:`ServedPush` and the engine
-ask this registry, not the string, what a name means. Everything else asks a :class:`Plane` (or an end)
-what it needs: never compare a plane's name (the layout test counts such comparisons outside this
-module).
+There is no other way in (the TCP route of rank 0's channel is gone, CHANGELOG.md; ``plane="tcp"`` is refused,
+naming these three). Everything else asks a :class:`Plane` (or an end) what it needs: never compare a
+plane's name (the layout test counts such comparisons outside this module).
 """
 from __future__ import annotations
 
@@ -32,24 +30,16 @@ _NETWORKED = frozenset({"port", "host", "check_columns"})
 
 @dataclass(frozen=True)
 class Plane:
-    """One way in: its ``name``, its two ends (None for the TCP route, which has no segment), whether the
-    trainer and the engine must share a host (``local``: a local socket, not an address), the
-    :class:`ServedPush` options it takes besides the common ones, and whether it reads the channel's
-    ``secret`` from ServedPush (the TCP route reads ``FAIRCAST_DS_SYNC_SECRET`` itself)."""
+    """One way in: its ``name``, its two ends, whether the trainer and the engine must share a host
+    (``local``: a local socket, not an address; without a shared secret its ends take only processes of
+    one user), and the :class:`ServedPush` options it takes besides the common ones."""
 
     name: str
-    writer: type[SegmentWriter] | None
-    host: type[SegmentHost] | None
+    writer: type[SegmentWriter]
+    host: type[SegmentHost]
     local: bool
     options: frozenset[str]
-    takes_secret: bool
     where: str  # one line: where it serves
-
-    @property
-    def segment(self) -> bool:
-        """Whether the ranks write the engine's staging segment (the data-plane route), or rank 0 sends
-        through the TCP route."""
-        return self.writer is not None
 
     def place(self, host: str, port: int) -> tuple[str | None, int]:
         """Rank 0: where the engine's end listens — a fresh local socket name (``local``), or ``port`` of
@@ -77,17 +67,18 @@ class Plane:
                          group=self.host.backend(device))
 
 
-TCP = Plane("tcp", None, None, local=False, options=_NETWORKED, takes_secret=False,
-            where="any host: rank 0 sends every served weight over the backend's authenticated channel")
-SHM = Plane("shm", ShmWriter, ShmHost, local=True, options=frozenset({"check_columns"}), takes_secret=True,
+SHM = Plane("shm", ShmWriter, ShmHost, local=True, options=frozenset({"check_columns"}),
             where="the trainer and the server on one host: every rank copies its slices into a shared segment")
-NET = Plane("net", NetWriter, NetHost, local=False, options=_NETWORKED, takes_secret=True,
+NET = Plane("net", NetWriter, NetHost, local=False, options=_NETWORKED,
             where="any host: every rank sends its slices on its own authenticated connection")
-GROUP = Plane("group", GroupWriter, GroupHost, local=False, options=_NETWORKED, takes_secret=True,
+GROUP = Plane("group", GroupWriter, GroupHost, local=False, options=_NETWORKED,
               where="any host, a network you trust: every rank's slices by sends in a process group")
 
-PLANES: dict[str, Plane] = {p.name: p for p in (TCP, SHM, NET, GROUP)}
+PLANES: dict[str, Plane] = {p.name: p for p in (SHM, NET, GROUP)}
 NAMES = tuple(PLANES)
+# names that were ways in once, and what to take instead
+RETIRED = {"tcp": "the TCP route (rank 0 alone over one channel) is gone, CHANGELOG.md: shm on one host, net or "
+                  "group across hosts"}
 
 
 def listed(names: Sequence[str] = NAMES) -> str:
@@ -96,12 +87,12 @@ def listed(names: Sequence[str] = NAMES) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
-def plane(name: Any, *, segment: bool = False) -> Plane:
-    """The plane named ``name`` (``segment``: only a plane of the staging segment); ValueError otherwise."""
+def plane(name: Any) -> Plane:
+    """The plane named ``name``; ValueError naming the planes otherwise."""
     found = PLANES.get(name) if isinstance(name, str) else None
-    if found is None or (segment and not found.segment):
-        names = [n for n, p in PLANES.items() if p.segment or not segment]
-        raise ValueError(f"the plane is {listed(names)}, not {name!r}")
+    if found is None:
+        gone = RETIRED.get(name) if isinstance(name, str) else None
+        raise ValueError(f"the plane is {listed()}, not {name!r}" + (f": {gone}" if gone else ""))
     return found
 
 
@@ -124,18 +115,17 @@ def on_this_host(host: str) -> bool:
     return False
 
 
-def fastest(server_host: str, *, rank0_here: bool, every_rank_here: bool, secret: bool) -> tuple[Plane, str]:
+def fastest(server_host: str, *, every_rank_here: bool, secret: bool) -> tuple[Plane, str]:
     """ServedPush's plane where none is named: the fastest that works, and why (for the push report).
-    ``rank0_here`` / ``every_rank_here``: the server's host is an address of rank 0's machine / of every
-    trainer rank's; ``secret``: every rank holds the shared secret the planes of the segment need."""
-    if secret and every_rank_here:
+    ``every_rank_here``: the server's host is an address of every trainer rank's machine; ``secret``:
+    every rank holds the shared secret (``FAIRCAST_DS_SYNC_SECRET``)."""
+    if every_rank_here:
+        how = ("the ranks and the engine prove the shared secret" if secret else
+               "no shared secret is set, so each end takes only a process of its own user")
         return SHM, (f"the server ({server_host}) runs on this host: shm, the fastest way in (each rank copies "
-                     "its slices into the engine's shared segment)")
+                     f"its slices into the engine's shared segment; {how})")
     if secret:
         return NET, (f"the server ({server_host}) is not on the host of every rank: net (each rank sends its own "
                      "slices on its own authenticated connection)")
-    if rank0_here:
-        return TCP, (f"no shared secret (FAIRCAST_DS_SYNC_SECRET), which the shm and net planes need: tcp to the "
-                     f"server on this host ({server_host}), unauthenticated")
-    return NET, (f"the server ({server_host}) is not on this host: net, which needs the shared secret "
+    return NET, (f"the server ({server_host}) is not on the host of every rank: net, which needs the shared secret "
                  "(FAIRCAST_DS_SYNC_SECRET) on both ends")

@@ -5,9 +5,11 @@
 :class:`~faircast_ds.export.plane.Layout`; the engine's staging tensors are views of it and vLLM's
 ``reload_weights`` reads them in place. The host listens on an abstract AF_UNIX socket (no file
 either) and serves each trainer rank on its own connection: first the channel's mutual
-challenge-response handshake (:mod:`faircast_ds.export.channel`; a shared secret is required), then
-the rank's hello (its parameter list, rank, world and declared slices). The segment's descriptor is
-handed over (``SCM_RIGHTS``) only on an authenticated connection, in answer to a ``begin`` of a write,
+challenge-response handshake (:mod:`faircast_ds.export.channel`) over the shared secret, then the rank's
+hello (its parameter list, rank, world and declared slices). Where neither end holds a secret, each end
+takes the other only if the kernel says it runs as the same user (``SO_PEERCRED``: a process that can
+read this one's memory anyway); the handshake then checks integrity only. The segment's descriptor is
+handed over (``SCM_RIGHTS``) only on a connection that passed, in answer to a ``begin`` of a write,
 and only after the :class:`~faircast_ds.export.plane.Ledger` accepted that write.
 
 **Trainer rank** (:class:`SegmentWriter`): per update, ``begin`` → the descriptor → map it, copy its own
@@ -48,9 +50,11 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -60,7 +64,6 @@ from faircast_ds.export.channel import (SECRET_ENV, SECRET_FILE_ENV, Channel, Li
 from faircast_ds.export import send_group
 from faircast_ds.export.plane import HostSegment, Layout, Ledger, PlaneError, TensorSegment, element_size, write_digest
 from faircast_ds.export.served import ParamSpec
-from faircast_ds.export.stages import Stages
 
 logger = logging.getLogger("faircast_ds.vllm")
 PROTOCOL = 1
@@ -78,12 +81,34 @@ def _address(name: str) -> str:
     return "\0" + name
 
 
-def _require_secret(secret: str | bytes | None) -> bytes:
+def _require_secret(secret: str | bytes | None, transport: str, one_host: bool) -> bytes | None:
+    """The shared secret; None only on a plane of one host (``one_host``), whose ends then accept no peer
+    but a process of their own user (:func:`_same_user`)."""
     key = resolve_secret(secret)
-    if key is None:
-        raise WeightSyncError(f"the shared-memory weight plane needs a shared secret on both ends: set {SECRET_ENV} "
+    if key is None and not one_host:
+        raise WeightSyncError(f"the {transport} weight plane needs a shared secret on both ends: set {SECRET_ENV} "
                               f"(or {SECRET_FILE_ENV}) for the engine and the trainer")
     return key
+
+
+def _same_user(conn: socket.socket, who: str) -> str | None:
+    """Without a shared secret, the one-host plane's only check: the process at the other end of this local
+    socket runs as this process's user (the kernel's word, ``SO_PEERCRED``). The problem, or None."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():
+        return (f"{who} (pid {pid}) runs as user {uid}, not this process's {os.getuid()}, and no shared secret is set: "
+                f"set {SECRET_ENV} (or {SECRET_FILE_ENV}) to the same value on both ends")
+    return None
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall seconds to ``seconds[name]`` (a writer's stages: the caller's report reads them)."""
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - began
 
 
 def _spec_list(specs: Sequence[ParamSpec]) -> list[list[Any]]:
@@ -113,6 +138,7 @@ class SegmentHost:
     the ranks' reports."""
 
     transport = ""  # the plane's name, in stage names and log lines
+    one_host = False  # the ranks reach it on a local socket: without a secret, processes of this user only
     chunks = False  # the ranks send bytes as authenticated frames (the channel's limits allow a chunk)
     peer = "a trainer process"  # who connects, in a refusal
     receives: dict[str, str] = {}  # the plane's own write messages -> the method that reads their bytes
@@ -131,7 +157,7 @@ class SegmentHost:
                  secret: str | bytes | None = None, handshake_timeout: float = 10.0,
                  group: str | None = None) -> None:
         self._check_place(name, address, group)
-        self._key = _require_secret(secret)
+        self._key = _require_secret(secret, self.transport, self.one_host)
         self.specs = list(specs)
         self.layout = Layout.of(self.specs)
         self.timeout, self.handshake_timeout = float(timeout), float(handshake_timeout)
@@ -227,6 +253,9 @@ class SegmentHost:
         rank = session = generation = None
         ch: Channel | None = None
         try:
+            problem = _same_user(conn, self.peer) if self._key is None else None
+            if problem is not None:  # before a byte is read: no hello, no descriptor
+                raise WeightSyncError(f"refused {problem}")
             ch = serve_handshake(conn, self._key, timeout=self.timeout, peer=self.peer,
                                  limits=self.limits, handshake_timeout=self.handshake_timeout)
             hello = ch.recv_json(timeout=self.handshake_timeout)
@@ -345,6 +374,7 @@ class ShmHost(SegmentHost):
     socket ``name``, and each rank gets the segment's descriptor in answer to its ``begin``."""
 
     transport = "shm"
+    one_host = True
     peer = "a local trainer process"
 
     def _check_place(self, name: str | None, address: tuple[str, int] | None, group: str | None) -> None:
@@ -532,6 +562,7 @@ class SegmentWriter:
     builds the plane it names (:mod:`faircast_ds.vllm.transfer.planes`)."""
 
     transport = ""  # the plane's name, in stage names
+    one_host = False  # it reaches the engine on a local socket: without a secret, the engine of this user only
     chunks = False  # the rank sends bytes as authenticated frames (the channel's limits allow a chunk)
     sparse = False  # a delta may carry each slice's changed elements only
 
@@ -588,8 +619,8 @@ class SegmentWriter:
         return None
 
     def _move(self, ch: Channel, positions: list[int], pieces: list[tuple[int, int, torch.Tensor]], params: set[int],
-              stages: Stages, pause: Any, handed: int | None,
-              sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
+              seconds: dict[str, float], pause: Any, handed: int | None,
+              changes: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
         """This rank's slices at ``positions`` of :attr:`slices` (``pieces``; ``params`` their parameters)
         into the engine's segment; returns the bytes that crossed."""
         raise NotImplementedError
@@ -599,9 +630,13 @@ class SegmentWriter:
 
     # -- every plane -----------------------------------------------------------------------------------
     def connect(self) -> None:
-        key = _require_secret(self._secret)
+        key = _require_secret(self._secret, self.transport, self.one_host)
         sock, where = self._open()
         self._sock = sock
+        problem = _same_user(sock, f"the engine's plane at {where}") if key is None else None
+        if problem is not None:
+            sock.close()
+            raise WeightSyncError(problem)
         self.channel = client_handshake(sock, key, timeout=self.timeout, peer=f"the engine's plane at {where}",
                                         limits=_limits(self.specs, chunks=self.chunks))
         self.channel.send_json({"type": "hello", "protocol": PROTOCOL, "session": self.session, "rank": self.rank,
@@ -616,36 +651,31 @@ class SegmentWriter:
             raise WeightSyncError("the engine lays the staging segment out differently from this trainer")
         self._joined(reply)
 
-    def write(self, version: int, kind: str, base: int | None, params: set[int], stages: Stages,
-              pause: Any = None, *, changes: Sequence[int] | None = None,
-              indices: Callable[[int], torch.Tensor] | None = None) -> int:
+    def write(self, version: int, kind: str, base: int | None, params: set[int], seconds: dict[str, float],
+              pause: Any = None, *, changes: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
         """Write this rank's slices of ``params`` for ``version`` and report them; returns the bytes that
-        crossed to the engine. ``pause(k)`` (tests) is called after the k-th slice written.
+        crossed to the engine. Seconds per stage are added to ``seconds`` (``<plane>.begin``, ...).
+        ``pause(k)`` (tests) is called after the k-th slice written.
 
-        A delta on the net plane may carry each slice's changed elements only: ``changes[k]`` is how many
-        elements of slice ``k`` (of this writer's ``slices``) changed since ``base``, ``indices(k)`` which
-        (sorted int64 indices into the slice). A slice where an index list is the smallest encoding
-        (:func:`faircast_ds.export.delta.best`: under ~3% of it changed) then travels as its changed
-        indices and values, which the engine writes over the bits the segment holds at ``base``; any
-        other slice travels whole."""
+        A delta on the net plane may carry a slice's changed elements only: ``changes[k]`` for slice ``k``
+        (of this writer's ``slices``) is its change list, ``(indices, bits)``: the changed elements' sorted
+        indices into the slice (:func:`faircast_ds.export.delta.index_dtype`) and their new bits, which the
+        engine writes over the bits the segment holds at ``base``; a slice without one travels whole."""
         ch = self.channel
         if ch is None or ch.closed:
             raise WeightSyncError(f"rank {self.rank} has no connection to the engine's plane")
-        if (changes is None) != (indices is None) or (changes is not None and len(changes) != len(self.slices)):
-            raise ValueError("changes= (one count per slice) and indices= go together")
         positions = [k for k, (i, _, _) in enumerate(self.slices) if i in params]
         pieces = [self.slices[k] for k in positions]
-        sparse = changes is not None and kind == "delta" and self.sparse
-        with stages(f"{self.transport}.begin"):
+        sparse = changes if changes and kind == "delta" and self.sparse else None
+        with _timed(seconds, f"{self.transport}.begin"):
             ch.send_json({"type": "begin", "version": int(version), "kind": kind, "base": base})
             reply = ch.recv_json()
             if reply.get("ok") is not True:
                 raise PlaneError(f"the engine refused the write of version {version}: {reply.get('error')}")
             handed = self._begun()
         try:
-            written = self._move(ch, positions, pieces, params, stages, pause, handed,
-                                 (changes, indices) if sparse else None)
-            with stages(f"{self.transport}.digest"):
+            written = self._move(ch, positions, pieces, params, seconds, pause, handed, sparse)
+            with _timed(seconds, f"{self.transport}.digest"):
                 digest = write_digest(pieces)
         except BaseException as exc:
             if ch is not None and not ch.closed:
@@ -659,15 +689,17 @@ class SegmentWriter:
                       "sent": written, "digest": digest})
         return written
 
-    def commit(self, version: int, params: set[int] | None, stages: Stages) -> dict[str, Any]:
+    def commit(self, version: int, params: set[int] | None, seconds: dict[str, float]) -> dict[str, Any]:
         """Rank 0: commit ``version`` (``params``: a delta's carried parameters; None: dense)."""
-        with stages(f"{self.transport}.commit"):
+        with _timed(seconds, f"{self.transport}.commit"):
             self.channel.send_json({"type": "commit", "version": int(version), "world": self.world,
                                     "params": None if params is None else sorted(params)})
             reply = self.channel.recv_json(timeout=self.timeout + 30.0)
         if reply.get("ok") is not True:
             raise PlaneError(f"the engine did not commit version {version}: {reply.get('error')}")
-        stages.merge({f"engine.{k}": v for k, v in (reply.get("stages") or {}).items()})
+        for k, v in (reply.get("stages") or {}).items():
+            if isinstance(v, (int, float)):
+                seconds[f"engine.{k}"] = seconds.get(f"engine.{k}", 0.0) + float(v)
         return reply
 
     def same(self, version: int, base: int) -> None:
@@ -693,6 +725,7 @@ class ShmWriter(SegmentWriter):
     segment's descriptor in answer to each ``begin``, maps it and copies its slices to their offsets."""
 
     transport = "shm"
+    one_host = True
 
     def _check_place(self, name: str | None, address: tuple[str, int] | None, group: bool) -> None:
         if name is None or address is not None:
@@ -715,9 +748,9 @@ class ShmWriter(SegmentWriter):
         return self._receive_segment()
 
     def _move(self, ch: Channel, positions: list[int], pieces: list[tuple[int, int, torch.Tensor]], params: set[int],
-              stages: Stages, pause: Any, handed: int | None,
-              sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
-        return self._copy_into_segment(handed, pieces, stages, pause)
+              seconds: dict[str, float], pause: Any, handed: int | None,
+              changes: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
+        return self._copy_into_segment(handed, pieces, seconds, pause)
 
     def _receive_segment(self) -> int:
         """The shm plane: the segment's descriptor, sent on this authenticated connection after ``begin``."""
@@ -733,11 +766,11 @@ class ShmWriter(SegmentWriter):
             raise WeightSyncError(f"rank {self.rank}: the engine sent {len(fds)} descriptors for the staging segment")
         return fds[0]
 
-    def _copy_into_segment(self, fd: int, pieces: list[tuple[int, int, torch.Tensor]], stages: Stages,
+    def _copy_into_segment(self, fd: int, pieces: list[tuple[int, int, torch.Tensor]], seconds: dict[str, float],
                            pause: Any) -> int:
         """The shm plane: map the segment, copy each piece to its offset, unmap. Bytes written."""
         written = 0
-        with stages("shm.map"):
+        with _timed(seconds, "shm.map"):
             try:
                 mapped = mmap.mmap(fd, self.layout.nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                    mmap.PROT_READ | mmap.PROT_WRITE)
@@ -745,7 +778,7 @@ class ShmWriter(SegmentWriter):
                 os.close(fd)  # the mapping keeps the segment until it is unmapped below
         segment = HostSegment(mapped, self.layout.nbytes)
         try:
-            with stages("shm.write"):
+            with _timed(seconds, "shm.write"):
                 for k, (index, start, values) in enumerate(pieces, start=1):
                     offset, nbytes = self.layout.span(index, start, values.numel())
                     size = nbytes // max(1, values.numel())
@@ -775,39 +808,28 @@ class NetWriter(SegmentWriter):
     sparse = True
 
     def _move(self, ch: Channel, positions: list[int], pieces: list[tuple[int, int, torch.Tensor]], params: set[int],
-              stages: Stages, pause: Any, handed: int | None,
-              sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
-        return self._send_pieces(ch, positions, stages, pause, sparse)
+              seconds: dict[str, float], pause: Any, handed: int | None,
+              changes: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
+        return self._send_pieces(ch, positions, seconds, pause, changes)
 
-    def _send_pieces(self, ch: Channel, positions: list[int], stages: Stages, pause: Any,
-                     sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
-        """The net plane: each slice as ``piece`` + its bytes in authenticated chunks, or (a delta with
-        ``sparse``) as ``changes`` + its changed elements' indices or bitmap + their values. Bytes sent."""
+    def _send_pieces(self, ch: Channel, positions: list[int], seconds: dict[str, float], pause: Any,
+                     changes: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
+        """The net plane: each slice as ``piece`` + its bytes in authenticated chunks, or (a delta's slice
+        with a change list) as ``changes`` + its changed elements' indices + their bits. Bytes sent."""
         written = 0
         for k, position in enumerate(positions, start=1):
             index, start, values = self.slices[position]
-            encoding = delta_encoding.DENSE
-            if sparse is not None:  # a change list only where it is the smallest encoding (under ~3% changed):
-                # listing more changes costs more than sending the slice on a fast link (docs/vllm.md)
-                counts, indices_of = sparse
-                encoding = delta_encoding.best(values.numel(), int(counts[position]), values.element_size())
-            if encoding != delta_encoding.COO:
-                with stages("net.send"):
+            listed = changes.get(position) if changes else None
+            with _timed(seconds, "net.send"):
+                if listed is None:
                     raw = values.detach().reshape(-1).view(torch.uint8)
                     ch.send_json({"type": "piece", "index": index, "start": start + self.offset_error,
                                   "numel": values.numel()})
                     written += _send_chunked(ch, raw)
-            else:
-                with stages("net.encode"):
-                    where = indices_of(position)
-                    if where.numel() != int(counts[position]):
-                        raise PlaneError(f"slice {position}: {where.numel()} changed indices for a count of "
-                                         f"{int(counts[position])}")
-                    first = where.to(delta_encoding.index_dtype(values.numel()))
-                    new = delta_encoding.bits_view(values)[where]
-                with stages("net.send"):
+                else:
+                    first, new = listed
                     ch.send_json({"type": "changes", "index": index, "start": start + self.offset_error,
-                                  "numel": values.numel(), "encoding": delta_encoding.ENCODINGS[encoding],
+                                  "numel": values.numel(), "encoding": delta_encoding.ENCODINGS[delta_encoding.COO],
                                   "count": int(new.numel())})
                     written += _send_chunked(ch, first.view(torch.uint8)) + _send_chunked(ch, new.view(torch.uint8))
             if pause is not None:
@@ -832,15 +854,15 @@ class GroupWriter(SegmentWriter):
         self.backend = info["backend"]
 
     def _move(self, ch: Channel, positions: list[int], pieces: list[tuple[int, int, torch.Tensor]], params: set[int],
-              stages: Stages, pause: Any, handed: int | None,
-              sparse: tuple[Sequence[int], Callable[[int], torch.Tensor]] | None) -> int:
-        return self._send_group(ch, pieces, params, stages, pause)
+              seconds: dict[str, float], pause: Any, handed: int | None,
+              changes: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None) -> int:
+        return self._send_group(ch, pieces, params, seconds, pause)
 
     def failed(self) -> None:
         self.close()
 
-    def _send_group(self, ch: Channel, pieces: list[tuple[int, int, torch.Tensor]], params: set[int], stages: Stages,
-                    pause: Any) -> int:
+    def _send_group(self, ch: Channel, pieces: list[tuple[int, int, torch.Tensor]], params: set[int],
+                    seconds: dict[str, float], pause: Any) -> int:
         """The group plane: name the carried parameters, then send each piece (in declared order, as the
         engine receives them) to the engine, the group's last member. Bytes sent. Every piece is checked
         (its memory for the library, its dtype against the layout) before the engine is told to receive."""
@@ -857,7 +879,7 @@ class GroupWriter(SegmentWriter):
         if reply.get("ok") is not True:
             raise PlaneError(f"the engine refused rank {self.rank}'s sends: {reply.get('error')}")
         written = 0
-        with stages("group.send"):
+        with _timed(seconds, "group.send"):
             for k, (_, _, values) in enumerate(pieces, start=1):
                 raw = values.detach().reshape(-1).view(torch.uint8)
                 if self.offset_error:  # tests: the bytes a slice over, as a misplaced write would leave them

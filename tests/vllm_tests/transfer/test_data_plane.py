@@ -24,11 +24,11 @@ import torch
 
 from conftest import ROOT, cpu_env
 
+from faircast_ds.export import delta
 from faircast_ds.export.channel import WeightSyncError
 from faircast_ds.export.plane import Layout, PlaneError, coverage_problem
 from faircast_ds.export.served import ParamSpec
-from faircast_ds.export.stages import Stages
-from faircast_ds.vllm.transfer.segment import MEMFD_NAME, SegmentHost, SegmentWriter, find_segments, socket_name
+from faircast_ds.vllm.transfer.segment import SegmentHost, SegmentWriter, find_segments, socket_name
 
 SECRET = secrets.token_hex(16)
 SPECS = [ParamSpec("embed.weight", (37, 8), torch.bfloat16), ParamSpec("norm.weight", (8,), torch.bfloat16),
@@ -103,7 +103,7 @@ class Plane:
     def write_all(self, version: int, kind: str = "dense", base: int | None = None,
                   params: set[int] | None = None) -> None:
         params = set(range(len(SPECS))) if params is None else params
-        threads = [threading.Thread(target=w.write, args=(version, kind, base, params, Stages())) for w in self.writers]
+        threads = [threading.Thread(target=w.write, args=(version, kind, base, params, {})) for w in self.writers]
         for t in threads:
             t.start()
         for t in threads:
@@ -114,7 +114,7 @@ class Plane:
                              **kwargs)
 
     def commit(self, version: int, params: set[int] | None = None) -> None:
-        self.writers[0].commit(version, params, Stages())
+        self.writers[0].commit(version, params, {})
 
     def close(self) -> None:
         for w in self.writers:
@@ -179,7 +179,7 @@ def test_a_rank_writing_at_the_wrong_offset_is_refused_and_the_segment_takes_no_
         plane.host.ledger.take(2)
     plane.writers[1].offset_error = 0
     with pytest.raises(PlaneError, match="dirty"):  # the next update must be dense
-        plane.writers[0].write(3, "delta", 1, {2}, Stages())
+        plane.writers[0].write(3, "delta", 1, {2}, {})
     plane.write_all(3)
     plane.commit(3)
     assert same(plane.host.views(), plane.full)
@@ -187,7 +187,7 @@ def test_a_rank_writing_at_the_wrong_offset_is_refused_and_the_segment_takes_no_
 
 def test_the_commit_waits_for_every_rank(plane):
     plane.host.ledger  # rank 0 writes and commits; rank 1 never reports
-    plane.writers[0].write(1, "dense", None, set(range(len(SPECS))), Stages())
+    plane.writers[0].write(1, "dense", None, set(range(len(SPECS))), {})
     began = time.monotonic()
     plane.host.timeout = 0.5
     with pytest.raises(PlaneError, match=r"ranks \[1\] did not report"):
@@ -198,7 +198,7 @@ def test_the_commit_waits_for_every_rank(plane):
 
 
 def test_a_rank_that_vanishes_before_its_report_fails_the_write(plane):
-    plane.writers[0].write(1, "dense", None, set(range(len(SPECS))), Stages())
+    plane.writers[0].write(1, "dense", None, set(range(len(SPECS))), {})
     plane.writers[1].channel.close()  # rank 1's connection ends: no report will come
     with pytest.raises(PlaneError, match=r"rank.* 1 .*(vanished|gone)"):
         plane.commit(1)
@@ -280,17 +280,18 @@ def test_no_segment_outlives_the_engine_that_made_it_after_a_sigkill():
         writer = SegmentWriter(name, [ParamSpec("w", (1024,), torch.bfloat16)], [(0, 0, full["w"])], rank=0,
                                world=1, session="s")
         writer.connect()
-        writer.write(1, "dense", None, {0}, Stages())
-        writer.commit(1, None, Stages())
+        writer.write(1, "dense", None, {0}, {})
+        writer.commit(1, None, {})
         holders = find_segments()
         assert any(h.startswith(f"{proc.pid} ") for h in holders), holders  # the engine holds it ...
         assert not any(h.startswith(f"{os.getpid()} ") for h in holders), holders  # ... the writer no longer
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
         with pytest.raises(WeightSyncError):  # the trainer's next write fails clearly
-            writer.write(2, "dense", None, {0}, Stages())
+            writer.write(2, "dense", None, {0}, {})
         writer.close()
-        assert [h for h in find_segments() if MEMFD_NAME] == []
+        # the engine's and this process's (another faircast engine on the machine may hold its own)
+        assert [h for h in find_segments() if h.split()[0] in (str(proc.pid), str(os.getpid()))] == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -394,8 +395,12 @@ def _sparse_write(p: Plane, version: int, base: int, params: set[int], before: d
         w = p.writers[r]
         old = rank_slices(before, r, len(p.writers))
         masks = [bits(v) != bits(o) for (_, _, v), (_, _, o) in zip(w.slices, old)]
-        sent[r] = w.write(version, "delta", base, params, Stages(), changes=[int(m.sum()) for m in masks],
-                          indices=lambda k: masks[k].nonzero().view(-1))
+        lists = {}  # the change lists ServedPush sends, from this test's own comparison of bits
+        for k, ((i, _, v), m) in enumerate(zip(w.slices, masks)):
+            if i in params and delta.best(v.numel(), int(m.sum()), v.element_size()) == delta.COO:
+                where = m.nonzero().view(-1)
+                lists[k] = (where.to(delta.index_dtype(v.numel())), bits(v)[where])
+        sent[r] = w.write(version, "delta", base, params, {}, changes=lists)
 
     threads = [threading.Thread(target=one, args=(r,)) for r in range(len(p.writers))]
     for t in threads:
@@ -495,7 +500,7 @@ def _raw_changes(p: Plane, header: dict, first: torch.Tensor, values: torch.Tens
         if part.numel():
             w.channel.send_tensor(part.view(torch.uint8))
     try:
-        p.writers[1].write(2, "delta", 1, {0}, Stages())
+        p.writers[1].write(2, "delta", 1, {0}, {})
     except PlaneError as exc:  # the engine may already have failed the write when rank 1 begins
         assert "already failed" in str(exc)
 
@@ -526,7 +531,7 @@ def test_net_plane_refuses_broken_change_lists(case, header, first, values, refu
         p.writers[0].close()
         p.writers[0].connect()
         with pytest.raises(PlaneError, match="dirty"):
-            p.writers[0].write(3, "delta", 1, {0}, Stages())
+            p.writers[0].write(3, "delta", 1, {0}, {})
         p.write_all(3)
         p.commit(3)
         assert same(p.host.views(), p.full)
@@ -542,7 +547,7 @@ def test_net_plane_refuses_change_lists_in_a_dense_write():
         assert w.channel.recv_json()["ok"] is True
         w.channel.send_json({"type": "changes", "index": 0, "start": 0, "numel": 148, "encoding": "coo", "count": 0})
         try:
-            p.writers[1].write(1, "dense", None, set(range(len(SPECS))), Stages())
+            p.writers[1].write(1, "dense", None, set(range(len(SPECS))), {})
         except PlaneError as exc:  # the engine may already have failed the write when rank 1 begins
             assert "already failed" in str(exc)
         with pytest.raises((PlaneError, WeightSyncError), match="not a delta"):
@@ -581,7 +586,6 @@ _NET_RANK = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     from pathlib import Path
-    from faircast_ds.export.stages import Stages
     from faircast_ds.vllm.transfer.segment import SegmentWriter
     import importlib.util
     spec = importlib.util.spec_from_file_location("data_plane_test", {module!r})
@@ -600,14 +604,14 @@ _NET_RANK = textwrap.dedent("""
     w = SegmentWriter(None, SPECS, rank_slices(full, rank, 2), rank=rank, world=2, session="netns", timeout=60,
                       address=({addr!r}, {port}), group={group!r} is not None)
     w.connect()
-    w.write(1, "dense", None, set(range(len(SPECS))), Stages())
+    w.write(1, "dense", None, set(range(len(SPECS))), {{}})
     if rank == 0:
-        w.commit(1, None, Stages())
+        w.commit(1, None, {{}})
     wait("seen1")
     moved(full)  # version 2: one element of proj.weight in each rank's half
-    w.write(2, "delta", 1, {{2}}, Stages())
+    w.write(2, "delta", 1, {{2}}, {{}})
     if rank == 0:
-        w.commit(2, {{2}}, Stages())
+        w.commit(2, {{2}}, {{}})
     wait("seen2")
     w.close()
 """)
@@ -734,6 +738,128 @@ def test_group_plane_refuses_a_slice_of_another_dtype_before_any_byte_moves():
         w.slices[0] = (index, start, values.float()[: values.numel() // 2])  # the same bytes, other elements
         with pytest.raises(PlaneError, match=r"its slice of embed.weight is torch.float32, the engine's layout says "
                                              r"torch.bfloat16"):
-            w.write(2, "dense", None, set(range(len(SPECS))), Stages())
+            w.write(2, "dense", None, set(range(len(SPECS))), {})
     finally:
         p.close()
+
+
+# ---------------------------------------------------------------- no shared secret: one host, one user
+def test_without_a_secret_the_shm_plane_takes_processes_of_its_own_user(monkeypatch):
+    """Neither end holds a secret: the shm plane's ends take each other because the kernel says they run
+    as one user (SO_PEERCRED); the ranks write and commit, bit for bit. The planes that cross a network
+    refuse to start without one, by name."""
+    monkeypatch.delenv("FAIRCAST_DS_SYNC_SECRET", raising=False)
+    p = Plane(transport="shm")
+    try:
+        p.write_all(1)
+        p.commit(1)
+        assert same(p.host.views(), p.full)
+        assert not p.writers[0].channel.authenticated  # integrity only: nobody proved a secret
+    finally:
+        p.close()
+    for transport in ("net", "group"):
+        with pytest.raises(WeightSyncError, match=f"the {transport} weight plane needs a shared secret on both ends"):
+            SegmentHost(SPECS, address=("127.0.0.1", 0), group="gloo" if transport == "group" else None, timeout=5)
+
+
+def test_without_a_secret_a_process_of_another_user_gets_no_descriptor(monkeypatch):
+    """A process of another user (this test's root drops to nobody in a child) connects to a secretless shm
+    host: the host refuses it before reading a byte, no descriptor arrives, nothing is written; and a
+    writer of this user reaching a host of another user refuses it (the same check on the writer's side,
+    asked of a socket whose peer is the child)."""
+    assert os.getuid() == 0, "this test starts a process of another user: run the suite as root (as CI does)"
+    monkeypatch.delenv("FAIRCAST_DS_SYNC_SECRET", raising=False)
+    name = socket_name()
+    host = SegmentHost(SPECS, name, timeout=5)
+    try:
+        child = textwrap.dedent(f"""
+            import os, socket, sys
+            os.setgid(65534); os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)
+            s.connect("\\0{name}")
+            s.sendall(b'{{"type":"begin","version":9,"kind":"dense","base":null}}')
+            fds = []
+            try:
+                while True:
+                    data, got, _, _ = socket.recv_fds(s, 4096, 4)
+                    fds += got
+                    if not data:
+                        break
+            except OSError:
+                pass
+            print(len(fds))
+        """)
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "0", "the segment's descriptor went to a process of another user"
+        deadline = time.monotonic() + 20
+        while host.refused < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert host.refused == 1 and host.ledger.writes == 0
+    finally:
+        host.close()
+    # the writer's side: an engine end of another user (a child listening as nobody) is refused by name
+    other = socket_name()
+    listener = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, socket, time
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind("\\0{other}")
+        os.setgid(65534); os.setuid(65534)
+        s.listen(1)
+        print("listening", flush=True)
+        conn, _ = s.accept()
+        time.sleep(30)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "listening"
+        writer = SegmentWriter(other, SPECS, rank_slices(weights(0), 0, 1), rank=0, world=1, session="s", timeout=5)
+        with pytest.raises(WeightSyncError, match=r"the engine's plane at @.* runs as user 65534, not this "
+                                                  r"process's 0, and no shared secret is set"):
+            writer.connect()
+    finally:
+        listener.kill()
+        listener.wait(30)
+
+
+def test_an_engine_with_a_secret_refuses_a_trainer_without_one(monkeypatch):
+    """The engine holds the secret, the trainer none (or the other way round): the handshake refuses,
+    naming the secret, and nothing is written."""
+    p = Plane(transport="shm")  # the host and its writers hold SECRET
+    try:
+        monkeypatch.delenv("FAIRCAST_DS_SYNC_SECRET", raising=False)
+        bare = SegmentWriter(p.name, SPECS, rank_slices(weights(9), 0, 1), rank=0, world=1, session="bare", timeout=5)
+        with pytest.raises(WeightSyncError, match="requires the shared secret and this sender has none"):
+            bare.connect()
+        assert p.host.ledger.writes == 0
+    finally:
+        p.close()
+    name = socket_name()
+    host = SegmentHost(SPECS, name, timeout=5)  # no secret on the engine now
+    try:
+        monkeypatch.setenv("FAIRCAST_DS_SYNC_SECRET", SECRET)
+        keyed = SegmentWriter(name, SPECS, rank_slices(weights(9), 0, 1), rank=0, world=1, session="k", timeout=5)
+        with pytest.raises(WeightSyncError, match="holds no shared secret and this sender does"):
+            keyed.connect()
+        assert host.ledger.writes == 0
+    finally:
+        host.close()
+
+
+def test_a_write_of_a_version_not_newer_than_the_last_is_refused_before_it_begins(plane):
+    """Versions only increase within a session: an older version, or the same one again (other bits under a
+    version the engine already holds), is refused at begin, naming why; the segment stays clean (a delta on
+    the last version is still taken)."""
+    plane.write_all(5)
+    plane.commit(5)
+    plane.host.ledger.take(5)
+    for version, why in ((3, r"update version 3 is older than the weights served \(version 5\)"),
+                         (5, "update version 5 is the version the engine already holds; versions must increase")):
+        with pytest.raises(PlaneError, match=why):
+            plane.writers[0].write(version, "dense", None, set(range(len(SPECS))), {})
+    assert plane.host.ledger.segment_version == 5 and plane.host.ledger.writes == 1
+    with torch.no_grad():
+        plane.full["norm.weight"][2] += 1
+    plane.write_all(6, "delta", 5, {1})
+    plane.commit(6, {1})
+    assert same(plane.host.views(), plane.full)

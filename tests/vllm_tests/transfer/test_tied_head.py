@@ -77,7 +77,7 @@ def engine(tmp_path_factory):
 def push_to(server, model, **kwargs):
     from faircast_ds.vllm.transfer import ServedPush
 
-    kwargs.setdefault("plane", "tcp")  # the route whose engine notes the rows and columns a delta touched
+    kwargs.setdefault("plane", "net")  # the plane whose change lists name the rows and columns a delta touched
     return ServedPush(model, server, verify=True, timeout=30.0, **kwargs)
 
 
