@@ -773,21 +773,27 @@ def test_without_a_secret_a_process_of_another_user_gets_no_descriptor(monkeypat
     host = SegmentHost(SPECS, name, timeout=5)
     try:
         child = textwrap.dedent(f"""
-            import os, socket, sys
-            os.setgid(65534); os.setuid(65534)
+            import json, os, socket, sys
+            sys.path.insert(0, {str(ROOT)!r})
+            import torch
+            from faircast_ds.export.channel import client_handshake
+            from faircast_ds.export.served import ParamSpec
+            specs = {[[s.name, list(s.shape), str(s.dtype)] for s in SPECS]!r}
+            os.setgid(65534); os.setuid(65534)  # imports done as root; from here on, nobody
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(10)
             s.connect("\\0{name}")
-            s.sendall(b'{{"type":"begin","version":9,"kind":"dense","base":null}}')
             fds = []
-            try:
-                while True:
-                    data, got, _, _ = socket.recv_fds(s, 4096, 4)
-                    fds += got
-                    if not data:
-                        break
-            except OSError:
-                pass
+            try:  # the protocol as a trainer rank speaks it, without a secret (as the host holds none)
+                ch = client_handshake(s, None, timeout=10, peer="the plane")
+                ch.send_json({{"type": "hello", "protocol": 1, "session": "intruder", "rank": 0, "world": 1,
+                               "params": specs, "slices": []}})
+                ch.recv_json()
+                ch.send_json({{"type": "begin", "version": 9, "kind": "dense", "base": None}})
+                ch.recv_json()
+                _, fds, _, _ = socket.recv_fds(s, 1, 4)
+            except Exception as exc:
+                print("refused:", type(exc).__name__, exc, file=sys.stderr)
             print(len(fds))
         """)
         out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
