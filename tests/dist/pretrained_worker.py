@@ -193,4 +193,7 @@ def push_and_generate(engine, tok, rank: int, server_box: dict, starter, result:
 
 
 if __name__ == "__main__":
+    from common import freeze_the_imports
+
+    freeze_the_imports()  # gc.collect() (DeepSpeed's and ours) then skips the imported modules
     main()
