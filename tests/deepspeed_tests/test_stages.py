@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -23,12 +24,14 @@ TOTAL = 25088  # parameters of the tiny Qwen3
 
 @pytest.fixture(scope="session")
 def stage_runs(tmp_path_factory):
-    """One worker launch per world size (1, 2, 3), shared by every test in this file."""
-    runs = {}
-    for world in (1, 2, 3):
-        out = tmp_path_factory.mktemp(f"stages_ws{world}")
-        deepspeed_launch(DIST / "stages_worker.py", world, out)
-        runs[world] = out
+    """One worker launch per world size (1, 2, 3), shared by every test in this file. The 1-rank launch
+    leaves a core idle: it runs beside the 2-rank one, then the 3-rank one."""
+    runs = {world: tmp_path_factory.mktemp(f"stages_ws{world}") for world in (1, 2, 3)}
+    with ThreadPoolExecutor(1) as pool:
+        alone = pool.submit(deepspeed_launch, DIST / "stages_worker.py", 1, runs[1])
+        for world in (2, 3):
+            deepspeed_launch(DIST / "stages_worker.py", world, runs[world])
+        alone.result()
     return runs
 
 
