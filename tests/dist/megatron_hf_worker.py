@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 import torch
 
@@ -33,25 +34,51 @@ VLLM = os.environ.get("VLLM", "") == "1"  # push the first layout's served weigh
 KV_CACHE_GIB = 1 / 16
 
 
-def push_to_vllm(source, walked: dict[str, torch.Tensor]) -> dict:  # walked: name -> served bf16 tensor
-    """Rank 0 starts a vLLM engine (its own process) on a Qwen3 HF directory of this shape (random weights),
-    every rank pushes the source's served bits (WeightPush, verified by the engine's digests), then rank 0
-    reads every HF tensor back from the engine and compares its bits with the walk's."""
-    from faircast_ds.vllm import VllmEngine, WeightPush, canonical
+def start_vllm() -> tuple[threading.Thread, dict]:
+    """Rank 0, before the first layout: a vLLM engine (its own process) on a Qwen3 HF directory of this shape
+    (random weights), started on a thread, so that its start (a minute of one process importing) runs while
+    the ranks build and walk the first layout; push_to_vllm waits for it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import vllm  # noqa: F401  (imported here, before the ranks build: the thread only starts the engine)
+
+    from faircast_ds.vllm import VllmEngine
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=NUM_LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
+                      max_position_embeddings=64, tie_word_embeddings=False)
+    where = os.path.join(OUT, "qwen3-random")
+    with torch.random.fork_rng():  # the random weights leave this rank's generator as it was
+        torch.manual_seed(1)
+        Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(where)
+    box: dict = {}
+
+    def start() -> None:
+        try:
+            box["engine"] = VllmEngine(where, max_model_len=64, seed=0, kv_cache_gib=KV_CACHE_GIB, in_process=False)
+        except BaseException as exc:  # noqa: BLE001 - raised on rank 0 by push_to_vllm
+            box["error"] = exc
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def push_to_vllm(source, walked: dict[str, torch.Tensor], starting) -> dict:  # walked: name -> served bf16 tensor
+    """Every rank pushes the source's served bits into the engine start_vllm started on rank 0 (WeightPush,
+    verified by the engine's digests), then rank 0 reads every HF tensor back from the engine and compares
+    its bits with the walk's."""
+    from faircast_ds.vllm import WeightPush, canonical
     from faircast_ds.vllm.bits import bit_pattern
 
     rank = torch.distributed.get_rank()
     engine = None
     if rank == 0:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=NUM_LAYERS,
-                          num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
-                          max_position_embeddings=64, tie_word_embeddings=False)
-        where = os.path.join(OUT, "qwen3-random")
-        torch.manual_seed(1)
-        Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(where)
-        engine = VllmEngine(where, max_model_len=64, seed=0, kv_cache_gib=KV_CACHE_GIB, in_process=False)
+        thread, box = starting
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        engine = box["engine"]
     push = WeightPush(None, engine, source=source, delta=False, verify=True)
     report = push.push(version=1)
     out = {"verified": report.verified, "mismatched": list(report.mismatched), "params": report.params}
@@ -140,7 +167,7 @@ def oracle_hf(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_layout(tp: int, pp: int) -> dict:
+def run_layout(tp: int, pp: int, starting=None) -> dict:
     from megatron.core import parallel_state as ps
 
     from faircast_ds.casting.bits import bf16_bits
@@ -169,7 +196,7 @@ def run_layout(tp: int, pp: int) -> dict:
     torch.distributed.all_gather_object(everyone, local)
     report = {"layout": [tp, pp], "specs": [(s.name, list(s.shape)) for s in source.specs]}
     if VLLM and (tp, pp) == LAYOUTS[0]:
-        report["vllm"] = push_to_vllm(source, raw)
+        report["vllm"] = push_to_vllm(source, raw, starting)
     if rank == 0:
         pieces: dict[str, dict[int, torch.Tensor]] = {}
         for rank_local in everyone:
@@ -190,7 +217,8 @@ def run_layout(tp: int, pp: int) -> dict:
 
 def main() -> None:
     torch.distributed.init_process_group("gloo")
-    reports = [run_layout(tp, pp) for tp, pp in LAYOUTS]
+    starting = start_vllm() if VLLM and torch.distributed.get_rank() == 0 else None
+    reports = [run_layout(tp, pp, starting) for tp, pp in LAYOUTS]
     if torch.distributed.get_rank() == 0:
         with open(os.path.join(OUT, "hf.json"), "w") as f:
             json.dump({"layouts": reports, "config": dict(hidden=HIDDEN, heads=HEADS, groups=GROUPS, head_dim=HEAD_DIM,
