@@ -69,20 +69,30 @@ def make_bad_copies(root: Path) -> None:
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    out = {name: tmp_path_factory.mktemp(name) for name in ("straight", "crash", "resume", "ws3", "ws1")}
-    deepspeed_launch(WORKER, 2, out["straight"], args=["straight", "--root", str(root)])
+    out = {name: tmp_path_factory.mktemp(name) for name in ("straight", "resume", "ws3", "ws1")}
+    # one launch: the straight phase, then (same processes, once straight.pt is written) the crash phase, whose
+    # rank 1 SIGKILLs itself: the launch fails by design, so the straight phase's success is its straight.pt
+    crashed = deepspeed_launch(WORKER, 2, out["straight"], args=["straight", "--root", str(root), "--then-crash"],
+                               check=False, timeout=900)
+    out["crash"] = out["straight"]
+    assert (out["straight"] / "straight.pt").exists(), (out["straight"] / "launch.log").read_text()[-6000:]
     make_bad_copies(root)
-    crashed = deepspeed_launch(WORKER, 2, out["crash"], args=["crash", "--root", str(root)], check=False, timeout=300)
-    deepspeed_launch(WORKER, 2, out["resume"], args=["resume", "--root", str(root)], STRAIGHT_DIR=str(out["straight"]))
-    convert_all([(root / f"{stage}-error_feedback/step3", root / f"{stage}-error_feedback/step3_universal")
-                 for stage in ELASTIC]
-                + [(root / f"zero3-{mode}/step3", root / f"zero3-{mode}/step3_ds_universal", False)
-                   for mode in ("stochastic", "error_feedback")])
-    deepspeed_launch(WORKER, 3, out["ws3"], args=["elastic", "--root", str(root), "--load-tag", "step3_universal",
-                                                  "--save-tag", "ws3_step5"])
-    convert_all([(root / f"{stage}-error_feedback/ws3_step5", root / f"{stage}-error_feedback/ws3_step5_universal")
-                 for stage in ELASTIC])
-    deepspeed_launch(WORKER, 1, out["ws1"], args=["elastic", "--root", str(root), "--load-tag", "ws3_step5_universal"])
+    # the resume launch reads only the step-3 tags (and the crash run, the bad copies); the elastic chain
+    # writes only other tags (the conversions' output folders, ws3_step5): the two run side by side
+    with ThreadPoolExecutor(1) as pool:
+        resumed = pool.submit(deepspeed_launch, WORKER, 2, out["resume"], args=["resume", "--root", str(root)],
+                              STRAIGHT_DIR=str(out["straight"]))
+        convert_all([(root / f"{stage}-error_feedback/step3", root / f"{stage}-error_feedback/step3_universal")
+                     for stage in ELASTIC]
+                    + [(root / f"zero3-{mode}/step3", root / f"zero3-{mode}/step3_ds_universal", False)
+                       for mode in ("stochastic", "error_feedback")])
+        deepspeed_launch(WORKER, 3, out["ws3"], args=["elastic", "--root", str(root), "--load-tag", "step3_universal",
+                                                      "--save-tag", "ws3_step5"])
+        convert_all([(root / f"{stage}-error_feedback/ws3_step5", root / f"{stage}-error_feedback/ws3_step5_universal")
+                     for stage in ELASTIC])
+        deepspeed_launch(WORKER, 1, out["ws1"], args=["elastic", "--root", str(root), "--load-tag",
+                                                      "ws3_step5_universal"])
+        resumed.result()
     return {"root": root, "out": out, "crash_rc": crashed.returncode,
             "straight": torch.load(out["straight"] / "straight.pt"), "resume": torch.load(out["resume"] / "resume.pt"),
             "ws3": torch.load(out["ws3"] / "elastic_ws3.pt"), "ws1": torch.load(out["ws1"] / "elastic_ws1.pt"),

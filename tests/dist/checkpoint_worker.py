@@ -7,7 +7,8 @@
             (load_optimizer_states=False, and load_module_only=True) and compare the served bits with the
             saved ones; load the NaN checkpoint; resume the crashed run from its latest checkpoint; try
             every bad checkpoint
-  crash     save every 2 steps; rank 1 SIGKILLs itself after step 5
+  crash     save every 2 steps; rank 1 SIGKILLs itself after step 5 (the straight launch runs it last, with
+            --then-crash, once straight.pt is written: one launch serves both phases)
   elastic   load a universal checkpoint at this world size, for ZeRO-3, ZeRO-2 and ZeRO-1; snapshot; run on;
             save; and load universal checkpoints converted by DeepSpeed's own ds_to_universal (no fair_cast/)
 
@@ -333,12 +334,16 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--load-tag")
     parser.add_argument("--save-tag")
+    parser.add_argument("--then-crash", action="store_true",
+                        help="after the straight phase, in the same processes, the crash phase (the launch then fails)")
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     out = os.environ["OUT_DIR"]
     if args.phase == "straight":
-        straight(args.root, out)
+        straight(args.root, out)  # straight.pt is on disk before the crash phase's first collective
+        if args.then_crash:
+            crash(args.root, out)
     elif args.phase == "crash":
         crash(args.root, out)
     elif args.phase == "resume":
