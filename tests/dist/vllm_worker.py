@@ -180,7 +180,7 @@ def main(out_dir: str) -> None:
         for worker in engine.llm.collective_rpc("compute_weight_checksums"):
             got.update(worker)
         want = served_checksums(served_weights(model))
-        return {"kind": r.kind, "params": r.params, "changed": r.changed, "bytes": r.bytes,
+        return {"kind": r.kind, "params": r.params, "changed": r.changed, "bytes": r.bytes, "plane": r.plane,
                 "version": engine.llm.get_weight_version(), "checksums": len(got),
                 "mismatched": sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))}
 
@@ -190,6 +190,7 @@ def main(out_dir: str) -> None:
     with torch.no_grad():
         layers[1].mlp.up_proj.weight[0, :4] += 0.25
     out["colocated_delta"] = colocated(transfer.send_weights(version=11))
+    out["up_proj_bytes"] = layers[1].mlp.up_proj.weight.numel() * layers[1].mlp.up_proj.weight.element_size()
     tok_a, lp_a = engine.generate(prompts, 8, seeds)
     push.push(version=12)  # the colocated push of the same weights (in memory, read back per HF tensor)
     tok_b, lp_b = engine.generate(prompts, 8, seeds)
