@@ -6,7 +6,8 @@ Two routes, one subpackage each, and what they share beside them:
   a Hugging Face directory (a :func:`faircast_ds.export.save_hf` export) with the worker extension that
   loads and reads back weights; :class:`WeightPush` pushes the served weights into it, changed groups
   only, and verifies after each push that the engine computes with exactly the served bits
-  (:class:`EngineWeightsMismatch` otherwise).
+  (:class:`EngineWeightsMismatch` otherwise). :func:`install_trl_sync` does the same for the engine TRL's
+  ``vllm_mode="colocate"`` builds (its sync through the engine's reload path, read back after each).
 - :mod:`faircast_ds.vllm.transfer`: a ``vllm serve`` process with the ``faircast`` weight-transfer
   backend; the trainer's one entry point is ``ServedPush`` (over the authenticated channel, or the
   shared-memory plane on one host), ``VllmServer`` starts or attaches to the server.
@@ -27,6 +28,8 @@ _LAZY = {
     "EngineUnavailable": "faircast_ds.vllm.colocated.inference",
     "WORKER_EXTENSION": "faircast_ds.vllm.colocated.inference",
     "WeightPush": "faircast_ds.vllm.colocated.push",
+    "install_trl_sync": "faircast_ds.vllm.colocated.trl_sync",
+    "TrlReloadSync": "faircast_ds.vllm.colocated.trl_sync",
     "EngineWeightsMismatch": "faircast_ds.vllm.kernels",
     "packed_groups": "faircast_ds.vllm.fused",
     "FairCastWeightSource": "faircast_ds.vllm.source",

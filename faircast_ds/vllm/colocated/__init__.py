@@ -1,6 +1,7 @@
 """The colocated route: a vLLM engine the trainer holds in its own job (:class:`VllmEngine`, an
 in-process ``LLM`` or one vLLM spawns), loaded through a worker extension
-(:mod:`faircast_ds.vllm.colocated.worker`) by :class:`WeightPush`, tensors handed over in memory.
+(:mod:`faircast_ds.vllm.colocated.worker`) by :class:`WeightPush`, tensors handed over in memory; and
+TRL's colocated engine synced and checked the same way (:func:`install_trl_sync`).
 
 Importing this package does not import vLLM.
 """
@@ -13,6 +14,8 @@ _LAZY = {
     "EngineUnavailable": "faircast_ds.vllm.colocated.inference",
     "WORKER_EXTENSION": "faircast_ds.vllm.colocated.inference",
     "WeightPush": "faircast_ds.vllm.colocated.push",
+    "install_trl_sync": "faircast_ds.vllm.colocated.trl_sync",
+    "TrlReloadSync": "faircast_ds.vllm.colocated.trl_sync",
 }
 
 __all__ = sorted(_LAZY)
