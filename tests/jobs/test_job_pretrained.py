@@ -174,7 +174,7 @@ def _rows(path) -> list[dict]:
 
 @pytest.mark.slow
 @needs_wheel
-def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path):
+def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path, smollm2_cache):
     """2 steps of nearest with HF rollouts: once straight, once stopped after step 1 (--session-steps 1) and
     resumed by the same command. Step 2's reward, changed count, KL and staleness figures (the lag along the
     drift needs step 1's master, which only the checkpoint's diagnostics history holds) are the same to the bit."""
@@ -182,7 +182,7 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path
 
     common = ["--model", NAME, "--engine", "hf", "--modes", "nearest", "--steps", "2", "--save-every", "1",
               "--out", str(tmp_path)]
-    env = cpu_env(FAIRCAST_DS_CACHE=str(tmp_path / "cache"))
+    env = cpu_env(FAIRCAST_DS_CACHE=str(smollm2_cache[0]))  # dequantized once per session (tests/conftest.py)
 
     def launch(name: str, *extra: str) -> None:
         cmd = [deepspeed_runner(), "--num_gpus", "2", "--master_port", str(free_port()), "--module",

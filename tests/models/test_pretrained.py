@@ -8,7 +8,8 @@ the chat prompt is the model's ChatML turn, written out here.
 Slow (one 2-rank DeepSpeed launch of tests/dist/pretrained_worker.py): ZeRO-3 under nearest and dither,
 served bits = a vectorized oracle for every element, a push into ``vllm serve`` (started from a relative
 path) checked against SHA-256 digests of the served bits, one greedy generation through the chat template.
-The module's cache is built once in a temporary FAIRCAST_DS_CACHE (the dequantization: ~25 s here).
+The cache is built once per session in a temporary FAIRCAST_DS_CACHE (the dequantization: ~25 s here),
+shared with tests/jobs/test_job_pretrained.py's launches (tests/conftest.py's smollm2_cache).
 """
 from __future__ import annotations
 
@@ -48,12 +49,9 @@ def installed_gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faircast-cache")
-    began = time.perf_counter()
-    directory = pretrained.checkpoint(NAME, root=root)
-    print(f"dequantized and cached in {time.perf_counter() - began:.1f} s")
-    return root, directory
+def cache(smollm2_cache):
+    """The session's cache (tests/conftest.py), built by pretrained.checkpoint(NAME, root=...) in a temporary folder."""
+    return smollm2_cache
 
 
 # ---------------------------------------------------------------- finding the file, errors
