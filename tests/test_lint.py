@@ -1,5 +1,5 @@
 """The code's names, checked statically by ruff (installed with the test extra, pinned in setup.py): no
-undefined name, no unused import or variable, no syntax error, in the package, the tests and the benchmarks
+undefined name, no unused import or variable, no syntax error, in the package, the tests, the benchmarks and the examples
 (pyflakes' rules F and E9; style is not checked). A name a refactor left undefined fails here, before a
 run reaches the line."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ def ruff(*paths: str) -> subprocess.CompletedProcess:
 
 
 def test_the_code_has_no_undefined_or_unused_names():
-    done = ruff("faircast_ds", "tests", "benchmarks")
+    done = ruff("faircast_ds", "tests", "benchmarks", "examples")
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -1,0 +1,126 @@
+"""GRPO with TRL on SmolLM2-135M-Instruct, Fair Cast on from the DeepSpeed JSON alone.
+
+    accelerate launch --config_file examples/trl_grpo/accelerate_2ranks.yaml examples/trl_grpo/grpo_addition.py
+
+What Fair Cast needs is in the configs, not here: the Accelerate config names the DeepSpeed JSON
+(``deepspeed_config_file``), whose ``fair_cast`` section attaches the cast to TRL's policy engine. This
+script adds two things of ours: ``FairCastCallback`` (Fair Cast's changed fraction, gap and lag in TRL's
+own logs) and, with ``--vllm colocate``, ``install_trl_sync`` (TRL's colocated vLLM engine loaded through
+the engine's reload path and read back through its kernels after every sync; TRL's own sync cannot load
+into vLLM's CPU build). The rest is a plain TRL script: the addition task of docs/pretrained.md as a TRL
+reward function, the model by its local folder (TRL builds its vLLM engine from ``model.name_or_path``).
+
+CPU-only lines, marked below: transformers refuses ``bf16=True`` without a GPU unless ``use_cpu=True``,
+which turns DeepSpeed off; and Accelerate, under DeepSpeed on a machine without an accelerator, records no
+process-group backend and then counts one process on every rank (``ddp_backend="gloo"`` names it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+
+import torch
+
+PROMPT = "What is {a} + {b}?"  # the addition task of faircast_jobs/addition.py (docs/pretrained.md)
+_INTEGER = re.compile(r"-?\d+")
+
+
+def addition_reward(completions: list, answer: list[int], **_: object) -> list[float]:
+    """1.0 when the last integer of the assistant's answer is the sum, else 0.0 (TRL passes the dataset's
+    ``answer`` column; a conversational completion is a list with the assistant's message)."""
+    rewards = []
+    for completion, total in zip(completions, answer):
+        text = completion[0]["content"] if isinstance(completion, list) else str(completion)
+        numbers = _INTEGER.findall(text)
+        rewards.append(1.0 if numbers and int(numbers[-1]) == int(total) else 0.0)
+    return rewards
+
+
+def addition_dataset(count: int, seed: int, low: int = 1, high: int = 9):
+    """``count`` one-turn prompts "What is a + b?" with a, b uniform in [low, high], and their sums."""
+    from datasets import Dataset
+
+    draw = random.Random(seed)
+    pairs = [(draw.randint(low, high), draw.randint(low, high)) for _ in range(count)]
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT.format(a=a, b=b)}] for a, b in pairs],
+                              "answer": [a + b for a, b in pairs]})
+
+
+def model_folder(name: str) -> str:
+    """A local folder as it is; a model name of faircast-ds (``smollm2-135m-instruct``) as its cached bf16
+    folder, built once from the installed GGUF file (faircast_ds.models.pretrained)."""
+    if os.path.isdir(name):
+        return name
+    from faircast_ds.models.pretrained import checkpoint
+
+    return str(checkpoint(name))
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a local HF folder or smollm2-135m-instruct")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm", choices=("off", "colocate"), default="colocate",
+                   help="roll out from a vLLM engine in each training process, or from the trainer's model")
+    p.add_argument("--load", choices=("reload", "trl"), default="reload",
+                   help="colocate: load through the engine's reload path, or TRL's own load_weights (GPUs only)")
+    p.add_argument("--verify-every", type=int, default=1,
+                   help="read the engine's kernels back after every Nth sync (0: never)")
+    p.add_argument("--output", default="runs/trl_grpo_addition")
+    return p.parse_args(argv)
+
+
+def build_trainer(args: argparse.Namespace, *, rewards: tuple = (), callbacks: tuple = ()):
+    """TRL's GRPOTrainer as this recipe configures it (``rewards``, ``callbacks``: more of each, for a test)."""
+    if not torch.cuda.is_available():  # CPU only: bf16 on DeepSpeed without use_cpu (which turns DeepSpeed off)
+        import transformers.training_args
+
+        transformers.training_args.is_torch_bf16_gpu_available = lambda: True
+        # vLLM's CPU build: the KV cache in whole GiB per engine; no warm-up forward of TRL's 4096-token batch
+        # (it sizes nothing when the KV cache is given) and dynamo's eager backend rather than inductor's
+        # compile; no thread pinning (the trainer shares the cores)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from trl import GRPOConfig, GRPOTrainer
+
+    from faircast_ds.transformers import FairCastCallback
+
+    config = GRPOConfig(
+        output_dir=args.output, max_steps=args.steps, learning_rate=args.lr, seed=args.seed,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=16, temperature=1.0,
+        bf16=True, logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
+        use_vllm=args.vllm == "colocate", vllm_mode="colocate", vllm_max_model_length=256,
+        ddp_backend=None if torch.cuda.is_available() else "gloo",  # CPU only: see the docstring
+    )
+    trainer = GRPOTrainer(model=model_folder(args.model), reward_funcs=[addition_reward, *rewards], args=config,
+                          train_dataset=addition_dataset(max(64, 8 * args.steps), seed=args.seed),
+                          callbacks=[FairCastCallback(), *callbacks])
+    if config.use_vllm:
+        from faircast_ds.vllm import install_trl_sync
+
+        install_trl_sync(trainer, load=args.load, verify=args.verify_every)
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    trainer = build_trainer(parse(argv))
+    trainer.train()
+    if trainer.accelerator.is_main_process:
+        keep = ("step", "reward", "step_time", "sampling/importance_sampling_ratio/min",
+                "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max",
+                "fair_cast/changed_fraction", "fair_cast/gap_spacings", "fair_cast/lag_steps")
+        for row in trainer.state.log_history:
+            print(json.dumps({k: row[k] for k in keep if k in row}), flush=True)
+        sync = getattr(trainer.vllm_generation.sync_weights, "__self__", None) if trainer.args.use_vllm else None
+        for record in getattr(sync, "history", []):  # install_trl_sync's account of each sync
+            print(json.dumps({"sync": record}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
