@@ -12,6 +12,11 @@ The bits are checked by tests/casting/test_gpu.py (the Triton kernel against ``c
 CPU and against the slow reference, on awkward inputs, residual and counts included); run it first:
 ``python -m pytest -q tests/casting/test_gpu.py``.
 
+``--trl`` adds TRL's own colocated vLLM sync on the GPU: the recipe of examples/trl_grpo/ for 2 steps on one
+rank (``grpo_addition.py --load trl``: TRL's ``load_weights`` loads, ``install_trl_sync`` reads the engine's
+kernels back after each sync and fails unless they are the served bits; needs TRL, vLLM, DeepSpeed,
+Accelerate and the model folder, ``--trl-model``).
+
 ``--ipc`` adds the bucket part (``benchmarks/gpu_buckets.py``): served slices moved from a trainer-rank
 process into an engine process through CUDA IPC bucket slots, in GB/s against a device memcpy, the bits
 checked against a direct write.
@@ -104,6 +109,28 @@ def time_all(numel: int, repeats: int, device: str) -> tuple[list[str], list[dic
     return lines, rows
 
 
+def trl_sync_check(model: str, out: Path) -> tuple[list[str], dict]:
+    """The recipe with TRL's own sync on one GPU rank, 2 steps; its exit status says whether every sync left
+    the engine computing with the served bits (docs/integrations.md, TRL's colocated vLLM)."""
+    import subprocess
+
+    recipe = ROOT / "examples" / "trl_grpo"
+    config = out / "accelerate_1rank.yaml"
+    config.write_text((recipe / "accelerate_2ranks.yaml").read_text().replace("num_processes: 2", "num_processes: 1")
+                      .replace("examples/trl_grpo/ds_zero3_fair_cast.json", str(recipe / "ds_zero3_fair_cast.json")))
+    log = out / "trl_sync.log"
+    began = time.perf_counter()
+    with open(log, "w") as f:
+        done = subprocess.run(["accelerate", "launch", "--config_file", str(config), str(recipe / "grpo_addition.py"),
+                               "--model", model, "--steps", "2", "--load", "trl", "--output", str(out / "trl_grpo")],
+                              cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    syncs = [json.loads(line)["sync"] for line in log.read_text().splitlines() if line.startswith('{"sync"')]
+    result = {"exit": done.returncode, "seconds": time.perf_counter() - began, "syncs": syncs}
+    verified = sum(1 for r in syncs if r.get("verified"))
+    return [f"TRL's own colocated sync (load_weights), 2 steps: exit {done.returncode}, {verified} of {len(syncs)} "
+            f"syncs read back equal to the served bits (log {log})"], result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=float, default=1.7e9)
@@ -114,6 +141,8 @@ def main() -> int:
     parser.add_argument("--ipc", action="store_true", help="also time the bucket stream between two processes")
     parser.add_argument("--ipc-mib", type=int, default=1137, help="served MiB the bucket stream moves")
     parser.add_argument("--bucket-mib", type=int, default=256, help="bytes per bucket slot, MiB")
+    parser.add_argument("--trl", action="store_true", help="also run TRL's own colocated vLLM sync, checked (2 steps)")
+    parser.add_argument("--trl-model", default="smollm2-135m-instruct", help="the recipe's --model (a local folder)")
     args = parser.parse_args()
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -135,6 +164,11 @@ def main() -> int:
 
         stream_lines, stream = gpu_buckets.run(args.ipc_mib << 20, args.bucket_mib << 20, args.device)
         time_lines += [""] + stream_lines
+    trl = None
+    if args.trl:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        trl_lines, trl = trl_sync_check(args.trl_model, Path(args.out))
+        time_lines += [""] + trl_lines
     text = "\n".join(header + [""] + time_lines)
     print(text)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -142,7 +176,9 @@ def main() -> int:
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / f"gpu_check_{stamp}.txt").write_text(text + "\n")
         (Path(folder) / f"gpu_check_{stamp}.json").write_text(json.dumps(
-            dict(device=name, timing=rows, bucket_stream=stream), indent=2))
+            dict(device=name, timing=rows, bucket_stream=stream, trl_sync=trl), indent=2))
+    if trl is not None and trl["exit"] != 0:
+        return 1
     return 1 if stream is not None and (not stream["bits_equal"] or stream["trainer_exit"] != 0) else 0
 
 
