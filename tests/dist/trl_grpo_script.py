@@ -2,8 +2,9 @@
 reference engine from a deep copy of the same DeepSpeed config, without an optimizer
 (DeepSpeedZeRoOffload). The script is what a TRL user writes; the Fair Cast parts are the config's
 section and the FairCastCallback. CPU-only lines: the bf16 availability stub (TrainingArguments
-refuses bf16 without a GPU unless use_cpu=True, which turns DeepSpeed off). One rank: at two CPU
-ranks Accelerate's gather over gloo fails inside TRL's generation step.
+refuses bf16 without a GPU unless use_cpu=True, which turns DeepSpeed off). One rank (two CPU ranks
+under DeepSpeed need Accelerate told its backend, ``ddp_backend="gloo"``, or Accelerate counts one process and
+its gathers fail: docs/integrations.md; tests/transformers_tests/test_trl_colocate.py runs two).
 
 The model and tokenizer are built in code and saved to a local folder (TRL loads the reference
 model from the policy's path). Afterwards it writes trl_grpo.json (the reference engine's class, what

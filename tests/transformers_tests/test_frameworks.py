@@ -196,8 +196,8 @@ def _served_is_the_cast(record: dict, steps: int) -> dict[int, dict[str, torch.T
 
 @pytest.mark.slow
 def test_trl_grpo_zero3_with_reference_engine(tmp_path):
-    """TRL GRPOTrainer, ZeRO-3, beta=0.04, 3 steps, one CPU rank (at two, Accelerate's gather over gloo
-    fails inside TRL's generation step). Bits, not "differs from RN": after each step every served
+    """TRL GRPOTrainer, ZeRO-3, beta=0.04, 3 steps, one CPU rank (two ranks, with Accelerate told its
+    backend: tests/transformers_tests/test_trl_colocate.py). Bits, not "differs from RN": after each step every served
     element is the oracle's cast of DeepSpeed's fp32 master (tests/served_oracle.py), TRL's generation
     and the loss's forward multiplied by the bits served before the step, and the reference engine
     serves and multiplies by the loaded weights throughout."""
