@@ -180,8 +180,9 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path
     drift needs step 1's master, which only the checkpoint's diagnostics history holds) are the same to the bit."""
     from conftest import ROOT, cpu_env, deepspeed_runner, free_port, run_logged
 
+    # KL(master || served) at both steps (the model's default is every 5th), so step 1's is compared too
     common = ["--model", NAME, "--engine", "hf", "--modes", "nearest", "--steps", "2", "--save-every", "1",
-              "--out", str(tmp_path)]
+              "--kl-master-every", "1", "--out", str(tmp_path)]
     env = cpu_env(FAIRCAST_DS_CACHE=str(smollm2_cache[0]))  # dequantized once per session (tests/conftest.py)
 
     def launch(name: str, *extra: str) -> None:
