@@ -57,6 +57,8 @@ COVERAGE: list[tuple[str, str, str]] = [
      "tests/vllm_tests/transfer/test_vllm_faults.py::test_dense_then_delta_serve_the_trainers_bits"),
     (r"^(nice -n 10 |OMP_NUM_THREADS=\d+ )?python3? benchmarks/", "long", "the benchmark script itself (benchmarks/, docs/performance.md)"),
     (r"^FAIRCAST_SOAK_RESTARTS=", "long", "the long soak: tests/system/test_soak.py with its documented settings"),
+    (r"^accelerate launch --config_file examples/trl_grpo/accelerate_2ranks\.yaml examples/trl_grpo/grpo_addition\.py", "test",
+     "tests/transformers_tests/test_trl_colocate.py::test_trl_recipe_colocated_vllm_two_ranks_serves_the_oracle_bits"),
     (r"^python3 -m faircast_jobs\.delta_table", "test",
      "tests/jobs/test_delta_table.py::test_medians_leave_step_one_out_and_each_lr_keeps_its_own_rows"),
     (r"^(nice -n \d+ )?bash launch/smollm2_(runs|campaign|delta)\.sh", "long",
