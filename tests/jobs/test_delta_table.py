@@ -64,3 +64,13 @@ def test_the_correction_table_reads_the_importance_sampling_columns_beside_the_l
     # by hand over steps 2-3: lag median 4.0, token mean median 1.02, sequence min 0.80 max 1.20,
     # masked mean 25%, outside mean 3%, K3 median 2e-3
     assert body == ["| 1e-06 | nearest | 2 | 4.0 | 1.0200 | 0.800, 1.200 | 25.00% | 3.00% | 2.00e-03 |"]
+
+
+def test_the_committed_table_is_what_the_committed_rows_print():
+    """docs/modes.md's real-model delta table is the output of delta_table on the rows committed beside it."""
+    from conftest import ROOT
+
+    printed = delta_table.table(delta_table.read(ROOT / "docs/pretrained/delta"))
+    doc = (ROOT / "docs/modes.md").read_text()
+    rows = [line for line in printed.splitlines() if line.startswith("| 1e-")]
+    assert rows and all(line in doc for line in rows), printed
