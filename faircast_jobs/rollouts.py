@@ -30,7 +30,6 @@ import torch
 from faircast_jobs.config import ROLLOUT_ENGINES as ENGINES
 
 ALIGNED_PROFILE = "vllm-cpu"
-SECRET_ENV = "FAIRCAST_DS_SYNC_SECRET"
 KV_CACHE_GIB = 1 / 16  # 64 MiB: a step's rollouts need ~2 MB; the engine process then holds ~0.8 GiB, not ~1.7
 _SEED_MOD = 2**63 - 1
 
@@ -87,8 +86,10 @@ class VllmRollouts:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ds_engine, self.view, self.fp32 = ds_engine, view, fp32
         dtype = "float32" if fp32 else "bfloat16"
-        if SECRET_ENV not in os.environ:  # one secret per job, on every rank and the server: the shm plane's
-            from faircast_ds._util.dist import from_rank0  # handshake needs one (the job's engine is on this host)
+        from faircast_ds.export.channel import SECRET_ENV
+
+        if SECRET_ENV not in os.environ:  # one secret per job, on every rank and the server: the plane's
+            from faircast_ds._util.dist import from_rank0  # handshake proves it (without one: same-user only)
 
             os.environ[SECRET_ENV] = from_rank0(os.urandom(16).hex())
         if _Shared.engine is not None and _Shared.dtype != dtype:
@@ -223,12 +224,13 @@ def _gap_sums(trainer: torch.Tensor, engine: torch.Tensor) -> list[float]:
 
 
 def make(name: str, *, sample: Callable[..., torch.Tensor], ds_engine: Any, view: Any, fp32: bool, seed: int,
-         max_len: int, run_dir: str, **engine: Any) -> HFRollouts | VllmRollouts:
-    """``engine``: VllmRollouts' ``threads`` and ``plane`` (--engine-threads, --push-plane)."""
+         max_len: int, run_dir: str, threads: int = 0, plane: str = "") -> HFRollouts | VllmRollouts:
+    """``threads`` and ``plane`` (--engine-threads, --push-plane) are VllmRollouts'; the HF source has no engine."""
     if name == "hf":
         return HFRollouts(sample, ds_engine, view)
     if name == "vllm":
-        return VllmRollouts(ds_engine, view, fp32=fp32, seed=seed, max_len=max_len, run_dir=run_dir, **engine)
+        return VllmRollouts(ds_engine, view, fp32=fp32, seed=seed, max_len=max_len, run_dir=run_dir, threads=threads,
+                            plane=plane)
     raise ValueError(f"unknown rollout engine {name!r}; choose from {', '.join(ENGINES)}")
 
 
