@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from faircast_ds.export import bucket_stream, buckets  # noqa: E402
+from faircast_prepared import bucket_stream, buckets  # noqa: E402
 from faircast_ds.export.channel import client_handshake, serve_handshake  # noqa: E402
 from faircast_ds.export.plane import Layout, TensorSegment  # noqa: E402
 from faircast_ds.export.served import ParamSpec  # noqa: E402

@@ -339,14 +339,27 @@ def test_no_module_outside_the_plane_registry_tells_planes_apart_by_name():
     assert not offenders, "ask the plane (faircast_ds/vllm/transfer/planes.py), not its name:\n" + "\n".join(offenders)
 
 
-PREPARED = ("faircast_ds.export.buckets", "faircast_ds.export.bucket_stream")  # GPU code no push runs yet
+BESIDE = ("faircast_jobs", "faircast_prepared")  # the folders beside the package, not installed
 
 
-def test_no_push_imports_the_prepared_gpu_code():
-    """The bucket planner and stream are prepared for GPU transports and used by no push: no module outside them
-    imports them (function-level imports and lazy public names count), so the push path stays readable
-    without them."""
-    graph = import_graph(function_level=True)
-    offenders = sorted(f"{name} -> {target}" for name, targets in graph.items() if name not in PREPARED
-                       for target in targets if target in PREPARED)
+def imports_of_folders_beside(source: str) -> list[int]:
+    """The lines of ``source`` that import a folder beside the package (any import, function-level too)."""
+    tree = ast.parse(source)
+    return [node.lineno for node in ast.walk(tree)
+            if any(within(target, BESIDE) for target in imported(node, "x", False))]
+
+
+def test_the_beside_scan_finds_an_import():
+    assert imports_of_folders_beside("def f():\n    from faircast_prepared import buckets\n") == [2]
+    assert imports_of_folders_beside("import faircast_jobs.grpo\n") == [1]
+    assert imports_of_folders_beside("from faircast_ds.export import plane\n") == []
+
+
+def test_the_installed_package_imports_nothing_beside_it():
+    """The GRPO jobs (faircast_jobs) and the GPU code prepared for no push yet (faircast_prepared: the bucket
+    planner and stream) are not installed: no module of the package may import them, so the push path stays
+    readable without them and an installed package without a checkout loads."""
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for path in modules().values()
+                 for line in imports_of_folders_beside(path.read_text())]
     assert not offenders, offenders
+    assert {"buckets", "bucket_stream"} <= {p.stem for p in (ROOT / "faircast_prepared").glob("*.py")}

@@ -1,5 +1,5 @@
-"""Flattened buckets (faircast_ds.export.buckets) and the bucket stream's control plane with its CPU stand-in
-(faircast_ds.export.bucket_stream.HostSharing): what a GPU transport shares with the CPU path, driven here.
+"""Flattened buckets (faircast_prepared.buckets) and the bucket stream's control plane with its CPU stand-in
+(faircast_prepared.bucket_stream.HostSharing): what a GPU transport shares with the CPU path, driven here.
 
 The oracle is a direct write: each piece's bytes copied to ``Layout.span`` of its parameter by this file's
 own loop; streaming through buckets must leave the same bytes, and the plan must carry every element of every
@@ -16,7 +16,7 @@ import socket
 import pytest
 import torch
 
-from faircast_ds.export import bucket_stream, buckets
+from faircast_prepared import bucket_stream, buckets
 from faircast_ds.export.channel import client_handshake, serve_handshake
 from faircast_ds.export.plane import HostSegment, Layout, PlaneError
 from faircast_ds.export.served import ParamSpec

@@ -23,7 +23,7 @@ described only on a channel whose handshake succeeded.
   opened by the rank through ``/proc/<pid>/fd/<fd>`` (same host, same user). It is the tests' stand-in,
   not a transport: on a CPU engine the shared-memory plane stages the whole model instead.
 
-**The stream.** Both ends hold the same :func:`~faircast_ds.export.buckets.plan`. The rank packs bucket
+**The stream.** Both ends hold the same :func:`~faircast_prepared.buckets.plan`. The rank packs bucket
 ``b`` into slot ``b mod slots`` (after the engine freed it), fences, and sends ``filled``; the engine
 checks the bucket number and slot, hands the slot to its consumer (unpacking into a staging segment, or
 loading the tensors it carries), fences, and sends ``free``. A message out of order, a slot other than
@@ -38,7 +38,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from faircast_ds.export.buckets import Bucket, check_values, pack, unpack
+from faircast_prepared.buckets import Bucket, check_values, pack, unpack
 from faircast_ds.export.channel import Channel
 from faircast_ds.export.plane import Layout, PlaneError, Segment
 
