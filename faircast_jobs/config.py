@@ -100,6 +100,11 @@ class JobConfig:
     # --engine vllm: the plane the served weights reach `vllm serve` by ("": ServedPush's fastest that works,
     # shm on one host, with a secret the job draws; every push is verified, so a job may resume with another)
     push_plane: str = ""
+    # --engine vllm: how the engine's bf16 matrix products are computed on CPU: "native" (vLLM's own dispatch;
+    # on a CPU without bf16 arithmetic PyTorch's generic bf16 loop) or "fp32" (fp32 sums of the bf16 values,
+    # rounded once: the arithmetic of --gemm fp32 and of a GPU's bf16 GEMM; faircast_ds/vllm/cpu_gemm.py).
+    # The served weights are the same either way; the sampled tokens are not, so a job resumes only with its own
+    engine_gemm: str = "native"
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -179,6 +184,8 @@ def _problems(cfg: JobConfig) -> list[str]:
         out.append(f"unknown --engine {cfg.rollout_engine!r}; choose from {', '.join(ROLLOUT_ENGINES)}")
     if cfg.gemm not in GEMMS:
         out.append(f"unknown --gemm {cfg.gemm!r}; choose from {', '.join(GEMMS)}")
+    if cfg.engine_gemm not in GEMMS:
+        out.append(f"unknown --engine-gemm {cfg.engine_gemm!r}; choose from {', '.join(GEMMS)}")
     if cfg.rollout_via not in ROLLOUT_VIA:
         out.append(f"unknown --rollout-via {cfg.rollout_via!r}; choose from {', '.join(ROLLOUT_VIA)}")
     if cfg.model and cfg.model not in PRETRAINED:
@@ -230,7 +237,7 @@ TASKS: tuple[str, ...] = ("", "addition")
 PRETRAINED_DEFAULTS: dict[str, Any] = {
     "steps": 100, "lr": 1e-5, "modes": ("fp32", "nearest", "dither"), "rollouts": 16, "group": 4, "gen_len": 16,
     "rollout_engine": "vllm", "rollout_via": "module", "eval_every": 0, "kl_every": 0, "kl_master_every": 5,
-    "save_every": 5, "persist_threshold": 100_000, "task": "addition", "gemm": "fp32",
+    "save_every": 5, "persist_threshold": 100_000, "task": "addition", "gemm": "fp32", "engine_gemm": "fp32",
 }
 # what a run.json written before regimes existed ran with (the settings it does not list)
 LEGACY: dict[str, Any] = {"regime": "large-step", "prompt_vocab": 0, "eval_every": 0, "kl_every": 0}

@@ -76,7 +76,7 @@ class VllmRollouts:
     name = "vllm"
 
     def __init__(self, ds_engine: Any, view: Any, *, fp32: bool, seed: int, max_len: int, run_dir: str,
-                 threads: int = 0, plane: str = "") -> None:
+                 threads: int = 0, plane: str = "", gemm: str = "native") -> None:
         import torch.distributed as dist
 
         from faircast_ds.export import save_hf
@@ -101,7 +101,7 @@ class VllmRollouts:
             if self.rank == 0:
                 # a `vllm serve` process on loopback with the faircast backend, killed with its group at the end
                 _Shared.engine = VllmServer(directory, dtype=dtype, seed=seed, max_model_len=max_len,
-                                            kv_cache_gib=KV_CACHE_GIB, threads=threads or os.cpu_count(),
+                                            kv_cache_gib=KV_CACHE_GIB, threads=threads or os.cpu_count(), gemm=gemm,
                                             log_path=os.path.join(run_dir, f"vllm-server-{dtype}.log"))
             _Shared.dtype = dtype
             dist.barrier()
@@ -224,13 +224,14 @@ def _gap_sums(trainer: torch.Tensor, engine: torch.Tensor) -> list[float]:
 
 
 def make(name: str, *, sample: Callable[..., torch.Tensor], ds_engine: Any, view: Any, fp32: bool, seed: int,
-         max_len: int, run_dir: str, threads: int = 0, plane: str = "") -> HFRollouts | VllmRollouts:
-    """``threads`` and ``plane`` (--engine-threads, --push-plane) are VllmRollouts'; the HF source has no engine."""
+         max_len: int, run_dir: str, threads: int = 0, plane: str = "", gemm: str = "native") -> HFRollouts | VllmRollouts:
+    """``threads``, ``plane`` and ``gemm`` (--engine-threads, --push-plane, --engine-gemm) are VllmRollouts'; the HF
+    source has no engine."""
     if name == "hf":
         return HFRollouts(sample, ds_engine, view)
     if name == "vllm":
         return VllmRollouts(ds_engine, view, fp32=fp32, seed=seed, max_len=max_len, run_dir=run_dir, threads=threads,
-                            plane=plane)
+                            plane=plane, gemm=gemm)
     raise ValueError(f"unknown rollout engine {name!r}; choose from {', '.join(ENGINES)}")
 
 

@@ -16,14 +16,21 @@ hand them on.
 
 Nothing here touches the served weights or the cast: it changes only how the trainer's forward and backward
 multiply. The GRPO job chooses it with ``--gemm fp32`` (the default under ``--model``); ``--gemm native``
-keeps PyTorch's own bf16 kernels.
+keeps PyTorch's own bf16 kernels. The engine's side of the same arithmetic: :func:`fp32_linear`, through
+``faircast_ds/vllm/cpu_gemm.py`` (``--engine-gemm fp32``).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Fp32AccumulatedLinear", "use_fp32_accumulation"]
+__all__ = ["Fp32AccumulatedLinear", "fp32_linear", "use_fp32_accumulation"]
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``round_bf16(x @ weight.T + bias)`` from fp32 products and sums of the bf16 values (no autograd; the
+    engine's layers, faircast_ds/vllm/cpu_gemm.py)."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 class Fp32AccumulatedLinear(torch.autograd.Function):
@@ -35,8 +42,7 @@ class Fp32AccumulatedLinear(torch.autograd.Function):
         # before the backward, as for DeepSpeed's own linear
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        return y.to(x.dtype)
+        return fp32_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

@@ -11,6 +11,8 @@ built), ZeRO-3 on 2 CPU ranks, one launch. Each rank writes what it checked to O
   (ServedPush: dense, ``verify="full"``: the engine reads every loaded kernel back inside finish); rank 0 then asks /weight_checker for its
   checksums and compares them with SHA-256 digests it computes here of the gathered served bits;
 - one greedy generation through the chat template from the pushed weights (the prompt's ids recorded).
+The server runs as the job runs it under ``--model``: ``gemm="fp32"`` (faircast_ds/vllm/cpu_gemm.py), so the
+read-back and the answer above go through the fp32-summed products.
 """
 from __future__ import annotations
 
@@ -110,7 +112,9 @@ def main() -> None:
         def start() -> None:
             began = time.perf_counter()
             try:
-                server_box["server"] = VllmServer(relative, max_model_len=256, log_path=Path(out) / "server.log")
+                # the job's --engine-gemm fp32 (the default under --model): the engine's bf16 products from fp32 sums
+                server_box["server"] = VllmServer(relative, max_model_len=256, log_path=Path(out) / "server.log",
+                                                  gemm="fp32")
             except BaseException as exc:  # noqa: BLE001 - reported below
                 server_box["error"] = repr(exc)
             server_box["seconds"] = time.perf_counter() - began
@@ -151,6 +155,8 @@ def main() -> None:
     result["seconds"] = time.perf_counter() - t_start
     if rank == 0 and "server" in server_box:
         result["server_exit"] = server_box["server"].close()
+        log = (Path(out) / "server.log").read_text(errors="replace")
+        result["server_gemm_fp32_processes"] = log.count("[fair_cast] FAIRCAST_VLLM_CPU_GEMM=fp32:")
     write_json(os.path.join(out, f"rank{rank}.json"), result)
     finish_and_exit(0)
 

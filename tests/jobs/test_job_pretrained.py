@@ -37,6 +37,9 @@ def test_model_defaults_are_the_issues_minimum():
     assert parse([]).model == ""  # the tiny model stays the default
     assert cfg.gemm == "fp32" and parse([]).gemm == "native"  # the tiny model keeps PyTorch's bf16 kernels
     assert parse(["--model", NAME, "--gemm", "native"]).gemm == "native"
+    # the engine's bf16 products from fp32 sums under --model (faircast_ds/vllm/cpu_gemm.py); vLLM's own otherwise
+    assert cfg.engine_gemm == "fp32" and parse([]).engine_gemm == "native"
+    assert parse(["--model", NAME, "--engine-gemm", "native"]).engine_gemm == "native"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -46,6 +49,7 @@ def test_model_defaults_are_the_issues_minimum():
     (["--model", NAME, "--operand-max", "12"], "--operand-max must be at most 9"),
     (["--session-steps", "3"], "--session-steps needs --save-every"),
     (["--gemm", "bf16"], "unknown --gemm 'bf16'; choose from native, fp32"),
+    (["--engine-gemm", "bf16"], "unknown --engine-gemm 'bf16'; choose from native, fp32"),
 ])
 def test_bad_model_settings_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -143,6 +147,15 @@ def test_a_job_started_before_gemm_existed_resumes_only_with_native_gemms(tmp_pa
     resume.check_settings(str(tmp_path), older)
     resume.check_settings(str(tmp_path), {**cfg, "gemm": "native"})
     with pytest.raises(SystemExit, match=r"gemm \(was 'native', now 'fp32'\)"):
+        resume.check_settings(str(tmp_path), cfg)
+
+
+def test_a_job_started_before_engine_gemm_existed_resumes_only_with_vllms_own(tmp_path):
+    cfg = parse(["--model", NAME, "--out", str(tmp_path), "--name", "r"]).to_json()
+    older = {k: v for k, v in cfg.items() if k != "engine_gemm"}  # its engine multiplied by vLLM's dispatch
+    resume.check_settings(str(tmp_path), older)
+    resume.check_settings(str(tmp_path), {**cfg, "engine_gemm": "native"})
+    with pytest.raises(SystemExit, match=r"engine_gemm \(was 'native', now 'fp32'\)"):
         resume.check_settings(str(tmp_path), cfg)
 
 

@@ -282,6 +282,9 @@ def test_smoke_vllm_serve_from_a_relative_path_holds_the_pushed_served_bits(smok
     assert sums["same_keys"] and sums["engine"] == sums["ours"] > 0
     assert sums["differ"] == []  # vLLM's kernels' bits = SHA-256 of the gathered served bits, every tensor
     assert r0["server_exit"] is not None
+    # read back through the fp32-summed products: the server ran with gemm="fp32" (each vLLM process that
+    # loaded the faircast plugin says so in the server's log: the API server, the engine core)
+    assert r0["server_gemm_fp32_processes"] >= 2
 
 
 @pytest.mark.slow

@@ -35,8 +35,8 @@ __getattr__ = lazy.exports(__name__, _LAZY, globals())
 
 def register() -> None:
     """vLLM general plugin (called in every vLLM process, maybe more than once): register the
-    ``faircast`` backend with both of vLLM's weight-transfer factories and install the kernel-bit
-    checksums of ``/weight_checker``."""
+    ``faircast`` backend with both of vLLM's weight-transfer factories, install the kernel-bit
+    checksums of ``/weight_checker`` and, where ``FAIRCAST_VLLM_CPU_GEMM=fp32`` asks, the fp32-summed CPU GEMM."""
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
@@ -48,6 +48,8 @@ def register() -> None:
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, "faircast_ds.vllm.transfer.trainer",
                                                      "FairCastTrainerWeightTransferEngine")
+    from faircast_ds.vllm.cpu_gemm import install as install_cpu_gemm
     from faircast_ds.vllm.transfer.checksums import install_checksums
 
     install_checksums()
+    install_cpu_gemm()  # FAIRCAST_VLLM_CPU_GEMM=fp32: bf16 matrix products from fp32 sums (faircast_ds/vllm/cpu_gemm.py)

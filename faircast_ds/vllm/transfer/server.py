@@ -41,13 +41,19 @@ class VllmServer:
     the port is not probed here (this host may not own ``host``): pass ``port``.
 
     ``threads``: the server's CPU threads (``OMP_NUM_THREADS``; None: this process's). On a CPU host where
-    the trainer waits while the engine samples, give it every core."""
+    the trainer waits while the engine samples, give it every core.
+
+    ``gemm``: ``"fp32"`` computes the engine's bf16 matrix products on CPU from fp32 sums of the bf16 values,
+    rounded once (``FAIRCAST_VLLM_CPU_GEMM``, :mod:`faircast_ds.vllm.cpu_gemm`: 5-13x faster on a CPU without
+    bf16 arithmetic; the weights are unchanged, the sampled tokens may differ from a stock engine's);
+    ``"native"``: vLLM's own CPU dispatch."""
 
     def __init__(self, model_dir: str | os.PathLike | None = None, *, url: str | None = None,
                  host: str = DEFAULT_HOST, port: int | None = None, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int | None = None, kv_cache_gib: float = 1 / 16, log_path: str | os.PathLike | None = None,
                  start_timeout: float = 600.0, request_timeout: float = 300.0, extra_args: Sequence[str] = (),
-                 worker_extension: bool = False, launcher: Sequence[str] = (), threads: int | None = None) -> None:
+                 worker_extension: bool = False, launcher: Sequence[str] = (), threads: int | None = None,
+                 gemm: str = "native") -> None:
         self.proc: subprocess.Popen | None = None
         self.request_timeout = request_timeout
         self._log = None
@@ -59,6 +65,10 @@ class VllmServer:
         launcher = [str(a) for a in launcher]
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"VllmServer: threads must be a positive int or None, not {threads!r}")
+        from faircast_ds.vllm.cpu_gemm import CHOICES as GEMMS, ENV as GEMM_ENV
+
+        if gemm not in GEMMS:
+            raise ValueError(f"VllmServer: gemm must be one of {', '.join(GEMMS)}, not {gemm!r}")
         if launcher and not port:
             raise ValueError("VllmServer with a launcher needs an explicit port (this process may not reach "
                              f"{host} to find a free one)")
@@ -82,6 +92,7 @@ class VllmServer:
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
+        env[GEMM_ENV] = gemm  # read by the faircast plugin in every vLLM process of the server
         if not torch.cuda.is_available():
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: pin nothing
         self.log_path = Path(log_path) if log_path is not None else Path(f"vllm-server-{port}.log")

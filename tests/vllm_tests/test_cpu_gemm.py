@@ -1,0 +1,93 @@
+"""The engine's fp32-summed CPU GEMM (faircast_ds/vllm/cpu_gemm.py, ``FAIRCAST_VLLM_CPU_GEMM=fp32``), in process
+against vLLM's own dispatcher module: what a layer computes (against float64 sums of the same bf16 values),
+that it reads the live weight at every call, that only 2-D bf16 matrices are taken, and that a bad value is
+named. The real engine with it (``vllm serve`` holding the pushed bits, read back through these products, and
+answering through the chat template): tests/models/test_pretrained.py's smoke launch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faircast_ds.vllm import cpu_gemm
+
+utils = pytest.importorskip("vllm.model_executor.layers.utils", reason="setup installs vLLM (launch/setup.d)")
+
+
+@pytest.fixture
+def vllm_dispatch(monkeypatch):
+    """vLLM's dispatcher replaced by a recorder (restored after the test), so install() wraps a known original."""
+    calls = []
+
+    def original(layer, remove_weight):
+        calls.append((layer, remove_weight))
+        layer.cpu_linear = "vllm's own"
+
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", original)
+    return calls
+
+
+def layer_with(weight: torch.Tensor) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return layer
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 at each value of ``x`` (float64): 2^(exponent - 7)."""
+    return torch.ldexp(torch.ones_like(x), torch.frexp(x.abs().clamp_min(2.0 ** -126))[1] - 8)
+
+
+def check_against_float64(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())  # bf16 products and sums, exact in float64
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - exact).abs()
+    assert bool((err <= bf16_ulp(exact)).all()), "an output is more than one bf16 spacing from the exact sum"
+    nearest = exact.to(torch.bfloat16)
+    assert float((out == nearest).double().mean()) > 0.995  # fp32 sums: the exact sum's bf16 almost always
+
+
+@pytest.mark.parametrize("value, want", [(None, "native"), ("native", "native"), ("fp32", "fp32"), (" ", "native")])
+def test_the_choice_is_read_from_the_environment(value, want):
+    env = {} if value is None else {cpu_gemm.ENV: value}
+    assert cpu_gemm.chosen(env) == want
+
+
+def test_a_bad_choice_names_the_variable_and_the_choices(vllm_dispatch):
+    with pytest.raises(ValueError, match=r"FAIRCAST_VLLM_CPU_GEMM='bf16': choose from native, fp32"):
+        cpu_gemm.install({cpu_gemm.ENV: "bf16"})
+
+
+def test_native_leaves_vllms_dispatch_alone(vllm_dispatch):
+    before = utils.dispatch_cpu_unquantized_gemm
+    assert cpu_gemm.install({}) is False and cpu_gemm.install({cpu_gemm.ENV: "native"}) is False
+    assert utils.dispatch_cpu_unquantized_gemm is before
+
+
+def test_fp32_computes_bf16_products_from_fp32_sums_of_the_live_weight(vllm_dispatch, capsys):
+    assert cpu_gemm.install({cpu_gemm.ENV: "fp32"}) is True
+    assert "FAIRCAST_VLLM_CPU_GEMM=fp32" in capsys.readouterr().err  # the engine's log says so
+    assert cpu_gemm.install({cpu_gemm.ENV: "fp32"}) is True  # idempotent: wrapped once
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 576, generator=g) * 0.05).bfloat16()
+    b = (torch.randn(96, generator=g) * 0.1).bfloat16()
+    layer = layer_with(w.clone())
+    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    assert vllm_dispatch == []  # a 2-D bf16 matrix: taken here, vLLM's dispatch not asked
+    assert layer.weight.shape == (96, 576)  # kept: the kernel reads it live, nothing packed
+    x = torch.randn(16, 576, generator=g).bfloat16()
+    check_against_float64(layer.cpu_linear(x, layer.weight, b), x, w, b)
+    check_against_float64(layer.cpu_linear(x, layer.weight, None), x, w, None)
+    # a reload or an in-place delta writes the weight: the next product uses the new values
+    layer.weight.data[7] = (torch.randn(576, generator=g) * 0.05).bfloat16()
+    out = layer.cpu_linear(x, layer.weight, None)
+    check_against_float64(out, x, layer.weight.data, None)
+    assert not torch.equal(out[:, 7], (x.double() @ w[7].double()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("weight", [torch.zeros(8, 4), torch.zeros(8, 1, 4, dtype=torch.bfloat16)],
+                         ids=["fp32-matrix", "3-d-bf16"])
+def test_other_weights_keep_vllms_dispatch(vllm_dispatch, weight):
+    cpu_gemm.install({cpu_gemm.ENV: "fp32"})
+    layer = layer_with(weight)
+    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    assert [(lay, rw) for lay, rw in vllm_dispatch] == [(layer, True)] and layer.cpu_linear == "vllm's own"
