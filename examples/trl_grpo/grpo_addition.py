@@ -10,6 +10,11 @@ the engine's reload path and read back through its kernels after every sync; TRL
 into vLLM's CPU build). The rest is a plain TRL script: the addition task of docs/pretrained.md as a TRL
 reward function, the model by its local folder (TRL builds its vLLM engine from ``model.name_or_path``).
 
+On a CPU without bf16 arithmetic (no AVX-512 BF16 or AMX), PyTorch's and vLLM's bf16 matrix products take a
+generic loop 5-20x slower than fp32 products of the same values: ``--gemm fp32`` (the default without a GPU)
+computes them, in the trainer and in the colocated engine, as fp32 sums of the bf16 values rounded once, the
+arithmetic of a GPU's bf16 GEMM. The served weights do not change; the sampled tokens may.
+
 CPU-only lines, marked below: transformers refuses ``bf16=True`` without a GPU unless ``use_cpu=True``,
 which turns DeepSpeed off; and Accelerate, under DeepSpeed on a machine without an accelerator, records no
 process-group backend and then counts one process on every rank (``ddp_backend="gloo"`` names it).
@@ -71,12 +76,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="colocate: load through the engine's reload path, or TRL's own load_weights (GPUs only)")
     p.add_argument("--verify-every", type=int, default=1,
                    help="read the engine's kernels back after every Nth sync (0: never)")
+    p.add_argument("--gemm", choices=("auto", "native", "fp32"), default="auto",
+                   help="bf16 matrix products of the trainer and the colocated engine: fp32 sums of the bf16 values "
+                        "rounded once (a CPU without bf16 arithmetic is 5-20x faster so), or PyTorch's and vLLM's "
+                        "own; auto: fp32 without a GPU, native with one")
     p.add_argument("--output", default="runs/trl_grpo_addition")
     return p.parse_args(argv)
 
 
 def build_trainer(args: argparse.Namespace, *, rewards: tuple = (), callbacks: tuple = ()):
     """TRL's GRPOTrainer as this recipe configures it (``rewards``, ``callbacks``: more of each, for a test)."""
+    gemm = args.gemm if args.gemm != "auto" else ("native" if torch.cuda.is_available() else "fp32")
+    if gemm == "fp32":  # read by faircast's vLLM plugin when TRL builds its engine (faircast_ds/vllm/cpu_gemm.py)
+        os.environ["FAIRCAST_VLLM_CPU_GEMM"] = "fp32"
     if not torch.cuda.is_available():  # CPU only: bf16 on DeepSpeed without use_cpu (which turns DeepSpeed off)
         import transformers.training_args
 
@@ -101,6 +113,11 @@ def build_trainer(args: argparse.Namespace, *, rewards: tuple = (), callbacks: t
     trainer = GRPOTrainer(model=model_folder(args.model), reward_funcs=[addition_reward, *rewards], args=config,
                           train_dataset=addition_dataset(max(64, 8 * args.steps), seed=args.seed),
                           callbacks=[FairCastCallback(), *callbacks])
+    if gemm == "fp32":  # the policy's bf16 linear layers multiply in fp32 and round once (faircast_ds/models/gemm.py)
+        from faircast_ds.models.gemm import use_fp32_accumulation
+
+        routed = use_fp32_accumulation(trainer.model)
+        print(f"[grpo_addition] --gemm fp32: {routed} bf16 linear layers of the policy multiply in fp32", flush=True)
     if config.use_vllm:
         from faircast_ds.vllm import install_trl_sync
 

@@ -14,6 +14,7 @@ TRL or vLLM missing fails the launch (the script imports both), so the test fail
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import torch
@@ -97,6 +98,10 @@ def test_trl_recipe_colocated_vllm_two_ranks_serves_the_oracle_bits(tmp_path):
     assert "source=config" in log
     assert result["attached"] and result["global_step"] == result["caster_step"] == 2
     assert "[fair_cast] TRL's colocated vLLM sync: load=reload, engine kernels read back after every sync" in log
+    # the recipe's CPU default --gemm fp32: the policy's linear layers and the engine's products (each vLLM
+    # process that loaded the faircast plugin says so); the read-back below goes through those products
+    assert re.search(r"\[grpo_addition\] --gemm fp32: [1-9]\d* bf16 linear layers", log), log[-2000:]
+    assert "[fair_cast] FAIRCAST_VLLM_CPU_GEMM=fp32:" in log
     # served bits after each step: the oracle's cast of DeepSpeed's fp32 masters
     snaps = ranks[0]["snapshots"]
     assert [s["step"] for s in snaps] == [1, 2]
