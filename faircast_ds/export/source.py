@@ -108,15 +108,6 @@ class Stages:
         return sum(n for k, n in self.calls.items() if k.startswith("http."))
 
 
-def format_stages(stages: Mapping[str, float], total: float | None = None, width: int = 22) -> str:
-    """One line per stage, slowest first, with its share of ``total``."""
-    lines = []
-    for name, s in sorted(stages.items(), key=lambda kv: -kv[1]):
-        share = f"  {s / total:6.1%}" if total else ""
-        lines.append(f"  {name:<{width}} {s * 1e3:9.1f} ms{share}")
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------- what changed since the acknowledged version
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The elements as same-width integers (a flat view): bits compared, never values."""
