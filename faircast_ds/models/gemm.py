@@ -16,8 +16,8 @@ hand them on.
 
 Nothing here touches the served weights or the cast: it changes only how the trainer's forward and backward
 multiply. The GRPO job chooses it with ``--gemm fp32`` (the default under ``--model``); ``--gemm native``
-keeps PyTorch's own bf16 kernels. The engine's side of the same arithmetic: :func:`fp32_linear`, through
-``faircast_ds/vllm/cpu_gemm.py`` (``--engine-gemm fp32``).
+keeps PyTorch's own bf16 kernels. The engine's side of the same arithmetic, in fixed row blocks so that a row
+does not depend on the requests beside it: ``faircast_ds/vllm/cpu_gemm.py`` (``--engine-gemm fp32``).
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ __all__ = ["Fp32AccumulatedLinear", "fp32_linear", "use_fp32_accumulation"]
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``round_bf16(x @ weight.T + bias)`` from fp32 products and sums of the bf16 values (no autograd; the
-    engine's layers, faircast_ds/vllm/cpu_gemm.py)."""
+    """``round_bf16(x @ weight.T + bias)`` from fp32 products and sums of the bf16 values (no autograd)."""
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 

@@ -8,15 +8,23 @@ thread: the tied LM head at a decode batch of 16, 320 ms against 45 ms), and sam
 tokens from SmolLM2-135M took ~24 s.
 
 ``FAIRCAST_VLLM_CPU_GEMM=fp32`` in a vLLM process's environment (``VllmServer(gemm="fp32")``, the GRPO job's
-``--engine-gemm fp32``) makes that dispatcher give every 2-D bf16 layer
-:func:`faircast_ds.models.gemm.fp32_linear`: the exact products of the bf16 input and weight, summed in fp32,
-rounded once to bf16 — the arithmetic of a GPU's bf16 GEMM and of the trainer's ``--gemm fp32``, and of
-PyTorch's own fallback up to the order of the sums (on random matrices 0.01-0.02% of outputs differ from it,
-each by the last bit). So the engine's sampled tokens may differ from a stock CPU engine's; the weights it
-computes with do not: the layer reads its live ``.weight`` at every call (nothing is packed or copied at
-load), so a reload or an in-place delta is what the next product uses, and ``/weight_checker`` reads the same
-bits through it. ``native`` (or unset) leaves vLLM's dispatch alone. Any other value stops the process at
-start naming the variable.
+``--engine-gemm fp32``, the TRL recipe's ``--gemm``) makes that dispatcher give every 2-D bf16 layer
+:func:`linear`: the exact products of the bf16 input and weight, summed in fp32, rounded once to bf16 — the
+arithmetic of a GPU's bf16 GEMM and of the trainer's ``--gemm fp32`` (faircast_ds/models/gemm.py), and of
+PyTorch's own fallback up to the order of the sums (on random matrices 0.01-0.03% of outputs differ from it,
+each by the last bit), so the engine's sampled tokens may differ from a stock CPU engine's.
+
+**Batch-invariant.** An fp32 GEMM library picks its blocking by the number of rows, so a row's sums (and now
+and then its rounded bf16) would depend on how many other requests shared its forward, which depends on when
+requests arrive. :func:`linear` multiplies in fixed blocks of :data:`ROWS` rows (the last one padded with
+zeros): a row's bits are then those of the row alone, wherever it sits and whatever shares its call (measured
+here on this CPU's fp32 kernels at 1 and 2 threads, and checked by tests/vllm_tests/test_cpu_gemm.py), so the
+engine samples the same tokens from the same weights and seeds run after run, as with vLLM's own loop.
+
+The weights are the engine's own: the layer reads its live ``.weight`` at every call (nothing is packed or
+copied at load), so a reload or an in-place delta is what the next product uses, and ``/weight_checker`` reads
+the same bits through it. ``native`` (or unset) leaves vLLM's dispatch alone. Any other value stops the process
+at start naming the variable.
 """
 from __future__ import annotations
 
@@ -25,6 +33,26 @@ import sys
 
 ENV = "FAIRCAST_VLLM_CPU_GEMM"
 CHOICES = ("native", "fp32")
+ROWS = 16  # the fixed block of rows each fp32 product is computed in (a decode batch of up to 16 is one call)
+
+
+def linear(x, weight, bias=None):
+    """``round_bf16(x @ weight.T + bias)`` from fp32 products and sums of the bf16 values, in blocks of
+    :data:`ROWS` rows so that each row's bits do not depend on the rows beside it."""
+    import torch
+    import torch.nn.functional as F
+
+    flat = x.reshape(-1, x.shape[-1]).float()
+    rows = flat.shape[0]
+    w = weight.float()
+    b = None if bias is None else bias.float()
+    if rows == 0:
+        return x.new_empty(*x.shape[:-1], w.shape[0])
+    pad = -rows % ROWS
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    out = torch.cat([F.linear(flat[i:i + ROWS], w, b) for i in range(0, flat.shape[0], ROWS)])[:rows]
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def chosen(environ=os.environ) -> str:
@@ -52,9 +80,7 @@ def install(environ=os.environ) -> bool:
         weight = layer.weight
         if weight.is_meta or weight.ndim != 2 or weight.dtype != torch.bfloat16:
             return original(layer, remove_weight)  # not a bf16 matrix: vLLM's own choice
-        from faircast_ds.models.gemm import fp32_linear
-
-        layer.cpu_linear = fp32_linear  # called with the layer's live weight each time
+        layer.cpu_linear = linear  # called with the layer's live weight each time
 
     dispatch.faircast_fp32 = True
     utils.dispatch_cpu_unquantized_gemm = dispatch

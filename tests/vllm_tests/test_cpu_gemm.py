@@ -91,3 +91,31 @@ def test_other_weights_keep_vllms_dispatch(vllm_dispatch, weight):
     layer = layer_with(weight)
     utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
     assert [(lay, rw) for lay, rw in vllm_dispatch] == [(layer, True)] and layer.cpu_linear == "vllm's own"
+
+
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
+    """The row computed alone is the oracle: in any batch (1 to 608 rows: decode batches and a prefill of 16 prompts), at any
+    position, beside any other rows, at 1 and 2 threads, the row's output is the same to the bit."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(1536, 576, generator=g) * 0.05).bfloat16()
+    b = (torch.randn(1536, generator=g) * 0.1).bfloat16()
+    row = torch.randn(1, 576, generator=g).bfloat16()
+    alone = cpu_gemm.linear(row, w, b)[0]
+    check_against_float64(alone[None], row, w, b)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for rows in (2, 7, 16, 17, 40, 608):
+                for at in (0, rows // 2, rows - 1):
+                    batch = torch.randn(rows, 576, generator=g).bfloat16()
+                    batch[at] = row[0]
+                    out = cpu_gemm.linear(batch, w, b)
+                    assert out.shape == (rows, 1536)
+                    assert torch.equal(out[at], alone), (n_threads, rows, at)
+            three_d = torch.randn(3, 5, 576, generator=g).bfloat16()
+            three_d[1, 2] = row[0]
+            assert torch.equal(cpu_gemm.linear(three_d, w, b)[1, 2], alone)  # [batch, tokens, hidden] too
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu_gemm.linear(torch.empty(0, 576, dtype=torch.bfloat16), w, b).shape == (0, 1536)
