@@ -30,8 +30,9 @@ def child(gemm: str, folder: str, batches: int) -> None:
     from vllm import LLM, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(folder)
-    prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)}
-               for q in QUESTIONS]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in QUESTIONS]
+    prompts = [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
     llm = LLM(model=folder, dtype="bfloat16", enforce_eager=True, seed=0, kv_cache_memory_bytes=1 << 26,
               max_model_len=256, skip_tokenizer_init=True)
     params = SamplingParams(max_tokens=16, temperature=0, detokenize=False)

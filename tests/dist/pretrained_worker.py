@@ -155,8 +155,8 @@ def main() -> None:
     result["seconds"] = time.perf_counter() - t_start
     if rank == 0 and "server" in server_box:
         result["server_exit"] = server_box["server"].close()
-        log = (Path(out) / "server.log").read_text(errors="replace")
-        result["server_gemm_fp32_processes"] = log.count("[fair_cast] FAIRCAST_VLLM_CPU_GEMM=fp32:")
+        server_log = (Path(out) / "server.log").read_text(errors="replace")
+        result["server_gemm_fp32_processes"] = server_log.count("[fair_cast] FAIRCAST_VLLM_CPU_GEMM=fp32:")
     write_json(os.path.join(out, f"rank{rank}.json"), result)
     finish_and_exit(0)
 
