@@ -24,12 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Fp32AccumulatedLinear", "fp32_linear", "use_fp32_accumulation"]
-
-
-def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``round_bf16(x @ weight.T + bias)`` from fp32 products and sums of the bf16 values (no autograd)."""
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+__all__ = ["Fp32AccumulatedLinear", "use_fp32_accumulation"]
 
 
 class Fp32AccumulatedLinear(torch.autograd.Function):
@@ -41,7 +36,8 @@ class Fp32AccumulatedLinear(torch.autograd.Function):
         # before the backward, as for DeepSpeed's own linear
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return fp32_linear(x, weight, bias)
+        y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

@@ -31,6 +31,9 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+import torch.nn.functional as F
+
 ENV = "FAIRCAST_VLLM_CPU_GEMM"
 CHOICES = ("native", "fp32")
 ROWS = 16  # the fixed block of rows each fp32 product is computed in (a decode batch of up to 16 is one call)
@@ -39,9 +42,6 @@ ROWS = 16  # the fixed block of rows each fp32 product is computed in (a decode 
 def linear(x, weight, bias=None):
     """``round_bf16(x @ weight.T + bias)`` from fp32 products and sums of the bf16 values, in blocks of
     :data:`ROWS` rows so that each row's bits do not depend on the rows beside it."""
-    import torch
-    import torch.nn.functional as F
-
     flat = x.reshape(-1, x.shape[-1]).float()
     rows = flat.shape[0]
     w = weight.float()
@@ -75,8 +75,6 @@ def install(environ=os.environ) -> bool:
     original = utils.dispatch_cpu_unquantized_gemm
 
     def dispatch(layer, remove_weight: bool) -> None:
-        import torch
-
         weight = layer.weight
         if weight.is_meta or weight.ndim != 2 or weight.dtype != torch.bfloat16:
             return original(layer, remove_weight)  # not a bf16 matrix: vLLM's own choice

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from faircast_ds.export.channel import DEFAULT_HOST, free_port
+from faircast_ds.vllm.cpu_gemm import CHOICES as GEMMS, ENV as GEMM_ENV
 
 # what a launcher sets and vLLM would read as its own world (see faircast_ds.vllm.colocated.inference)
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -65,8 +66,6 @@ class VllmServer:
         launcher = [str(a) for a in launcher]
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"VllmServer: threads must be a positive int or None, not {threads!r}")
-        from faircast_ds.vllm.cpu_gemm import CHOICES as GEMMS, ENV as GEMM_ENV
-
         if gemm not in GEMMS:
             raise ValueError(f"VllmServer: gemm must be one of {', '.join(GEMMS)}, not {gemm!r}")
         if launcher and not port:
