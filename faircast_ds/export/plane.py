@@ -5,7 +5,7 @@ and the engine's ledger that turns the ranks' reports into one all-or-nothing co
 Nothing here moves bytes or knows a socket. A transport supplies a :class:`Segment` (bytes the engine
 owns and the trainer ranks may write): :class:`HostSegment` is the CPU one (a ``memfd`` mapped in both
 processes, :mod:`faircast_ds.vllm.transfer.segment`); :class:`TensorSegment` is any uint8 tensor, a GPU
-engine's staging included, which :mod:`faircast_ds.export.bucket_stream` fills bucket by bucket. The tests drive the ledger, the layout and the
+engine's staging included, which :mod:`faircast_prepared.bucket_stream` (beside the package) fills bucket by bucket. The tests drive the ledger, the layout and the
 digests through :class:`HostSegment` alone.
 
 **Layout.** Parameter ``i`` occupies ``[offset[i], offset[i] + numel * element_size)``, offsets in

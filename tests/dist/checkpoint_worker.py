@@ -7,7 +7,7 @@
             (load_optimizer_states=False, and load_module_only=True) and compare the served bits with the
             saved ones; load the NaN checkpoint; resume the crashed run from its latest checkpoint; try
             every bad checkpoint
-  crash     save every 2 steps; rank 1 SIGKILLs itself after step 5 (the straight launch runs it last, with
+  crash     save every 2 steps; rank 1 records OUT_DIR/killed.json and SIGKILLs itself after step 5 (the straight launch runs it last, with
             --then-crash, once straight.pt is written: one launch serves both phases)
   elastic   load a universal checkpoint at this world size, for ZeRO-3, ZeRO-2 and ZeRO-1; snapshot; run on;
             save; and load universal checkpoints converted by DeepSpeed's own ds_to_universal (no fair_cast/)
@@ -18,6 +18,7 @@ gathered for the test only (Fair Cast itself never gathers fp32).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -180,6 +181,9 @@ def crash(root: str, out: str) -> None:
     for step in range(1, 7):
         train_step(engine, step, engine.global_rank)
         if step == 5 and dist.get_rank() == 1:
+            with open(os.path.join(out, "killed.json"), "w") as f:  # the test's proof of the kill (see there)
+                json.dump({"step": step, "rank": 1}, f)
+            sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)  # a node dies mid-run, without warning
         if step % 2 == 0:
             engine.save_checkpoint(os.path.join(root, "crash"))
