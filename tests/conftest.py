@@ -126,16 +126,75 @@ def run_logged(cmd: list[str], log: Path, *, env: dict[str, str], timeout: float
     return proc
 
 
+def start_ranks(script: Path, ranks: int, port: int, args: list[str], log, env: dict[str, str],
+                cwd: Path = ROOT) -> list[subprocess.Popen]:
+    """Start ``ranks`` processes of ``script`` on this host as DeepSpeed's launcher (deepspeed/launcher/launch.py)
+    starts them: ``python -u script --local_rank=R args``, with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE,
+    CROSS_RANK, CROSS_SIZE, MASTER_ADDR, MASTER_PORT and (its CPU accelerator's) CUDA_VISIBLE_DEVICES in the
+    environment; all output to ``log``."""
+    procs = []
+    for rank in range(ranks):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+                    "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks)))}
+        procs.append(subprocess.Popen([sys.executable, "-u", str(script), f"--local_rank={rank}", *args], stdout=log,
+                                      stderr=subprocess.STDOUT, env=rank_env, cwd=cwd, start_new_session=True))
+    return procs
+
+
+def supervise(procs: list[subprocess.Popen], log, timeout: float) -> int:
+    """Wait for the ranks as DeepSpeed's launcher does: the first rank to exit non-zero takes the others down
+    (SIGKILL, with their children) and its code is the launch's; 0 when all exit 0. Each exit is logged
+    (``rank R (pid P) exits with return code = C``). Past ``timeout``, every rank is killed and
+    TimeoutExpired raised."""
+    deadline, alive, code = time.monotonic() + timeout, dict(enumerate(procs)), 0
+    try:
+        while alive:
+            for rank, proc in list(alive.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                del alive[rank]
+                log.write(f"[tests/conftest.py] rank {rank} (pid {proc.pid}) exits with return code = {rc}\n")
+                log.flush()
+                if rc != 0 and code == 0:
+                    code = rc
+                    for other in alive.values():
+                        kill_tree(other)
+            if alive and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired([p.args for p in procs], timeout)
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc)
+    return code
+
+
 def deepspeed_launch(script: Path, ranks: int, out_dir: Path, *, args: list[str] = (), timeout: float = 600,
-                     check: bool = True, **env: str) -> subprocess.CompletedProcess:
-    """``deepspeed --num_gpus N script`` on CPU ranks; the job's output goes to out_dir/launch.log."""
+                     check: bool = True, runner: bool = False, **env: str) -> subprocess.CompletedProcess:
+    """A test worker on ``ranks`` CPU ranks, its output in out_dir/launch.log. By default the ranks are started
+    here as DeepSpeed's launcher would start them (``start_ranks``; ``supervise``): the `deepspeed` runner
+    adds two Python start-ups importing DeepSpeed before the first rank starts (7 s a launch on this 2-core machine)
+    and nothing a worker sees. ``runner=True`` goes through ``deepspeed --num_gpus N`` itself. The runner is
+    what users launch with, and the tests of that path use it: the job's and the README's commands, activation,
+    multinode, the patched copy and the releases' launches."""
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    cmd = [deepspeed_runner(), "--num_gpus", str(ranks),
-           "--master_port", str(port), str(script), *args]
+    env = cpu_env(OUT_DIR=str(out_dir), **env)
     try:
-        return run_logged(cmd, out_dir / "launch.log", env=cpu_env(OUT_DIR=str(out_dir), **env), timeout=timeout,
-                          check=check)
+        if runner:
+            cmd = [deepspeed_runner(), "--num_gpus", str(ranks), "--master_port", str(port), str(script), *args]
+            return run_logged(cmd, out_dir / "launch.log", env=env, timeout=timeout, check=check)
+        log_path = out_dir / "launch.log"
+        with open(log_path, "w") as log:
+            code = supervise(start_ranks(script, ranks, port, list(args), log, env), log, timeout)
+        proc = subprocess.CompletedProcess([str(script), *args], code)
+        if check and code != 0:
+            raise AssertionError(f"{script.name} on {ranks} ranks exited {code}; log {log_path}:\n"
+                                 f"{log_path.read_text()[-6000:]}")
+        return proc
     finally:
         # DeepSpeed's CPU shared-memory all-reduce (ops/csrc/cpu/comm/shm.cpp) never unlinks its per-rank
         # /dev/shm buffer (66 MiB each, named after the launch's port): every launch leaked them into RAM

@@ -109,7 +109,7 @@ def launch(version: str, out: Path) -> None:
     if target is not None:  # first on the path; its own JIT extensions folder (op sources differ per release)
         env = {"PYTHONPATH": os.pathsep.join([str(target), str(ROOT)]),
                "TORCH_EXTENSIONS_DIR": str(target / ".torch_extensions")}
-    deepspeed_launch(DIST / "releases_worker.py", 2, out, timeout=1800, **env)
+    deepspeed_launch(DIST / "releases_worker.py", 2, out, timeout=1800, runner=True, **env)  # its own runner
 
 
 @pytest.fixture(scope="module")
