@@ -61,8 +61,11 @@ COVERAGE: list[tuple[str, str, str]] = [
      "tests/transformers_tests/test_trl_colocate.py::test_trl_recipe_colocated_vllm_two_ranks_serves_the_oracle_bits"),
     (r"^python3 -m faircast_jobs\.delta_table", "test",
      "tests/jobs/test_delta_table.py::test_medians_leave_step_one_out_and_each_lr_keeps_its_own_rows"),
-    (r"^(nice -n \d+ )?bash launch/smollm2_(runs|campaign|delta)\.sh", "long",
-     "the real model's long runs (docs/pretrained.md); tests/jobs/test_job_pretrained.py runs the same job for a few steps"),
+    (r"^(nice -n \d+ )?bash launch/(smollm2_(runs|campaign|delta)|trl_seeds)\.sh", "long",
+     "the real model's long runs (docs/pretrained.md, docs/integrations.md); tests/jobs/test_job_pretrained.py and "
+     "tests/transformers_tests/test_trl_colocate.py run the same job and recipe for a few steps"),
+    (r"^python3 examples/trl_grpo/summarize\.py", "test",
+     "tests/transformers_tests/test_trl_summary.py::test_the_table_is_the_rows_arithmetic"),
     (r"^python3 -m pytest -q -p no:cacheprovider tests/config/test_config\.py", "quick",
      "test_config_and_check_commands_run"),
     (r"^python3 -m pytest -q -p no:cacheprovider (tests/\S+\.py)$", "suite", "a file of the suite: .ci/run runs it"),

@@ -81,7 +81,61 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "rounded once (a CPU without bf16 arithmetic is 5-20x faster so), or PyTorch's and vLLM's "
                         "own; auto: fp32 without a GPU, native with one")
     p.add_argument("--output", default="runs/trl_grpo_addition")
-    return p.parse_args(argv)
+    p.add_argument("--save-every", type=int, default=10,
+                   help="a checkpoint (TRL's, with DeepSpeed's and Fair Cast's state) every N steps, the newest kept "
+                        "(0: none)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint-* in --output (start afresh when there is none)")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.save_every < 0 or args.verify_every < 0:
+        p.error(f"--steps must be >= 1 and --save-every, --verify-every >= 0 (got {args.steps}, {args.save_every}, "
+                f"{args.verify_every})")
+    return args
+
+
+def newest_checkpoint(output: str) -> str | None:
+    """The checkpoint-<step> folder of ``output`` with the highest step whose trainer state was written (TRL writes
+    it last: a folder without it was cut off mid-save and is passed over), or None."""
+    if not os.path.isdir(output):
+        return None
+    steps = sorted((int(m[1]), name) for name in os.listdir(output) if (m := re.fullmatch(r"checkpoint-(\d+)", name)))
+    for _, name in reversed(steps):
+        if os.path.exists(os.path.join(output, name, "trainer_state.json")):
+            return os.path.join(output, name)
+    return None
+
+
+ROW_KEYS = ("step", "reward", "reward_std", "step_time", "sampling/importance_sampling_ratio/min",
+            "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max",
+            "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+            "fair_cast/changed_fraction", "fair_cast/gap_spacings", "fair_cast/lag_steps")
+
+
+def write_rows(output: str, log_history: list[dict]) -> str:
+    """TRL's per-step log rows (``ROW_KEYS``, those present) as ``<output>/steps.jsonl``, written whole (a
+    resumed run's history comes back from its checkpoint, so rows after the last checkpoint are logged again
+    rather than twice); atomic (a killed write leaves the previous file)."""
+    path = os.path.join(output, "steps.jsonl")
+    os.makedirs(output, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        for row in log_history:
+            if "reward" in row:  # a training step's row (the last row is the run's summary)
+                f.write(json.dumps({k: row[k] for k in ROW_KEYS if k in row}) + "\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def RowsFile(output: str):
+    """A TRL callback that rewrites ``<output>/steps.jsonl`` (``write_rows``) after every logged step on the main
+    process, so a run stopped between checkpoints leaves its rows so far."""
+    from transformers import TrainerCallback
+
+    class _RowsFile(TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                write_rows(output, state.log_history)
+
+    return _RowsFile()
 
 
 def build_trainer(args: argparse.Namespace, *, rewards: tuple = (), callbacks: tuple = ()):
@@ -106,7 +160,8 @@ def build_trainer(args: argparse.Namespace, *, rewards: tuple = (), callbacks: t
     config = GRPOConfig(
         output_dir=args.output, max_steps=args.steps, learning_rate=args.lr, seed=args.seed,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=16, temperature=1.0,
-        bf16=True, logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
+        bf16=True, logging_steps=1, report_to=[], dataloader_num_workers=0,
+        save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, save_total_limit=1,
         use_vllm=args.vllm == "colocate", vllm_mode="colocate", vllm_max_model_length=256,
         ddp_backend=None if torch.cuda.is_available() else "gloo",  # CPU only: see the docstring
     )
@@ -126,14 +181,16 @@ def build_trainer(args: argparse.Namespace, *, rewards: tuple = (), callbacks: t
 
 
 def main(argv: list[str] | None = None) -> None:
-    trainer = build_trainer(parse(argv))
-    trainer.train()
+    args = parse(argv)
+    start = newest_checkpoint(args.output) if args.resume else None
+    trainer = build_trainer(args, callbacks=(RowsFile(args.output),))
     if trainer.accelerator.is_main_process:
-        keep = ("step", "reward", "step_time", "sampling/importance_sampling_ratio/min",
-                "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max",
-                "fair_cast/changed_fraction", "fair_cast/gap_spacings", "fair_cast/lag_steps")
+        print(f"[grpo_addition] {'resuming from ' + start if start else 'starting at step 0'}", flush=True)
+    trainer.train(resume_from_checkpoint=start)
+    if trainer.accelerator.is_main_process:
         for row in trainer.state.log_history:
-            print(json.dumps({k: row[k] for k in keep if k in row}), flush=True)
+            print(json.dumps({k: row[k] for k in ROW_KEYS if k in row}), flush=True)
+        print(f"[grpo_addition] rows: {write_rows(args.output, trainer.state.log_history)}", flush=True)
         sync = getattr(trainer.vllm_generation.sync_weights, "__self__", None) if trainer.args.use_vllm else None
         for record in getattr(sync, "history", []):  # install_trl_sync's account of each sync
             print(json.dumps({"sync": record}), flush=True)

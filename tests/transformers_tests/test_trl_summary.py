@@ -1,0 +1,57 @@
+"""examples/trl_grpo/summarize.py: the TRL runs' table is the rows' arithmetic, done here by hand."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+SCRIPT = ROOT / "examples" / "trl_grpo" / "summarize.py"
+
+
+def write(run, rewards, changed=0.01, done=True):
+    run.mkdir(parents=True)
+    rows = [{"step": i + 1, "reward": r, "fair_cast/changed_fraction": changed, "fair_cast/lag_steps": 2.0,
+             "sampling/importance_sampling_ratio/min": 0.9 - i / 100, "sampling/importance_sampling_ratio/max": 1.1,
+             "step_time": 40.0} for i, r in enumerate(rewards)]
+    (run / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if done:
+        (run / "done.json").write_text("{}")
+
+
+def summarize(runs, docs):
+    return subprocess.run([sys.executable, str(SCRIPT), str(runs), str(docs)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_the_table_is_the_rows_arithmetic(tmp_path):
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    write(runs / "nearest-seed0", [0.0] * 10 + [0.5] * 20)  # all: 10/30 = 0.333; last 20: 0.5
+    write(runs / "dither-seed0", [0.25] * 30, changed=0.03)
+    write(runs / "dither-seed1", [1.0] * 3, done=False)  # no nearest partner: no difference row
+    proc = summarize(runs, docs)
+    assert proc.returncode == 0, proc.stderr
+    table = (docs / "table.md").read_text()
+    assert "| nearest | 0 | 30 | 0.333 | 0.500 | 1.00% | 2.0 | [0.61, 1.10] | 40 |" in table
+    assert "| dither | 0 | 30 | 0.250 | 0.250 | 3.00% | 2.0 | [0.61, 1.10] | 40 |" in table
+    assert "| dither | 1 | 3 (unfinished) | 1.000 | 1.000 |" in table
+    assert "| 0 | 30 | -0.083 | -0.250 |" in table and "| 1 | 3 |" not in table
+    assert (docs / "rewards.png").stat().st_size > 1000
+    assert (docs / "nearest-seed0.jsonl").read_text() == (runs / "nearest-seed0" / "steps.jsonl").read_text()
+
+
+@pytest.mark.parametrize("steps", [[1, 3], [2, 1]])
+def test_a_mixed_up_rows_file_is_refused(tmp_path, steps):
+    run = tmp_path / "runs" / "dither-seed0"
+    run.mkdir(parents=True)
+    (run / "steps.jsonl").write_text("".join(json.dumps({"step": s, "reward": 0.0}) + "\n" for s in steps))
+    proc = summarize(tmp_path / "runs", tmp_path / "docs")
+    assert proc.returncode != 0 and "are not 1, 2, 3" in proc.stderr
+
+
+def test_no_runs_is_an_error(tmp_path):
+    (tmp_path / "runs").mkdir()
+    proc = summarize(tmp_path / "runs", tmp_path / "docs")
+    assert proc.returncode != 0 and "no <mode>-seed<seed>/steps.jsonl" in proc.stderr
