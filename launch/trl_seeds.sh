@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reward effect inside TRL's own loop (docs/trl.md): the recipe of examples/trl_grpo/ on SmolLM2-135M-Instruct,
+# The reward effect inside TRL's own loop (docs/integrations.md): the recipe of examples/trl_grpo/ on SmolLM2-135M-Instruct,
 # round-to-nearest and dither, seeds 0 and 1, 100 steps each at lr 1e-5, 2 CPU ranks, TRL's colocated vLLM engine
 # and its importance-sampling correction as TRL ships it. Each run is a user's run: its own DeepSpeed JSON (the
 # recipe's, with the mode changed) named by its own Accelerate config, both written into the run's folder. Runs

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.accelerator.is_main_process:
         for row in trainer.state.log_history:
             print(json.dumps({k: row[k] for k in ROW_KEYS if k in row}), flush=True)
-        print(f"[grpo_addition] rows: {write_rows(args.output, trainer.state.log_history)}", flush=True)
+        print(f"[grpo_addition] rows: {os.path.join(args.output, 'steps.jsonl')}", flush=True)  # RowsFile's
         sync = getattr(trainer.vllm_generation.sync_weights, "__self__", None) if trainer.args.use_vllm else None
         for record in getattr(sync, "history", []):  # install_trl_sync's account of each sync
             print(json.dumps({"sync": record}), flush=True)

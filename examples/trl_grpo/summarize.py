@@ -1,6 +1,6 @@
-"""The TRL runs of launch/trl_seeds.sh as a table, a plot and their rows under docs/trl/:
+"""The TRL runs of launch/trl_seeds.sh as a table, a plot and their rows in one folder:
 
-    python examples/trl_grpo/summarize.py runs/trl docs/trl
+    python3 examples/trl_grpo/summarize.py runs/trl runs/trl/summary
 
 Reads ``<runs>/<mode>-seed<seed>/steps.jsonl`` (the recipe's per-step rows of TRL's own log) for every run there,
 copies each to ``<docs>/<mode>-seed<seed>.jsonl``, and writes ``<docs>/table.md`` (per run: steps done, mean reward

@@ -5,6 +5,7 @@ bad, incomplete or mixed checkpoints, and zero_to_fp32 still working."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -154,14 +155,14 @@ def test_module_only_load_of_a_tag_latest_does_not_name(phases):
 
 def test_crash_recovery_continues_exactly(phases):
     assert phases["crash_rc"] != 0, "the launcher must fail when a rank is killed"
-    # rank 1 recorded its kill just before its SIGKILL. The runner's "exits with return code = -9" line is not
-    # required: when rank 0's failed collective ends it with rc 1 inside the runner's 1 s poll, the runner
-    # reports that one (seen in CI)
+    # rank 1 recorded its kill just before its SIGKILL, and the launcher (tests/conftest.py supervise, which logs
+    # every rank's exit) saw it die by signal 9; the launch's own code may be rank 0's 1 if its failed
+    # collective ended it first
     log = (phases["out"]["crash"] / "launch.log").read_text()
     killed = phases["out"]["crash"] / "killed.json"
     assert killed.exists(), log[-4000:]
     assert json.loads(killed.read_text()) == {"step": 5, "rank": 1}
-    assert "exits with return code = -9" in log or "exits with return code = 1" in log, log[-4000:]
+    assert re.search(r"rank 1 \(pid \d+\) exits with return code = -9", log), log[-4000:]
     assert (phases["root"] / "crash/latest").read_text().strip() == "global_step4"
     crash = phases["resume"]["crash"]
     assert crash["resumed_at"] == 4
