@@ -164,9 +164,11 @@ def check_dates(prereg: str, row_files: Sequence[str], against: str) -> None:
 Run = tuple[str, str, int]  # (run name, mode, seed)
 
 
-def read_runs(paths: Sequence[str], lr: float) -> tuple[dict[Run, dict[int, dict]], dict[Run, str]]:
+def read_runs(paths: Sequence[str], lr: float, committed: str = "") -> tuple[dict[Run, dict[int, dict]], dict[Run, str]]:
     """Every run at ``lr`` in ``paths``: its rows by step, and the file it came from. The same run read
-    twice (a folder and a table holding it) must hold the same rows."""
+    twice (a folder and a table holding it) must hold the same rows. The runs of ``committed`` (the
+    reproduction check's committed rows) are named ``committed/<run>``: a seed run again in full on another
+    machine keeps its run's name and is a different run, not the same one read twice."""
     runs: dict[Run, dict[int, dict]] = {}
     where: dict[Run, str] = {}
     for path in paths:
@@ -174,11 +176,12 @@ def read_runs(paths: Sequence[str], lr: float) -> tuple[dict[Run, dict[int, dict
             rows = read_input(path)
         except (TableError, KeyError, ValueError) as exc:
             raise CampaignError(str(exc)) from exc
+        prefix = "committed/" if committed and os.path.realpath(path) == os.path.realpath(committed) else ""
         mine: dict[Run, dict[int, dict]] = {}
         for r in rows:
             if not math.isclose(r["lr"], lr, rel_tol=1e-9):
                 continue
-            steps = mine.setdefault((r["run"], r["mode"], r["seed"]), {})
+            steps = mine.setdefault((prefix + r["run"], r["mode"], r["seed"]), {})
             if r["step"] in steps:
                 raise CampaignError(f"{path}: run {r['run']} {r['mode']} seed {r['seed']} has step {r['step']} twice")
             steps[r["step"]] = r
@@ -508,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = ([plan.against] if plan.against else []) + [q for p in given for q in expand(p)]
         files = [p if p.endswith(".csv") else os.path.join(p, "steps.csv") for p in paths]
         check_dates(args.prereg, files, plan.against)
-        runs, where = read_runs(paths, plan.lr)
+        runs, where = read_runs(paths, plan.lr, plan.against)
         an = analyse(plan, runs, where, args.count_unchecked, args.pooled_steps)
     except (CampaignError, OSError, KeyError, json.JSONDecodeError) as exc:
         print(f"campaign: {exc}", file=sys.stderr)

@@ -32,7 +32,7 @@ import sys
 from faircast_jobs import campaign as c
 out, seed = sys.argv[1], int(sys.argv[2])
 plan = c.load_plan("docs/pretrained/campaign/preregistered.json")
-runs, where = c.read_runs([*c.expand(out), plan.against], plan.lr)
+runs, where = c.read_runs([*c.expand(out), plan.against], plan.lr, plan.against)
 verdict = [r for r in c.reproduction(plan, runs, where) if r.seed == seed]
 print(f"seed {seed}: " + "; ".join(verdict[0].lines))
 sys.exit(0 if verdict and verdict[0].ok else 1)

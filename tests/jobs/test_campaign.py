@@ -268,6 +268,26 @@ def test_a_reproduction_that_differs_in_any_column_leaves_its_seed_out(tmp_path,
     assert "| dither − nearest | primary (steps 1-100) | 3 (1, 2, 3) |" in out
 
 
+def test_a_seed_run_again_in_full_under_its_committed_name_counts_with_its_new_rows(tmp_path, capsys):
+    """Seed 0's reproduction fails (another CPU rounds differently), so the campaign runs it again in full
+    in folders named as the committed runs: those rows are another run, not the committed one read twice."""
+    c = Campaign(tmp_path / "repo", four_seeds(DIFFS))
+    folder = c.root / "runs" / "repro-seed0-dither"
+    with open(folder / "steps.csv", newline="") as f:
+        got = list(csv.DictReader(f))
+    got[0]["reward"] = repr(float(got[0]["reward"]) + 1e-3)
+    write_run(folder, got)
+    again = 0.5  # the re-run's difference, not the committed 0.25
+    for mode, rewards in (("nearest", shifted(0, 0.003)), ("dither", shifted(0, 0.003 + again))):
+        write_run(c.root / "runs" / f"old-{mode}", rows("old-" + mode, mode, 0, rewards))
+    assert c.main() == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "- seed 0 does not count: dither: differs at step 1, reward:" in out
+    assert "4 of 4 seeds complete" in out
+    mean, lo, hi = t_interval([again, *DIFFS[1:]])
+    assert close3(numbers(line(out, "| dither − nearest | primary")), [mean, lo, hi])
+
+
 def test_an_unchecked_seed_counts_only_when_told_and_says_so(tmp_path, capsys):
     c = Campaign(tmp_path / "repo", four_seeds(DIFFS), repro=False)
     assert c.main() == 0
