@@ -1,14 +1,14 @@
 """Push times into a separate vLLM engine process, on the same model: the `faircast` weight-transfer backend
-into `vllm serve` (faircast_ds.vllm.transfer: vLLM's HTTP routes + the data
-plane, the engine's check inside finish) against the route it replaces, faircast_ds.vllm.remote (its own engine server and control
+into `vllm serve` (faircast_ds.vllm.transfer: vLLM's HTTP endpoints + the data
+plane, the engine's check inside finish) against the push it replaces, faircast_ds.vllm.remote (its own engine server and control
 protocol; only in commits before its removal), when that module is importable.
 
     python benchmarks/vllm_push.py [--hidden 256 --layers 4 --vocab 2048 --repeats 3 --planes shm net]
 
-Prints one line per route and update kind (dense; a delta of 4 changed elements; a push with nothing
+Prints one line per push and update kind (dense; a delta of 4 changed elements; a push with nothing
 changed): median seconds of the whole push (verification included), bytes on the channel, HTTP calls and
 collectives, then the median seconds of each stage (faircast_ds.export.source.Stages; stages overlap, e.g. the
-HTTP update call waits while the trainer streams, so they do not sum to the push). One process, no DeepSpeed (an nn.Module); each route starts its own engine.
+HTTP update call waits while the trainer streams, so they do not sum to the push). One process, no DeepSpeed (an nn.Module); each push starts its own engine.
 """
 from __future__ import annotations
 

@@ -45,15 +45,15 @@ def describe_before_initialize(config: dict[str, Any]) -> dict[str, Any]:
         loaded = installed()
     section, error = None, None
     if loaded:
-        from faircast_ds.config import source as config_source
+        from faircast_ds.config import origin as config_origin
         from faircast_ds.config.section import FairCastConfigError
 
         try:  # a malformed section (or FAIRCAST_DS_CONFIG on this node) is reported, not raised past the gather
-            source = config_source.resolve(config)
+            resolved = config_origin.resolve(config)
         except FairCastConfigError as exc:
             error = " ".join(line.strip() for line in str(exc).splitlines())
         else:
-            section = source.config if source is not None and source.config.enabled else None
+            section = resolved.config if resolved is not None and resolved.config.enabled else None
     zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
     return _where() | {
         "active": section is not None,

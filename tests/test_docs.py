@@ -34,7 +34,7 @@ def test_the_readme_banner_example_is_what_the_banner_prints():
     values = dict(kv.split("=", 1) for kv in example.split("active: ", 1)[1].split())
     config = FairCastConfig(mode=values["mode"], seed=int(values["seed"]), on_nonfinite=values["on_nonfinite"])
     adapter = ZeroThree(object(), ShardCaster(config), {})
-    banner = FairCast(config, [adapter], values["route"], source=values["source"]).banner()
+    banner = FairCast(config, [adapter], values["route"], origin=values["origin"]).banner()
     assert banner == example
 
 

@@ -232,9 +232,9 @@ def private_imports(source: str, module: str) -> list[str]:
 
 
 def test_the_private_import_scan_finds_one():
-    assert private_imports("def f():\n    from faircast_ds.vllm.kernels import _x, y\n", "faircast_ds.a") == [
-        "2: from faircast_ds.vllm.kernels import _x"]
-    assert private_imports("from faircast_ds.vllm.kernels import read_back\n", "faircast_ds.a") == []
+    assert private_imports("def f():\n    from faircast_ds.vllm.engine_weights import _x, y\n", "faircast_ds.a") == [
+        "2: from faircast_ds.vllm.engine_weights import _x"]
+    assert private_imports("from faircast_ds.vllm.engine_weights import read_back\n", "faircast_ds.a") == []
 
 
 def test_the_push_path_imports_no_private_name_across_modules():
@@ -363,3 +363,44 @@ def test_the_installed_package_imports_nothing_beside_it():
                  for line in imports_of_folders_beside(path.read_text())]
     assert not offenders, offenders
     assert {"buckets", "bucket_stream"} <= {p.stem for p in (ROOT / "faircast_prepared").glob("*.py")}
+
+
+# ---- one meaning per name (docs/layout.md, "One meaning per name") ---------------------------------------
+
+# a module or folder named so lives in this one folder only
+ONE_HOME = {"source": "faircast_ds.export", "kernels": "faircast_ds.casting", "routes": "faircast_ds.shard"}
+# "route" is the way a refresh reaches the cast (runtime or hook, faircast_ds/shard/routes.py); the push
+# side names an engine setup, an HTTP endpoint or a push, never a route
+NO_ROUTE_WORD = ("faircast_ds.vllm", "faircast_ds.export")
+ROUTE_WORD = re.compile(r"\broute(s|d)?\b", re.I)
+
+
+def homes_elsewhere(names: dict[str, Path]) -> list[str]:
+    """Modules (``x.py`` or the package ``x/``) whose last name is in ONE_HOME outside its one folder."""
+    out = []
+    for name in names:
+        parent, _, last = name.rpartition(".")
+        if last in ONE_HOME and parent != ONE_HOME[last]:
+            out.append(name)
+    return out
+
+
+def route_word_lines(source: str) -> list[int]:
+    return [i for i, text in enumerate(source.splitlines(), 1) if ROUTE_WORD.search(text)]
+
+
+def test_the_name_scans_find_offenders():
+    assert homes_elsewhere({"faircast_ds.vllm.kernels": Path(), "faircast_ds.casting.kernels": Path(),
+                            "faircast_ds.config.source": Path(), "faircast_ds.export.source": Path()}) == [
+        "faircast_ds.vllm.kernels", "faircast_ds.config.source"]
+    assert route_word_lines("a\nthe colocated Route:\nroutes\nrouter\nrouted\nen route") == [2, 3, 5, 6]
+
+
+def test_each_of_route_source_kernels_means_one_thing():
+    """``source`` is the served-weight source (export/), ``kernels`` the compute kernels of the cast
+    (casting/), ``routes`` the ways a refresh reaches the cast (shard/); the push side never says route."""
+    found = modules()
+    assert not homes_elsewhere(found), homes_elsewhere(found)
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for name, path in found.items() if within(name, NO_ROUTE_WORD)
+                 for line in route_word_lines(path.read_text())]
+    assert not offenders, "the push side says setup, endpoint or push, not route:\n" + "\n".join(offenders)

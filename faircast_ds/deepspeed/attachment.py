@@ -16,9 +16,9 @@ import json
 from typing import Any, Callable, Mapping
 
 from faircast_ds._util import dist
-from faircast_ds.config import source as config_source
+from faircast_ds.config import origin as config_origin
 from faircast_ds.config.section import FairCastConfig
-from faircast_ds.config.source import Source
+from faircast_ds.config.origin import Resolved
 from faircast_ds.deepspeed.adapters import make_adapter
 from faircast_ds.deepspeed.adapters.registry import stand_in, will_train
 from faircast_ds.deepspeed import reader as served_reader
@@ -33,10 +33,10 @@ ROUTE = routes.DEEPSPEED_RUNTIME
 __all__ = ["FairCast", "attach", "get_fair_cast", "install"]
 
 
-def engine_source(engine: Any) -> Source | None:
+def engine_section(engine: Any) -> Resolved | None:
     """The section the engine gets and where from: its own config's ``fair_cast`` section, else
-    ``FAIRCAST_DS_CONFIG`` (see faircast_ds.config.source); None when neither has one."""
-    return config_source.resolve(raw_config(engine_config(engine)))
+    ``FAIRCAST_DS_CONFIG`` (see faircast_ds.config.origin); None when neither has one."""
+    return config_origin.resolve(raw_config(engine_config(engine)))
 
 
 def model_numel(engine: Any) -> int:
@@ -48,7 +48,7 @@ def model_numel(engine: Any) -> int:
     return sum(full_numel(p) for p in engine.module.parameters() if p.requires_grad)
 
 
-def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | None = None, *,
+def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Resolved | None = None, *,
            route: routes.Choice = "auto") -> FairCast | None:
     """Attach Fair Cast to a built DeepSpeed engine.
 
@@ -71,36 +71,36 @@ def attach(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | No
     existing = get_fair_cast(engine)
     if existing is not None:
         return existing
-    source = to_source(engine, config)
+    resolved = to_resolved(engine, config)
     if routes.resolve_choice(route, has_hook=hook.deepspeed_has_cast_hook) == "hook":
-        return attach_route(engine, source, route=hook.ROUTE, connect=hook.connect, before_build=hook.require_hook)
-    return attach_route(engine, source, route=ROUTE, connect=lambda a: a.install())
+        return attach_route(engine, resolved, route=hook.ROUTE, connect=hook.connect, before_build=hook.require_hook)
+    return attach_route(engine, resolved, route=ROUTE, connect=lambda a: a.install())
 
 
-def to_source(engine: Any, config: FairCastConfig | Mapping[str, Any] | Source | None) -> Source | None:
+def to_resolved(engine: Any, config: FairCastConfig | Mapping[str, Any] | Resolved | None) -> Resolved | None:
     """The section ``attach`` was given, or the engine's own (its config, else ``FAIRCAST_DS_CONFIG``)."""
-    if isinstance(config, Source):
+    if isinstance(config, Resolved):
         return config
     if config is None:
-        return engine_source(engine)
-    return Source(config if isinstance(config, FairCastConfig) else FairCastConfig.from_section(config),
-                  config_source.FROM_ARGUMENT)
+        return engine_section(engine)
+    return Resolved(config if isinstance(config, FairCastConfig) else FairCastConfig.from_section(config),
+                  config_origin.FROM_ARGUMENT)
 
 
-def attach_route(engine: Any, source: Source | None, *, route: routes.RouteKind, connect: Callable[[Any], None],
+def attach_route(engine: Any, resolved: Resolved | None, *, route: routes.RouteKind, connect: Callable[[Any], None],
                  before_build: Callable[[], None] | None = None) -> FairCast | None:
     """The DeepSpeed half of the attach pipeline, shared by the runtime and the cast-hook route: skip
     engines without a training optimizer, agree on the section across ranks, check the setup, make the
     adapter, build the handle (faircast_ds.shard.handle.build), and wire diagnostics, checkpoints and the guard."""
     why = stand_in(engine)
     if why is not None:  # never steps: no cast to replace, never an error
-        if source is not None and source.config.enabled:
+        if resolved is not None and resolved.config.enabled:
             dist.log_rank0(f"[fair_cast] not attached to this engine: it has no training optimizer ({why}), as a "
                            f"reference, evaluation or inference engine; its bf16 weights are left as DeepSpeed "
-                           f"builds them (section from {config_source.describe(source)})")
+                           f"builds them (section from {config_origin.describe(resolved)})")
         return None
-    _agree_across_ranks(source, _shard_group(engine))
-    config = resolve(source.config if source is not None else None)
+    _agree_across_ranks(resolved, _shard_group(engine))
+    config = resolve(resolved.config if resolved is not None else None)
     if config is None:
         return None
     if before_build is not None:
@@ -108,7 +108,7 @@ def attach_route(engine: Any, source: Source | None, *, route: routes.RouteKind,
     check_supported(engine_config(engine))
     adapter = make_adapter(engine, ShardCaster(config))
     fair_cast = build(config, [adapter], route=route, owner=engine, connect=connect,
-                      module=engine.module, model_numel=model_numel(engine), source=source.origin)
+                      module=engine.module, model_numel=model_numel(engine), origin=resolved.origin)
     setattr(engine.module, ATTR, fair_cast)  # for callers that hold the model, not the engine
     _report_frozen(engine, fair_cast)
     wire_engine(engine, fair_cast)
@@ -124,7 +124,7 @@ def _shard_group(engine: Any) -> Any:
 UNSECTIONED_WAIT_S = 30.0  # how long a rank that does not cast waits for the others' (it never fails on a missing one)
 
 
-def _agree_across_ranks(source: Source | None, group: Any) -> None:
+def _agree_across_ranks(resolved: Resolved | None, group: Any) -> None:
     """Every rank of a training engine must have the same section (or none): an environment variable
     set on one node only would otherwise cast some shards and not others. Exchanged through the
     process group's store, not a collective, so that ranks without Fair Cast at all (a node missing the
@@ -135,9 +135,9 @@ def _agree_across_ranks(source: Source | None, group: Any) -> None:
     a disagreement too. Without a store (the MPI backend) ranks that cast fall back to a collective."""
     from faircast_ds.config.section import FairCastConfigError
 
-    mine = json.dumps(source.config.model_dump(mode="json"), sort_keys=True) if source is not None else None
-    post = [mine, source.origin if source is not None else None]
-    casting = source is not None and source.config.enabled  # absent or `enabled: false`: not ours to stop
+    mine = json.dumps(resolved.config.model_dump(mode="json"), sort_keys=True) if resolved is not None else None
+    post = [mine, resolved.origin if resolved is not None else None]
+    casting = resolved is not None and resolved.config.enabled  # absent or `enabled: false`: not ours to stop
     try:
         if not casting:
             everyone = dist.post_and_gather("section", post, group, wait_s=UNSECTIONED_WAIT_S, allow_missing=True)
@@ -153,10 +153,10 @@ def _agree_across_ranks(source: Source | None, group: Any) -> None:
             return  # nothing of ours to protect
         everyone = dict(enumerate(_all_gather(post, group)))  # every rank has Fair Cast, or this hangs until the timeout
     if len({s for s, _ in everyone.values()}) > 1:
-        lines = [f"rank {r}: {s} (source={o})" if s else f"rank {r}: no fair_cast section"
+        lines = [f"rank {r}: {s} (origin={o})" if s else f"rank {r}: no fair_cast section"
                  for r, (s, o) in sorted(everyone.items())]
         raise FairCastConfigError("the ranks of this engine disagree on the fair_cast section (is "
-                                  f"{config_source.ENV} set on every node? see docs/integrations.md):\n  "
+                                  f"{config_origin.ENV} set on every node? see docs/integrations.md):\n  "
                                   + "\n  ".join(lines))
 
 
@@ -243,16 +243,16 @@ def install() -> None:
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        source = None
+        resolved = None
         parsed = kwargs.get("config_class")  # deepspeed.initialize parses the config before the engine
         if parsed is not None:
             # the config's section or FAIRCAST_DS_CONFIG: a malformed section or two that differ fail here, in seconds
-            source = config_source.resolve(raw_config(parsed))
+            resolved = config_origin.resolve(raw_config(parsed))
             optimizer = kwargs.get("optimizer", args[2] if len(args) > 2 else None)
-            if source is not None and source.config.enabled and will_train(optimizer, parsed):
+            if resolved is not None and resolved.config.enabled and will_train(optimizer, parsed):
                 check_supported(parsed)  # an engine without an optimizer is left alone: never refused
         original(self, *args, **kwargs)
-        attach(self, source, route="runtime")  # None: resolved from the built engine's config
+        attach(self, resolved, route="runtime")  # None: resolved from the built engine's config
 
     __init__._faircast_wrapped = True  # type: ignore[attr-defined]
     DeepSpeedEngine.__init__ = __init__  # type: ignore[method-assign]

@@ -118,33 +118,33 @@ def _load_config_file(path: str, out: _Checklist) -> dict | None:
 
 
 def _section(path: str | None, data: dict | None, out: _Checklist):
-    from faircast_ds.config import source as config_source
+    from faircast_ds.config import origin as config_origin
     from faircast_ds.config.section import FairCastConfigError
 
-    env = os.environ.get(config_source.ENV)
-    where = f"{config_source.ENV}={env!r}" if env is not None else f"{config_source.ENV} unset"
+    env = os.environ.get(config_origin.ENV)
+    where = f"{config_origin.ENV}={env!r}" if env is not None else f"{config_origin.ENV} unset"
     try:
-        source = config_source.resolve(data)
+        resolved = config_origin.resolve(data)
     except FairCastConfigError as exc:
         out.error(f"fair_cast section ({path or 'no config file'}; {where}): initialize would raise "
                   f"FairCastConfigError:\n{exc}")
         return None
-    if source is None:
-        text = (f"fair_cast section: neither {path} nor {config_source.ENV} has one: Fair Cast stays off "
+    if resolved is None:
+        text = (f"fair_cast section: neither {path} nor {config_origin.ENV} has one: Fair Cast stays off "
                 f"(round-to-nearest) for engines built from this config" if path else
-                f"fair_cast section: {config_source.ENV} is unset (name a DeepSpeed config to check its section)")
+                f"fair_cast section: {config_origin.ENV} is unset (name a DeepSpeed config to check its section)")
         (out.error if path else out.note)(text)
         return None
-    cfg = source.config
+    cfg = resolved.config
     detail = (f"mode={cfg.mode} seed={cfg.seed} on_nonfinite={cfg.on_nonfinite} "
               f"diagnostics.every={cfg.diagnostics.every}" + (f" align_rounding={cfg.align_rounding.engine}"
                                                              if cfg.align_rounding else ""))
     if not cfg.enabled:
-        out.note(f"fair_cast section: {config_source.describe(source)}: enabled=false, DeepSpeed keeps "
+        out.note(f"fair_cast section: {config_origin.describe(resolved)}: enabled=false, DeepSpeed keeps "
                  "round-to-nearest (rank 0 will say so)")
     else:
-        out.ok(f"fair_cast section: {config_source.describe(source)} (banner: source={source.origin}): {detail}")
-    return source
+        out.ok(f"fair_cast section: {config_origin.describe(resolved)} (banner: origin={resolved.origin}): {detail}")
+    return resolved
 
 
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -242,10 +242,10 @@ def run(path: str | None) -> int:
     _check_kernels(out)
     data = _load_config_file(path, out) if path else None
     if path and data is None:
-        source = None
+        resolved = None
     else:
-        source = _section(path, data, out)
-    if path and data is not None and has_deepspeed and (source is None or source.config.enabled):
+        resolved = _section(path, data, out)
+    if path and data is not None and has_deepspeed and (resolved is None or resolved.config.enabled):
         _check_setup(path, data, out)
     if out.errors:
         print(f"NOT READY: {len(out.errors)} problem{'s' if len(out.errors) > 1 else ''} above (exit 1)")

@@ -1,8 +1,8 @@
 """Shipping the served weights: the served-weight source, HF export, weight sync.
 
-- :class:`ServedSource` is the one served-weight source every route reads: walks that yield each
+- :class:`ServedSource` is the one served-weight source every consumer reads: walks that yield each
   parameter's served bf16 bits once (dense) or only the parameters changed since the last
-  acknowledged version (delta), with one :class:`ServedReport` type for every route.
+  acknowledged version (delta), with one :class:`ServedReport` type for every consumer.
   :func:`served_weights` is its per-parameter primitive (a collective under ZeRO-3);
   :func:`served_specs` lists names, shapes and dtypes without gathering. Each reads the model
   through the reader its integration handed over (:func:`provide`, :func:`reader_of`; a model no
@@ -15,7 +15,7 @@
   written whole or not at all.
 
 The pieces the push into ``vllm serve`` shares with its engine (the data plane's layout and ledger,
-``plane``; the send group, ``send_group``; change tracking, ``tracking``; delta encodings, ``delta``) are
+``plane``; the send group, ``send_group``; delta encodings, ``delta``) are
 modules here, not names of this face: their user is :mod:`faircast_ds.vllm.transfer`. A checkpoint's or an
 export's summary (``faircast-ds inspect``) is :mod:`faircast_ds.tools.inspect`.
 """

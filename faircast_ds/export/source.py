@@ -1,4 +1,4 @@
-"""The one served-weight source: every consumer (HF export, the weight sync, every engine route) reads
+"""The one served-weight source: every consumer (HF export, the weight sync, every engine setup) reads
 the served bf16 weights through :class:`ServedSource`.
 
 A :class:`Walk` visits the served parameters once, in a stable order (the reader's, for DeepSpeed
@@ -39,12 +39,12 @@ slice's bits at the acknowledged version (2 bytes per element): weights no cast 
 engine when the marks already serve one. :func:`tracker_for` picks one; both are rank-local.
 
 **Seconds per stage** of one update, on both ends (issue 32 item 1): a :class:`Stages` accumulates wall
-seconds under stage names; every route fills one per update and hands it back in its report
+seconds under stage names; every consumer fills one per update and hands it back in its report
 (:attr:`ServedReport.stages`, a plain dict). Names are ``side.stage``: ``trainer.walk`` (reading the
 served weights: ZeRO-3 gathers, or each rank's slices), ``trainer.diff`` (what changed),
 ``trainer.encode`` (delta encodings), ``trainer.mac`` / ``engine.mac`` (HMAC over frames),
 ``trainer.send`` / ``engine.receive`` (socket time, MAC excluded), ``engine.stage``, ``engine.load``
-(inside vLLM's ``reload_weights``), ``trainer.collectives``, ``http.<route>`` (one entry per HTTP call,
+(inside vLLM's ``reload_weights``), ``trainer.collectives``, ``http.<endpoint>`` (one entry per HTTP call,
 its whole round trip), ``shm.*`` / ``net.*`` / ``group.*`` (a plane's begin, write or send, digest,
 commit). Stages may overlap (an HTTP call that waits while the trainer streams): they are not meant to
 sum to the push.
@@ -201,12 +201,12 @@ def tracker_for(reader: Any, values: Sequence[torch.Tensor]) -> MarksTracker | B
 
 @dataclass(frozen=True)
 class ServedReport:
-    """One route's account of one update (sync, push, export), the same type everywhere.
+    """One consumer's account of one update (sync, push, export), the same type everywhere.
 
     ``changed``: elements whose bits changed since the base version (a dense update has no base: every
     element). ``elements``: elements carried (a parameter sent whole carries all of its elements;
     defaults to ``changed``). ``gathers``: full-parameter gathers the walk made (ZeRO-3; 0 where every
-    rank holds the model). The engine fields are filled by routes that load into an engine.
+    rank holds the model). The engine fields are filled by consumers that load into an engine.
     """
 
     version: int | None
@@ -380,7 +380,7 @@ class ServedSource:
     Construct on every rank with a model (read by the reader its integration provided, :func:`reader_of`)
     or ``reader=`` (a :class:`ServedReader` given directly). ``delta=False`` never keeps a baseline (every walk is dense). Every walk is a
     collective of :attr:`reader`'s group: start it and consume it to the end on every rank. The
-    acknowledged version is one engine's: give each engine route its own source (they may share a
+    acknowledged version is one engine's: give each engine its own source (they may share a
     reader).
     """
 

@@ -196,7 +196,7 @@ class WeightSender:
         dense), ``dense``, or ``delta``. Reconnects first if the session is gone. Raises
         WeightSyncError on every rank if the update was refused or not delivered (the receiver then
         still serves its previous weights). ``on_param`` sees every parameter the walk yields, on
-        every rank, while its bits are at hand (a route's verification digests: no second walk).
+        every rank, while its bits are at hand (a push's verification digests: no second walk).
         ``groups`` (name -> names, the same on every rank): a delta walk also yields the unchanged
         members of a group with a changed member, to ``on_param`` only (they are not sent)."""
         began = time.perf_counter()

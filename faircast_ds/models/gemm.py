@@ -64,9 +64,9 @@ def _forward(module: torch.nn.Linear):
 
 
 def use_fp32_accumulation(model: torch.nn.Module) -> int:
-    """Route every ``nn.Linear`` of ``model`` whose weight is bf16 through :class:`Fp32AccumulatedLinear`
+    """Compute every ``nn.Linear`` of ``model`` whose weight is bf16 with :class:`Fp32AccumulatedLinear`
     (an instance attribute ``forward``; hooks, ZeRO-3's included, still run around it). Returns how many
-    layers were routed; fp32 layers are left alone."""
+    layers were changed; fp32 layers are left alone."""
     routed = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.bfloat16:

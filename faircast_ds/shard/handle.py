@@ -33,7 +33,7 @@ class FairCast:
     route: RouteKind  # faircast_ds.shard.routes.KINDS
     diagnostics: Diagnostics | None = None
     alignment: Any = None  # faircast_ds.align.AlignmentHandle when fair_cast.align_rounding is set
-    source: str | None = None  # where the section came from (faircast_ds.config.source), for the banner
+    origin: str | None = None  # where the section came from (faircast_ds.config.origin), for the banner
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -105,7 +105,7 @@ class FairCast:
         setup = f" {setup}" if setup else ""
         return (f"[fair_cast] active: mode={cfg.mode}{setup} seed={cfg.seed} local_shard_elements={self.local_numel()} "
                 f"on_nonfinite={cfg.on_nonfinite}{align} route={self.route}"
-                + (f" source={self.source}" if self.source else ""))
+                + (f" origin={self.origin}" if self.origin else ""))
 
 
 def get_fair_cast(obj: Any) -> FairCast | None:
@@ -127,7 +127,7 @@ def resolve(config: FairCastConfig | Mapping[str, Any] | None) -> FairCastConfig
 
 def build(config: FairCastConfig, adapters: list[Adapter], *, route: RouteKind, owner: Any,
           connect: Callable[[Adapter], None], module: Any = None, model_numel: int | None = None,
-          source: str | None = None) -> FairCast:
+          origin: str | None = None) -> FairCast:
     """Route ``adapters`` and make their handle, kept on ``owner`` (the engine or optimizer that
     :func:`get_fair_cast` is asked about).
 
@@ -135,7 +135,7 @@ def build(config: FairCastConfig, adapters: list[Adapter], *, route: RouteKind, 
     ``connect(adapter)`` puts the adapter in the optimizer's refresh path (the runtime route installs
     its wrappers; a hook route registers with the framework's hook). ``module``: the model, for
     rounding-location alignment. ``model_numel``: elements of the whole model, for the diagnostics'
-    sample (diagnostics need exactly one adapter). ``source``: where the section came from (the banner says it).
+    sample (diagnostics need exactly one adapter). ``origin``: where the section came from (the banner says it).
     """
     from faircast_ds.casting import kernels
 
@@ -148,7 +148,7 @@ def build(config: FairCastConfig, adapters: list[Adapter], *, route: RouteKind, 
             raise
     for adapter in adapters:
         connect(adapter)
-    handle = FairCast(config, list(adapters), route, source=source)
+    handle = FairCast(config, list(adapters), route, origin=origin)
     for device in {master.device for a in adapters for _, master, _, _ in a.flat_groups()}:
         kernels.prepare(device)  # build the fused kernel now, not inside the first optimizer step
     if config.diagnostics.every > 0 and model_numel is not None and len(adapters) == 1:

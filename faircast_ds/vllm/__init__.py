@@ -1,6 +1,6 @@
 """vLLM integration: serve Fair Cast's served weights from a real vLLM engine, bit for bit.
 
-Two routes, one subpackage each, and what they share beside them:
+Two engine setups, one subpackage each, and what they share beside them:
 
 - :mod:`faircast_ds.vllm.colocated`: an engine the trainer holds. :class:`VllmEngine` starts one from
   a Hugging Face directory (a :func:`faircast_ds.export.save_hf` export) with the worker extension that
@@ -9,10 +9,10 @@ Two routes, one subpackage each, and what they share beside them:
   (:class:`EngineWeightsMismatch` otherwise). :func:`install_trl_sync` does the same for the engine TRL's
   ``vllm_mode="colocate"`` builds (its sync through the engine's reload path, read back after each).
 - :mod:`faircast_ds.vllm.transfer`: a ``vllm serve`` process with the ``faircast`` weight-transfer
-  backend; the trainer's one entry point is ``ServedPush`` (over the authenticated channel, or the
-  shared-memory plane on one host), ``VllmServer`` starts or attaches to the server.
+  backend; the trainer's one entry point is ``ServedPush`` (every rank's slices over the shm plane on one
+  host, or the net or group plane across hosts), ``VllmServer`` starts or attaches to the server.
 - Shared: :mod:`faircast_ds.vllm.fused` (HF and vLLM names of fused layers, :func:`packed_groups`),
-  :mod:`faircast_ds.vllm.kernels` (loading into the kernels and reading them back),
+  :mod:`faircast_ds.vllm.engine_weights` (loading into the kernels and reading them back),
   :mod:`faircast_ds.vllm.bits` (canonical bits), and :class:`FairCastWeightSource`: the served weights
   as vLLM's trainer-side ``WeightSource``, for vLLM's own weight-transfer engines.
 
@@ -30,9 +30,9 @@ _LAZY = {
     "WeightPush": "faircast_ds.vllm.colocated.push",
     "install_trl_sync": "faircast_ds.vllm.colocated.trl_sync",
     "TrlReloadSync": "faircast_ds.vllm.colocated.trl_sync",
-    "EngineWeightsMismatch": "faircast_ds.vllm.kernels",
+    "EngineWeightsMismatch": "faircast_ds.vllm.engine_weights",
     "packed_groups": "faircast_ds.vllm.fused",
-    "FairCastWeightSource": "faircast_ds.vllm.source",
+    "FairCastWeightSource": "faircast_ds.vllm.weight_source",
     "canonical": "faircast_ds.vllm.bits",
     "digest": "faircast_ds.vllm.bits",
 }

@@ -1,6 +1,6 @@
 """The engine's bf16 matrix products on CPU computed as fp32 products of the bf16 values, rounded once.
 
-vLLM's CPU build routes every unquantized linear layer and LM head through one dispatcher
+vLLM's CPU build sends every unquantized linear layer and LM head through one dispatcher
 (``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``): oneDNN where it builds a bf16 matmul
 (a CPU with AVX-512 BF16 or AMX), otherwise ``torch.nn.functional.linear`` in bf16, PyTorch's generic loop.
 On an AVX2 CPU that loop is 5-13x slower than an fp32 product of the same values (SmolLM2's shapes, one
@@ -64,7 +64,7 @@ def chosen(environ=os.environ) -> str:
 
 
 def install(environ=os.environ) -> bool:
-    """Route vLLM's CPU GEMM dispatch through fp32 products when the environment asks for it (idempotent).
+    """Send vLLM's CPU GEMM dispatch through fp32 products when the environment asks for it (idempotent).
     Returns whether the dispatch is now the fp32 one."""
     if chosen(environ) != "fp32":
         return False

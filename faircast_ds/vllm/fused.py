@@ -3,7 +3,7 @@
 vLLM fuses some Hugging Face projections into one layer (``packed_modules_mapping`` of its Llama, Qwen2
 and Qwen3 models): ``qkv_proj`` is ``q_proj``, ``k_proj`` and ``v_proj`` concatenated along the output
 dimension, ``gate_up_proj`` is ``gate_proj`` and ``up_proj``. A fused layer is rebuilt from all of its
-parts together, so every route sends whole groups (:func:`packed_groups`); the checksums of both ends
+parts together, so every push sends whole groups (:func:`packed_groups`); the checksums of both ends
 name a fused layer by its vLLM name (:func:`vllm_name`); the engine finds an HF tensor's module
 through the mapping (:func:`part_of`). Each function takes the mapping an engine reports
 (``model.packed_modules_mapping``) or, where no engine is at hand (the trainer side), :data:`FUSED`.

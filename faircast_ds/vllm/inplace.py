@@ -7,7 +7,7 @@ no bf16 matmul, torch's ``F.linear`` fallback; norm weights and embedding lookup
 update listed the elements it changed, the engine can instead write just those elements into that
 tensor. This module is the framework-free part of that, driven by the engine
 (:mod:`faircast_ds.vllm.transfer.engine`) with vLLM's tensors and kernels
-(:func:`faircast_ds.vllm.kernels.inplace_target`, :func:`~faircast_ds.vllm.kernels.kernel_probes`), and by
+(:func:`faircast_ds.vllm.engine_weights.inplace_target`, :func:`~faircast_ds.vllm.engine_weights.kernel_probes`), and by
 the tests with stand-ins:
 
 - :class:`UndoRecord` writes new bits into target tensors at the elements an update changed (the

@@ -43,7 +43,7 @@ def test_no_argument_reports_the_installation(tmp_path, capsys):
 def test_a_good_config_is_ready(tmp_path, capsys):
     status, out = check(tmp_path, capsys, {**GOOD, "fair_cast": {"mode": "dither", "seed": 3}})
     assert status == 0, out
-    assert "the DeepSpeed config's fair_cast section (banner: source=config): mode=dither seed=3" in out
+    assert "the DeepSpeed config's fair_cast section (banner: origin=config): mode=dither seed=3" in out
     assert "optimizer is DeepSpeedZeroOptimizer_Stage3, cast by Fair Cast" in out
     assert "one without (a reference or evaluation copy) is left as DeepSpeed builds it" in out
 
@@ -88,7 +88,7 @@ def test_where_the_section_comes_from(tmp_path, capsys, monkeypatch):
     assert status == 1 and "neither" in out and "Fair Cast stays off" in out
     monkeypatch.setenv("FAIRCAST_DS_CONFIG", '{"mode": "nearest"}')
     status, out = check(tmp_path, capsys, GOOD)
-    assert status == 0 and "FAIRCAST_DS_CONFIG (inline JSON) (banner: source=FAIRCAST_DS_CONFIG): mode=nearest" in out
+    assert status == 0 and "FAIRCAST_DS_CONFIG (inline JSON) (banner: origin=FAIRCAST_DS_CONFIG): mode=nearest" in out
     status, out = check(tmp_path, capsys, {**GOOD, "fair_cast": {"mode": "stochastic"}})
     assert status == 1 and "two different fair_cast sections" in out and 'fair_cast.mode: "stochastic" vs "nearest"' in out
     monkeypatch.setenv("FAIRCAST_DS_CONFIG", str(tmp_path / "missing.json"))
@@ -155,7 +155,7 @@ def test_an_unsupported_deepspeed_release_is_an_error(tmp_path, capsys, monkeypa
 # check_supported (run on DeepSpeed's parsed config before the engine is built: each `yield` below),
 # adapters/registry.py (the built optimizer's class: ZeRO stage 0's FP16_Optimizer/FP16_UnfusedOptimizer,
 # MiCS_Optimizer), compat.release_problem (the release range) and the section itself (config.py,
-# config_source.py: FairCastConfigError). tests/deepspeed_tests/test_initialize.py sees initialize raise each of them on
+# config_origin.py: FairCastConfigError). tests/deepspeed_tests/test_initialize.py sees initialize raise each of them on
 # its worker's configs; the check must report each, from the same config, with the same words.
 # Not from a config, so not the check's to find: a non-finite weight (NonFiniteWeightError at the first
 # step's cast; the check reports the policy, on_nonfinite=error, instead: test_the_nonfinite_policy_is_reported),
@@ -276,4 +276,4 @@ def test_the_nonfinite_policy_is_reported(tmp_path, capsys):
     for policy in ("error", "propagate"):
         status, out = check(tmp_path, capsys, {**GOOD, "fair_cast": {"mode": "dither", "on_nonfinite": policy}})
         assert status == 0, out
-        assert f"(banner: source=config): mode=dither seed=0 on_nonfinite={policy} diagnostics.every=10" in out
+        assert f"(banner: origin=config): mode=dither seed=0 on_nonfinite={policy} diagnostics.every=10" in out

@@ -47,7 +47,7 @@ def main() -> None:
         out = os.environ["OUT_DIR"]
         torch.save({"initial": initial, "snapshots": snapshots, "taps": taps}, os.path.join(out, "accelerate.pt"))
         write_json(os.path.join(out, "accelerate.json"), {
-            "engine": type(engine).__name__, "source": fc.source, "mode": fc.config.mode,
+            "engine": type(engine).__name__, "origin": fc.origin, "mode": fc.config.mode,
             "world": world, "accelerate_distributed_type": str(accelerator.distributed_type), "step": fc.caster.step})
     finish_and_exit()
 

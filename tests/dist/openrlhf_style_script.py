@@ -101,7 +101,7 @@ def main() -> None:
     ref, *_ = deepspeed.initialize(model=tiny_qwen3(std=0.1), config=eval_cfg,
                                    args={"local_rank": int(os.environ.get("LOCAL_RANK", "-1"))}, dist_init_required=True)
     fc = get_fair_cast(actor)
-    result.update(source=fc.source, mode=fc.config.mode, optimizer=type(actor.optimizer).__name__,
+    result.update(origin=fc.origin, mode=fc.config.mode, optimizer=type(actor.optimizer).__name__,
                   ref_optimizer=type(ref.optimizer).__name__, ref_attached=get_fair_cast(ref) is not None,
                   config_has_section="fair_cast" in cfg)
     env_bits = run_steps(actor, rank)
@@ -114,7 +114,7 @@ def main() -> None:
         section = json.load(f)
     json_cfg = {**train_config(builders), "fair_cast": section}
     twin = build_actor(builders, json_cfg)
-    result["json_source"] = get_fair_cast(twin).source
+    result["json_origin"] = get_fair_cast(twin).origin
     json_bits = run_steps(twin, rank)
     result["params"] = len(env_bits)
     result["bits_differ"] = [n for n in env_bits if not torch.equal(env_bits[n], json_bits[n])]

@@ -67,7 +67,7 @@ class TrainerRank:
                                                dist_init_required=True)
         fc = get_fair_cast(self.engine)
         return {"config_has_section": "fair_cast" in cfg, "attached": fc is not None,
-                "source": fc.source if fc else None, "mode": fc.config.mode if fc else None,
+                "origin": fc.origin if fc else None, "mode": fc.config.mode if fc else None,
                 "seed": fc.config.seed if fc else None, "zero_stage": self.engine.zero_optimization_stage()}
 
     def step(self) -> int:

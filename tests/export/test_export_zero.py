@@ -91,7 +91,7 @@ def test_export_loads_in_transformers_with_the_trainers_logits(run, stage):
     assert e["loaded_dtype"] == e["logits_dtype"] == "torch.bfloat16"
     assert e["logits_equal"], f"logits differ by up to {e['logits_max_abs_diff']}"
     assert e["version"] == e["global_steps"] == 2
-    if stage == "zero3":  # sharded: the index file routes each tensor
+    if stage == "zero3":  # sharded: the index file maps each tensor
         assert len(e["files"]) > 1 and all(f.startswith("model-0000") for f in e["files"])
         assert (run["root"] / "zero3_export" / "model.safetensors.index.json").exists()
     else:

@@ -90,7 +90,7 @@ def test_ray_actors_engine_holds_served_bits_after_dense_and_delta_updates(job):
     engine, ranks = job["engine"], job["ranks"]
     infos = on_all(ranks, "build", timeout=START_S)
     for info in infos:  # the section reached every rank through the runtime environment only
-        assert info == {"config_has_section": False, "attached": True, "source": "FAIRCAST_DS_CONFIG",
+        assert info == {"config_has_section": False, "attached": True, "origin": "FAIRCAST_DS_CONFIG",
                         "mode": "stochastic", "seed": 5, "zero_stage": 3}, info
     before = ray.get(engine.kernel_bits.remote(), timeout=START_S)
     on_all(ranks, "connect", engine, 120.0)

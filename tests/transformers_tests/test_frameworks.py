@@ -20,26 +20,26 @@ import torch
 from conftest import DIST, ROOT, cpu_env, deepspeed_launch, free_port, run_logged
 from served_oracle import check_forward, check_snapshot, expected_bits, rn_fraction
 
-from faircast_ds.config import source as config_source
+from faircast_ds.config import origin as config_origin
 from faircast_ds.config.section import FairCastConfig, FairCastConfigError
 
-ENV = config_source.ENV
+ENV = config_origin.ENV
 
 
 # -- FAIRCAST_DS_CONFIG ---------------------------------------------------------------------------
 
 def test_env_section_inline_json_and_path(tmp_path):
-    inline = config_source.resolve({}, {ENV: '{"mode": "dither", "seed": 9}'})
+    inline = config_origin.resolve({}, {ENV: '{"mode": "dither", "seed": 9}'})
     assert (inline.config.mode, inline.config.seed, inline.origin) == ("dither", 9, ENV)
     section = tmp_path / "fc.json"
     section.write_text('{"mode": "error_feedback"}')
-    from_file = config_source.resolve(None, {ENV: str(section)})
+    from_file = config_origin.resolve(None, {ENV: str(section)})
     assert from_file.config.mode == "error_feedback" and from_file.origin == f"{ENV}:{section}"
     whole = tmp_path / "ds.json"  # a whole DeepSpeed config: its fair_cast key is the section
     whole.write_text(json.dumps({"bf16": {"enabled": True}, "fair_cast": {"mode": "nearest", "seed": 2}}))
-    assert config_source.resolve({"bf16": {}}, {ENV: str(whole)}).config.mode == "nearest"
-    assert config_source.resolve({"bf16": {}}, {}) is None  # neither: Fair Cast stays off
-    own = config_source.resolve({"fair_cast": {"seed": 3}}, {})
+    assert config_origin.resolve({"bf16": {}}, {ENV: str(whole)}).config.mode == "nearest"
+    assert config_origin.resolve({"bf16": {}}, {}) is None  # neither: Fair Cast stays off
+    own = config_origin.resolve({"fair_cast": {"seed": 3}}, {})
     assert own.origin == "config" and own.config.seed == 3
 
 
@@ -54,7 +54,7 @@ def test_env_section_inline_json_and_path(tmp_path):
 ])
 def test_env_errors_name_the_variable(value, words):
     with pytest.raises(FairCastConfigError) as err:
-        config_source.resolve({"bf16": {"enabled": True}}, {ENV: value})
+        config_origin.resolve({"bf16": {"enabled": True}}, {ENV: value})
     for word in words:
         assert word in str(err.value), str(err.value)
 
@@ -63,15 +63,15 @@ def test_env_error_in_a_file_names_the_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"seed": "12"}')
     with pytest.raises(FairCastConfigError) as err:
-        config_source.resolve(None, {ENV: str(path)})
+        config_origin.resolve(None, {ENV: str(path)})
     assert f"FAIRCAST_DS_CONFIG={path}" in str(err.value) and "fair_cast.seed: str '12'" in str(err.value)
 
 
 def test_both_sections_must_agree():
-    same = config_source.resolve({"fair_cast": {}}, {ENV: '{"enabled": true, "mode": "dither"}'})
+    same = config_origin.resolve({"fair_cast": {}}, {ENV: '{"enabled": true, "mode": "dither"}'})
     assert same.origin == f"config+{ENV}"  # compared after validation: {} is the defaults
     with pytest.raises(FairCastConfigError) as err:
-        config_source.resolve({"fair_cast": {"mode": "dither", "seed": 1}}, {ENV: '{"mode": "nearest", "seed": 1}'})
+        config_origin.resolve({"fair_cast": {"mode": "dither", "seed": 1}}, {ENV: '{"mode": "nearest", "seed": 1}'})
     message = str(err.value)
     assert 'the DeepSpeed config has {"mode": "dither", "seed": 1}' in message
     assert 'FAIRCAST_DS_CONFIG (inline JSON) has {"mode": "nearest", "seed": 1}' in message
@@ -210,7 +210,7 @@ def test_trl_grpo_zero3_with_reference_engine(tmp_path):
     assert (result["ref_engine"], result["ref_optimizer"], result["ref_attached"]) == \
         ("DeepSpeedEngine", "DeepSpeedZeRoOffload", False)
     assert log.count("[fair_cast] not attached to this engine: it has no training optimizer (DeepSpeedZeRoOffload") == 1
-    assert "[fair_cast] active: mode=stochastic zero_stage=3 seed=11" in log and "source=config" in log
+    assert "[fair_cast] active: mode=stochastic zero_stage=3 seed=11" in log and "origin=config" in log
     record = torch.load(out / "trl_grpo.pt", weights_only=False)
     expected = _served_is_the_cast(record, steps=3)
     # TRL's generation and the loss's forward of steps 1-3 multiplied by the bits served before them
@@ -277,8 +277,8 @@ def test_openrlhf_config_builder_with_env_section_matches_json_route(tmp_path):
     result = json.loads((out / "openrlhf_style.json").read_text())
     assert result["builder"].endswith("openrlhf/utils/deepspeed/deepspeed_utils.py")  # OpenRLHF's own builder
     assert result["world"] == 2 and not result["config_has_section"]
-    assert result["source"] == f"FAIRCAST_DS_CONFIG:{section}" and result["json_source"] == "config"
-    assert f"route=deepspeed-runtime source=FAIRCAST_DS_CONFIG:{section}" in log
+    assert result["origin"] == f"FAIRCAST_DS_CONFIG:{section}" and result["json_origin"] == "config"
+    assert f"route=deepspeed-runtime origin=FAIRCAST_DS_CONFIG:{section}" in log
     assert result["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
     assert (result["ref_optimizer"], result["ref_attached"]) == ("DeepSpeedZeRoOffload", False)
     assert result["params"] == 25 and result["bits_differ"] == []  # env route == JSON route, bit for bit
@@ -312,7 +312,7 @@ def test_accelerate_launch_with_deepspeed_config_file(tmp_path):
                 str(DIST / "accelerate_script.py")], out / "launch.log", env=cpu_env(OUT_DIR=str(out)), timeout=600,
                cwd=ROOT)
     result = json.loads((out / "accelerate.json").read_text())
-    assert (result["world"], result["source"], result["step"]) == (2, "config", 3)
+    assert (result["world"], result["origin"], result["step"]) == (2, "config", 3)
     assert "[fair_cast] active: mode=stochastic zero_stage=3 seed=21 local_shard_elements=12544" in \
         (out / "launch.log").read_text()
     # bit for bit: after each of the loop's 3 steps every element is the oracle's cast of its master,

@@ -95,7 +95,7 @@ def test_trl_recipe_colocated_vllm_two_ranks_serves_the_oracle_bits(tmp_path):
     assert [r["process_index"] for r in ranks] == [0, 1]
     # Fair Cast from the recipe's JSON, on TRL's policy
     assert f"[fair_cast] active: mode={SECTION['mode']} zero_stage=3 seed={SECTION['seed']}" in log
-    assert "source=config" in log
+    assert "origin=config" in log
     assert result["attached"] and result["global_step"] == result["caster_step"] == 2
     assert "[fair_cast] TRL's colocated vLLM sync: load=reload, engine kernels read back after every sync" in log
     # the recipe's CPU default --gemm fp32: the policy's linear layers and the engine's products (each vLLM

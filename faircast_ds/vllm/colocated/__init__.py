@@ -1,4 +1,4 @@
-"""The colocated route: a vLLM engine the trainer holds in its own job (:class:`VllmEngine`, an
+"""The colocated setup: a vLLM engine the trainer holds in its own job (:class:`VllmEngine`, an
 in-process ``LLM`` or one vLLM spawns), loaded through a worker extension
 (:mod:`faircast_ds.vllm.colocated.worker`) by :class:`WeightPush`, tensors handed over in memory; and
 TRL's colocated engine synced and checked the same way (:func:`install_trl_sync`).

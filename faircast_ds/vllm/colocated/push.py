@@ -22,7 +22,7 @@ from faircast_ds._util.dist import from_rank0, rank_world
 from faircast_ds.export.source import ServedItem, ServedReport, ServedSource
 from faircast_ds.vllm.bits import digest
 from faircast_ds.vllm.fused import packed_groups
-from faircast_ds.vllm.kernels import TIED_EMBEDDING, TIED_HEAD, EngineWeightsMismatch
+from faircast_ds.vllm.engine_weights import TIED_EMBEDDING, TIED_HEAD, EngineWeightsMismatch
 
 
 class WeightPush:

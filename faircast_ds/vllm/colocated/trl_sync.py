@@ -15,16 +15,16 @@ attribute 'weight_loader'`` (``vllm/model_executor/layers/linear.py``).
 class is untouched). ``load="reload"`` (default) streams the same walk (TRL's own ``_iter_named_params``,
 each tensor copied while it is gathered) into the worker's ``reload_weights(..., is_checkpoint_format=True)``,
 which rebuilds each vLLM layer once all of its tensors arrived and processes it as a load from disk would
-(on CPU: repacks it), then refreshes an LM head tied to the embedding (:func:`faircast_ds.vllm.kernels.
+(on CPU: repacks it), then refreshes an LM head tied to the embedding (:func:`faircast_ds.vllm.engine_weights.
 refresh_tied_heads`). ``load="trl"`` keeps TRL's own load (what runs on GPUs) and only adds the check.
 
 The check (``verify``) walks the served parameters a second time, gathered again from the trainer, and
 compares each with what the engine's kernels compute with, read back through them
-(:func:`faircast_ds.vllm.kernels.read_back`: a linear layer applied to identity rows through its own
+(:func:`faircast_ds.vllm.engine_weights.read_back`: a linear layer applied to identity rows through its own
 ``quant_method``, an embedding looked up for every id, a tied head read through its own kernel), on
 canonical bits (:mod:`faircast_ds.vllm.bits`). It also fails when an engine parameter is reached by no
 served tensor. Every rank checks its own engine; a difference on any rank raises
-:class:`~faircast_ds.vllm.kernels.EngineWeightsMismatch` on every rank, naming the rank and tensors.
+:class:`~faircast_ds.vllm.engine_weights.EngineWeightsMismatch` on every rank, naming the rank and tensors.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import torch
 
 from faircast_ds._util import dist
 from faircast_ds.vllm.bits import digest
-from faircast_ds.vllm.kernels import (
+from faircast_ds.vllm.engine_weights import (
     TIED_EMBEDDING,
     TIED_HEAD,
     EngineWeightsMismatch,

@@ -13,7 +13,7 @@ its tensors — ``q_proj`` without ``k_proj``/``v_proj`` for the fused ``qkv_pro
 with the missing part left uninitialized, so callers send whole groups
 (:func:`faircast_ds.vllm.fused.packed_groups`).
 
-Reading back asks the kernels themselves (:func:`faircast_ds.vllm.kernels.read_back`): a linear layer
+Reading back asks the kernels themselves (:func:`faircast_ds.vllm.engine_weights.read_back`): a linear layer
 (and the LM head) is applied to identity rows through its own ``quant_method``, an embedding is looked
 up for every id, and only tensors a kernel reads directly (norm weights, biases) are read as tensors.
 What comes back is what the engine computes with, canonicalized as in :mod:`faircast_ds.vllm.bits`.
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from faircast_ds.vllm.bits import canonical, digest, pack, unpack
-from faircast_ds.vllm.kernels import (
+from faircast_ds.vllm.engine_weights import (
     quiet_reload,
     read_back,
     refresh_tied_heads,

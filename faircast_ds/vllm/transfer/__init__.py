@@ -1,4 +1,4 @@
-"""The ``vllm serve`` route: the trainer's one entry point, :class:`ServedPush`
+"""The ``vllm serve`` setup: the trainer's one entry point, :class:`ServedPush`
 (:mod:`~faircast_ds.vllm.transfer.served_push`: every rank's slices through a plane of
 :mod:`~faircast_ds.vllm.transfer.planes` into the engine's staging segment), the ``faircast``
 weight-transfer backend for vLLM's RL API (engine side :mod:`~faircast_ds.vllm.transfer.engine`, trainer

@@ -37,7 +37,7 @@ import torch
 
 from faircast_ds.vllm import fused
 from faircast_ds.vllm.bits import bit_pattern, canonical
-from faircast_ds.vllm.kernels import TIED_HEAD, kernel_tensors, ties_head
+from faircast_ds.vllm.engine_weights import TIED_HEAD, kernel_tensors, ties_head
 
 SAMPLE_COLUMNS = 64  # input columns per matrix in a sampled check
 
@@ -218,7 +218,7 @@ class ChecksumCollector:
     sampled columns otherwise. ``tied``: whether the engine's LM head computes with the embedding (True: a
     served ``lm_head.weight`` is not counted), has a weight of its own (False), or, by default (None),
     whether no ``lm_head.weight`` was served (right for a whole walk, which serves a head when the model has
-    one). A tied head is counted as the engine reports it (:func:`faircast_ds.vllm.kernels.kernel_tensors`):
+    one). A tied head is counted as the engine reports it (:func:`faircast_ds.vllm.engine_weights.kernel_tensors`):
     the embedding a second time, under ``lm_head.weight``, as a matrix (whole, or sampled by columns)."""
 
     def __init__(self, prefix: str = "dp0:pp0:pcp0:tp0:", *, whole: bool = True,
@@ -326,7 +326,7 @@ def kernel_items(model: torch.nn.Module, dtype: torch.dtype, sample: Any = None,
                  names: Any = None, extra: Mapping[str, torch.Tensor] | None = None, readings: bool = False,
                  ) -> Iterator[tuple[str, torch.Tensor | str | Reading]]:
     """(vLLM parameter name, the tensor its kernel computes with) for every parameter of ``model``
-    (:func:`faircast_ds.vllm.kernels.kernel_tensors`); with ``sample`` (``(k, version_of)``: columns per
+    (:func:`faircast_ds.vllm.engine_weights.kernel_tensors`); with ``sample`` (``(k, version_of)``: columns per
     matrix and each vLLM name's loaded version, or None where unknown), a matrix's item is its sampled
     digest instead (:func:`sample_columns`), and so is the embedding's (:func:`sample_rows`). ``names``: only
     these vLLM parameter names. ``extra``: columns (embedding rows) per vLLM name a sample also reads.

@@ -1,7 +1,7 @@
 """The engine side of the ``faircast`` weight-transfer backend: vLLM's ``WeightTransferEngine`` over the
 staging segment the trainer ranks write (:mod:`faircast_ds.vllm.transfer.segment`).
 
-vLLM calls it from its worker, through its own RPCs and HTTP routes (``/init_weight_transfer_engine``,
+vLLM calls it from its worker, through its own RPCs and HTTP endpoints (``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``):
 
 - ``init_transfer_engine({"plane", "params", "socket" | "host" + "port", "timeout", "inplace"})`` opens the
@@ -39,8 +39,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from faircast_ds.export import delta
 from faircast_ds.export.channel import DEFAULT_HOST
-from faircast_ds.vllm import fused, inplace, kernels
-from faircast_ds.vllm.kernels import quiet_reload
+from faircast_ds.vllm import engine_weights, fused, inplace
+from faircast_ds.vllm.engine_weights import quiet_reload
 from faircast_ds.vllm.transfer import planes
 from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
 
@@ -249,12 +249,12 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
                     self._live.pop(n, None)
                     self._targets.pop(n, None)
                 try:  # the logits follow what the embedding holds now
-                    kernels.refresh_tied_heads(self.model, names)
+                    engine_weights.refresh_tied_heads(self.model, names)
                 except Exception as exc:  # noqa: BLE001 - the load's own failure is what the caller must see
                     logger.warning("faircast: refreshing tied LM heads after a failed load failed too: %s", exc)
                 raise
             reloaded = time.perf_counter()
-            heads = kernels.refresh_tied_heads(self.model, names)
+            heads = engine_weights.refresh_tied_heads(self.model, names)
         written = undo.written
         undo.clear()
         refreshed = time.perf_counter()
@@ -279,13 +279,13 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
             staged = self.staging[n]
             shape = tuple(staged.shape)
             with torch.inference_mode():
-                target = kernels.inplace_target(self.model, n, shape, staged.dtype)
+                target = engine_weights.inplace_target(self.model, n, shape, staged.dtype)
                 if target is None:
                     continue
                 live = True
                 if verdict is None:
                     try:
-                        rows, columns = kernels.kernel_probes(self.model, n, shape, dtype)
+                        rows, columns = engine_weights.kernel_probes(self.model, n, shape, dtype)
                         live = inplace.reads_live(target, staged, rows, columns)
                     except Exception as exc:  # noqa: BLE001 - a kernel that cannot be probed is reloaded
                         logger.debug("faircast: %s cannot be probed (%s); it keeps vLLM's reload", n, exc)
@@ -312,7 +312,7 @@ class FairCastWeightTransferEngine(WeightTransferEngine[FairCastInitInfo, FairCa
 
         columns = 0 if self._check_mode == "full" else self._check_columns
         staged = [(n, self.staging[n]) for n in names]
-        tied = kernels.ties_head(self.model)
+        tied = engine_weights.ties_head(self.model)
         extra = touched_lines(staged, touched, columns, version, tied=tied) if columns and touched else None
         self.last.update(touched_lines=sum(t.numel() for t in extra.values()) if extra else 0)
         times: dict[str, float] = {}

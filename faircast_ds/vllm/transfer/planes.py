@@ -11,7 +11,7 @@ name        trainer rank's end     engine's end         where it serves
 ``group``   :class:`GroupWriter`   :class:`GroupHost`   any host, a network you trust (gloo / NCCL sends)
 ==========  =====================  ===================  ==============================================
 
-There is no other way in (the TCP route of rank 0's channel is gone, CHANGELOG.md; ``plane="tcp"`` is refused,
+There is no other way in (the TCP push over rank 0's channel is gone, CHANGELOG.md; ``plane="tcp"`` is refused,
 naming these three). Everything else asks a :class:`Plane` (or an end) what it needs: never compare a
 plane's name (the layout test counts such comparisons outside this module).
 """
@@ -77,7 +77,7 @@ GROUP = Plane("group", GroupWriter, GroupHost, local=False, options=_NETWORKED,
 PLANES: dict[str, Plane] = {p.name: p for p in (SHM, NET, GROUP)}
 NAMES = tuple(PLANES)
 # names that were ways in once, and what to take instead
-RETIRED = {"tcp": "the TCP route (rank 0 alone over one channel) is gone, CHANGELOG.md: shm on one host, net or "
+RETIRED = {"tcp": "the TCP push (rank 0 alone over one channel) is gone, CHANGELOG.md: shm on one host, net or "
                   "group across hosts"}
 
 

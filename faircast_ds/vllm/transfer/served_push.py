@@ -28,7 +28,7 @@ One push (two collectives: the changed-count all-reduce of a delta, and the outc
     every rank   the outcome from rank 0; acknowledged -> the next push is a delta
 
 A push that changes nothing costs one HTTP round trip (``/update_weight_version``) and one local
-message. Any failure raises on every rank (:class:`~faircast_ds.vllm.kernels.EngineWeightsMismatch`
+message. Any failure raises on every rank (:class:`~faircast_ds.vllm.engine_weights.EngineWeightsMismatch`
 when the engine's kernels do not hold the pushed bits, :class:`~faircast_ds.export.channel.WeightSyncError`
 otherwise), leaves the engine serving what it served (the model changes only at finish), and makes the
 next push dense (a rank whose connection ended joins again).
@@ -48,7 +48,7 @@ from faircast_ds.export import delta
 from faircast_ds.export.channel import DEFAULT_HOST, WeightSyncError, resolve_secret
 from faircast_ds.export.plane import PlaneError
 from faircast_ds.export.source import ServedReport, Stages, reader_of, tracker_for
-from faircast_ds.vllm.kernels import EngineWeightsMismatch
+from faircast_ds.vllm.engine_weights import EngineWeightsMismatch
 from faircast_ds.vllm.transfer import planes
 from faircast_ds.vllm.transfer.checksums import SAMPLE_COLUMNS
 from faircast_ds.vllm.transfer.server import VllmServer
@@ -276,20 +276,20 @@ end, and each end then takes only a process of its own user). ``inplace``: the e
                  ("update_weights", server.update_weights, (info,)),
                  ("finish_weight_update", server.finish_weight_update, (str(version),)),
                  ("reset_prefix_cache", server.reset_prefix_cache, ())]
-        for route, call, args in calls:
+        for endpoint, call, args in calls:
             try:
-                with stages(_STAGE[route]):
+                with stages(_STAGE[endpoint]):
                     call(*args)
             except Exception as exc:  # noqa: BLE001
                 error: Exception = exc
-                if route == "start_weight_update":  # a session a dead trainer left open: end it, start ours
+                if endpoint == "start_weight_update":  # a session a dead trainer left open: end it, start ours
                     try:
                         server.abandon_weight_update()
                         server.start_weight_update()
                         continue
                     except Exception as again:  # noqa: BLE001
                         error = again
-                return f"{route} failed: {error}"
+                return f"{endpoint} failed: {error}"
         return None
 
     def _change_lists(self, per_slice: list[int], params: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -1,7 +1,7 @@
 """A ``vllm serve`` process with the ``faircast`` backend, from the trainer's side.
 
 :class:`VllmServer` starts one (``python -m vllm.entrypoints.openai.api_server``, which is what
-``vllm serve`` runs, with ``VLLM_SERVER_DEV_MODE=1`` for the RL routes) on a loopback address and a
+``vllm serve`` runs, with ``VLLM_SERVER_DEV_MODE=1`` for the RL endpoints) on a loopback address and a
 free port, in its own process group (killed as a group by :meth:`VllmServer.close`), or attaches to
 one by URL; it talks to it over HTTP (generation, ``/weight_info``, ``/weight_checker``). The trainer
 pushes into it with :class:`~faircast_ds.vllm.transfer.served_push.ServedPush`.
@@ -83,7 +83,7 @@ class VllmServer:
                "--enforce-eager", "--skip-tokenizer-init", "--dtype", dtype, "--seed", str(seed),
                "--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30)), "--uvicorn-log-level", "warning",
                *extra_args]
-        if worker_extension:  # the colocated route's worker extension on vLLM's worker: engine_report()
+        if worker_extension:  # the colocated setup's worker extension on vLLM's worker: engine_report()
             cmd += ["--worker-extension-cls", "faircast_ds.vllm.colocated.worker.FairCastWorkerExtension"]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
@@ -169,7 +169,7 @@ class VllmServer:
             raise ServerUnavailable(f"POST /{path}: HTTP {r.status_code}: {r.text[:500]}")
         return r.json() if r.content else None
 
-    # -- vLLM's weight-transfer API (the RL routes a push drives; the names are vLLM's own) -----------
+    # -- vLLM's weight-transfer API (the RL endpoints a push drives; the names are vLLM's own) -----------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """``/init_weight_transfer_engine``: the engine opens the backend's end of the push (``init_info``:
         the ``faircast`` backend's, :class:`~faircast_ds.vllm.transfer.engine.FairCastInitInfo`)."""

@@ -55,7 +55,7 @@ class FairCastTrainerInitInfo(TrainerInitInfo):
 def model_of(source: Any) -> Any:
     """The DeepSpeed engine (or module) a source serves from: ``source`` itself, a
     :class:`~faircast_ds.export.source.ServedSource`'s model, or a
-    :class:`~faircast_ds.vllm.source.FairCastWeightSource`'s."""
+    :class:`~faircast_ds.vllm.weight_source.FairCastWeightSource`'s."""
     if source is None:
         raise ValueError("the faircast backend sends the served weights of a model: pass source=<DeepSpeed engine>")
     if callable(getattr(source, "forward", None)):
@@ -146,7 +146,7 @@ class ClientServer:
 
 def version_setter(client: Any) -> Callable[[str], None] | None:
     """How ``client`` sets vLLM's weight version without an update round: its own
-    ``update_weight_version``, or the server's ``/update_weight_version`` route for vLLM's HTTP client;
+    ``update_weight_version``, or the server's ``/update_weight_version`` endpoint for vLLM's HTTP client;
     None for a client with neither."""
     own = getattr(client, "update_weight_version", None)
     if callable(own):

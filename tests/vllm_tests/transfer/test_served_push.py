@@ -31,7 +31,7 @@ def no_secret_file(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"plane": "nccl"}, "ServedPush: the plane is 'shm', 'net' or 'group', not 'nccl' (None: the fastest that works)"),
-    ({"plane": "tcp"}, "ServedPush: the plane is 'shm', 'net' or 'group', not 'tcp': the TCP route (rank 0 alone over "
+    ({"plane": "tcp"}, "ServedPush: the plane is 'shm', 'net' or 'group', not 'tcp': the TCP push (rank 0 alone over "
                        "one channel) is gone, CHANGELOG.md: shm on one host, net or group across hosts"),
     ({"plane": "group", "check_columns": -2}, "check_columns must be a non-negative integer, got -2"),
     ({"plane": "shm", "check_columns": -1}, "check_columns must be a non-negative integer, got -1"),

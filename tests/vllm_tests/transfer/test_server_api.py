@@ -1,4 +1,4 @@
-"""VllmServer's public face for vLLM's weight-transfer API: every route a push drives is a method of
+"""VllmServer's public face for vLLM's weight-transfer API: every endpoint a push drives is a method of
 :class:`~faircast_ds.vllm.transfer.server.VllmServer` (the HTTP path and body are vLLM's own), and no module
 of the package outside server.py posts through its private ``_post``. No server is started: ``requests.post``
 is recorded."""

@@ -9,7 +9,7 @@ Checked here: the engine reports the head under ``lm_head.weight``, read through
 equals SHA-256 of the embedding's served bits (computed here with no Fair Cast code) after a dense push
 and after a delta that changes the embedding; a delta's sampled check reads the head at the column the
 delta touched (a kernel fault there fails the verified push). One server for the module (~30 s to start).
-The colocated route (an in-process engine, ``WeightPush``) is checked once by tests/dist/tied_colocated_worker.py.
+The colocated setup (an in-process engine, ``WeightPush``) is checked once by tests/dist/tied_colocated_worker.py.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_a_tied_heads_kernel_fault_at_a_touched_column_fails_the_sampled_check(e
     kernel computes that element wrong (kernel_fault, ``lm_head.weight@row,column``): the sampled check
     reads the head at the touched column, so the verified push raises EngineWeightsMismatch naming the
     head; with the fault gone the next push (dense) is verified and the engine serves the bits."""
-    from faircast_ds.vllm.kernels import EngineWeightsMismatch
+    from faircast_ds.vllm.engine_weights import EngineWeightsMismatch
 
     server = engine["server"]
     model = build_model()

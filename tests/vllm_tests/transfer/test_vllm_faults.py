@@ -1,7 +1,7 @@
 """Weight-update faults against a real ``vllm serve`` process with the ``faircast`` backend (issue 24
 item 5): a wrong secret, a stale or repeated version, a trainer killed mid-update (mid-write, and
 after the write but before finish), and the engine killed mid-update and restarted; the first block on
-the net plane (each rank's authenticated connection, here on loopback: the checks the TCP route had
+the net plane (each rank's authenticated connection, here on loopback: the checks the TCP push had
 before it was folded away, issue 48), the shared-memory plane's after it.
 
 Each fault must end in a clear error within a bounded time (every wait has a timeout; no wall-clock
@@ -403,7 +403,7 @@ def test_a_kernel_computing_with_other_bits_fails_the_verified_push(engine, plan
     engine received (the final norm moved by 1.0 after vLLM's reload: tests/vllm_tests/transfer/kernel_fault),
     a verified push raises EngineWeightsMismatch naming it, on either plane; with the fault gone the next
     push (dense) is verified and the engine serves its bits. A verified push of one rank is four HTTP calls."""
-    from faircast_ds.vllm.kernels import EngineWeightsMismatch
+    from faircast_ds.vllm.engine_weights import EngineWeightsMismatch
 
     server = engine["server"]
     model = ft.build_model()
@@ -435,7 +435,7 @@ def test_a_sampled_check_reads_the_columns_a_delta_touched(engine):
     (tests/vllm_tests/transfer/kernel_fault: element (row, column) read as 1.0 larger): the sampled check reads
     the touched column too, so the verified push raises EngineWeightsMismatch naming the layer; with the
     fault gone the next push is verified."""
-    from faircast_ds.vllm.kernels import EngineWeightsMismatch
+    from faircast_ds.vllm.engine_weights import EngineWeightsMismatch
     from faircast_ds.vllm.transfer.checksums import sample_columns
 
     server = engine["server"]
@@ -563,7 +563,7 @@ def test_with_inplace_off_every_load_goes_through_vllms_reload(engine):
     with pytest.raises(Exception, match="'inplace' is true or false, not 'yes'"):
         server.init_weight_transfer_engine({"plane": "net", "port": free_port(), "inplace": "yes",
                                             "params": [["w", [2], "torch.bfloat16"]]})
-    with pytest.raises(Exception, match="'plane': the plane is 'shm', 'net' or 'group', not 'tcp': the TCP route"):
+    with pytest.raises(Exception, match="'plane': the plane is 'shm', 'net' or 'group', not 'tcp': the TCP push"):
         server.init_weight_transfer_engine({"plane": "tcp", "port": free_port(),
                                             "params": [["w", [2], "torch.bfloat16"]]})
 
@@ -572,7 +572,7 @@ def test_shm_delta_from_the_casts_change_marks(engine):
     """Served weights written by Fair Cast's caster, whose reader offers the change marks: a delta reads
     them (1 bit per element kept, no copy of the bits sent), carries exactly the parameters whose bits
     moved, and the engine serves the trainer's bits after each push (checksums from the module's own
-    bits, no Fair Cast code); a push that changes nothing costs one round trip; a second route on the
+    bits, no Fair Cast code); a push that changes nothing costs one round trip; a second push on the
     same marks keeps its own baseline instead."""
     server = engine["server"]
     model = ft.build_model()
@@ -602,7 +602,7 @@ def test_shm_delta_from_the_casts_change_marks(engine):
         for _ in walk:
             pass
         walk.acknowledge()
-        assert other.tracking == "baseline"  # the marks serve the shm route; this one keeps a copy
+        assert other.tracking == "baseline"  # the marks serve the shm push; this one keeps a copy
         trainer.set_version(63)
         assert push.push(63).kind == "delta"
         assert_serves(server, 63, model)

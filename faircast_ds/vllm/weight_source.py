@@ -26,7 +26,7 @@ from faircast_ds.export.source import ServedSource, Walk
 
 class FairCastWeightSource(WeightSource):
     """vLLM ``WeightSource`` over the served weights of ``model`` (or of ``source=``, a
-    :class:`ServedSource` shared with other routes, e.g. one built from a Megatron reader)."""
+    :class:`ServedSource` shared with other consumers, e.g. one built from a Megatron reader)."""
 
     def __init__(self, model: Any = None, *, source: ServedSource | None = None, copy: bool = True) -> None:
         self.source = source if source is not None else ServedSource(model)

@@ -1,4 +1,4 @@
-"""Fair Cast's served weights as vLLM's trainer-side WeightSource (faircast_ds/vllm/source.py), read by
+"""Fair Cast's served weights as vLLM's trainer-side WeightSource (faircast_ds/vllm/weight_source.py), read by
 vLLM's own consumer code; no engine is started."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_the_served_weights_are_a_vllm_weight_source():
     from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 
     from faircast_ds.models.builders import tiny_qwen3
-    from faircast_ds.vllm.source import FairCastWeightSource
+    from faircast_ds.vllm.weight_source import FairCastWeightSource
 
     model = tiny_qwen3(seed=0).to(torch.bfloat16)
     ours = FairCastWeightSource(model)

@@ -28,13 +28,13 @@ from faircast_ds.config.section import (
 
 ENV = "FAIRCAST_DS_CONFIG"
 
-# what the banner's ``source=`` says
+# what the banner's ``origin=`` says
 FROM_CONFIG = "config"
 FROM_ARGUMENT = "attach"
 
 
 @dataclass(frozen=True)
-class Source:
+class Resolved:
     """A validated section and where it came from (``origin``, as the banner prints it)."""
 
     config: FairCastConfig
@@ -90,7 +90,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> tuple[Any, str] | None
     return raw, origin
 
 
-def env_source(environ: Mapping[str, str] | None = None) -> Source | None:
+def env_section(environ: Mapping[str, str] | None = None) -> Resolved | None:
     """The validated section of ``FAIRCAST_DS_CONFIG`` (None when unset); errors name the variable."""
     found = read_env(environ)
     if found is None:
@@ -100,7 +100,7 @@ def env_source(environ: Mapping[str, str] | None = None) -> Source | None:
         config = FairCastConfig.from_section(raw)
     except FairCastConfigError as exc:
         raise FairCastConfigError(f"{_where(origin)}: {exc}") from None
-    return Source(config, origin)
+    return Resolved(config, origin)
 
 
 def _where(origin: str) -> str:
@@ -120,7 +120,7 @@ def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = SECTION) ->
     return out
 
 
-def resolve(ds_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> Source | None:
+def resolve(ds_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> Resolved | None:
     """The section an engine built from ``ds_config`` (the raw DeepSpeed config dict) gets, and where it
     came from; None when neither the config nor ``FAIRCAST_DS_CONFIG`` has one.
 
@@ -128,11 +128,11 @@ def resolve(ds_config: Mapping[str, Any] | None, environ: Mapping[str, str] | No
     and when both have a section and they differ.
     """
     own = find_section(ds_config)
-    env = env_source(environ)
+    env = env_section(environ)
     if own is None:
         return env
     if env is None:
-        return Source(own, FROM_CONFIG)
+        return Resolved(own, FROM_CONFIG)
     mine, theirs = own.model_dump(mode="json"), env.config.model_dump(mode="json")
     if mine != theirs:
         diffs = "\n  ".join(_differences(mine, theirs))
@@ -141,7 +141,7 @@ def resolve(ds_config: Mapping[str, Any] | None, environ: Mapping[str, str] | No
             f"{_where(env.origin)} has {json.dumps(_raw_for_message(environ))}; they differ in "
             f"(config vs {ENV}):\n  {diffs}\n"
             f"keep one: remove the section from the config, or unset {ENV}")
-    return Source(own, f"{FROM_CONFIG}+{env.origin}")
+    return Resolved(own, f"{FROM_CONFIG}+{env.origin}")
 
 
 def _raw_for_message(environ: Mapping[str, str] | None) -> Any:
@@ -149,11 +149,11 @@ def _raw_for_message(environ: Mapping[str, str] | None) -> Any:
     return found[0] if found is not None else None
 
 
-def describe(source: Source | None) -> str:
+def describe(resolved: Resolved | None) -> str:
     """One phrase for humans: where the section came from."""
-    if source is None:
+    if resolved is None:
         return f"no fair_cast section (neither the DeepSpeed config nor {ENV} has one)"
-    origin = source.origin
+    origin = resolved.origin
     if origin == FROM_CONFIG:
         return "the DeepSpeed config's fair_cast section"
     if origin == FROM_ARGUMENT:

@@ -1,5 +1,5 @@
 """The engine's kernels, from inside a vLLM worker: loading HF-named tensors into them, and reading back
-the bits they compute with. Both routes (the colocated engine's worker extension and the ``faircast``
+the bits they compute with. Both engine setups (the colocated engine's worker extension and the ``faircast``
 backend of ``vllm serve``) load and read back through this module.
 
 Loading goes through vLLM's ``reload_weights(..., is_checkpoint_format=True)`` (the caller's), inside
@@ -9,7 +9,7 @@ kernels repack their weights and leave ``.weight`` empty, and the LM head comput
 an embedding is looked up for every id, and only tensors a kernel reads directly (norm weights, biases)
 are read as tensors. :func:`kernel_tensors` does it per vLLM parameter, :func:`read_back` per HF tensor
 (a fused part cut out of its vLLM layer, :mod:`faircast_ds.vllm.fused`). When what comes back is not
-what was served, the routes raise :class:`EngineWeightsMismatch`.
+what was served, both raise :class:`EngineWeightsMismatch`.
 """
 from __future__ import annotations
 
