@@ -55,7 +55,7 @@ COVERAGE: list[tuple[str, str, str]] = [
     (r"^faircast-ds bench( --threads 1| --offload)?$", "quick", "test_bench_command_runs_quick"),
     (r"^(VLLM_SERVER_DEV_MODE=1 )?vllm serve|^faircast-vllm serve", "test",
      "tests/vllm_tests/transfer/test_vllm_faults.py::test_dense_then_delta_serve_the_trainers_bits"),
-    (r"^(nice -n 10 |OMP_NUM_THREADS=\d+ )?python3? benchmarks/", "long", "the benchmark script itself (benchmarks/, docs/performance.md)"),
+    (r"^(nice -n 10 |OMP_NUM_THREADS=\d+ |PYTHONPATH=\S+ )?python3? benchmarks/", "long", "the benchmark script itself (benchmarks/, docs/performance.md)"),
     (r"^FAIRCAST_SOAK_RESTARTS=", "long", "the long soak: tests/system/test_soak.py with its documented settings"),
     (r"^accelerate launch --config_file examples/trl_grpo/accelerate_2ranks\.yaml examples/trl_grpo/grpo_addition\.py", "test",
      "tests/transformers_tests/test_trl_colocate.py::test_trl_recipe_colocated_vllm_two_ranks_serves_the_oracle_bits"),
