@@ -111,11 +111,16 @@ ROW_KEYS = ("step", "reward", "reward_std", "step_time", "sampling/importance_sa
             "fair_cast/changed_fraction", "fair_cast/gap_spacings", "fair_cast/lag_steps")
 
 
+def rows_path(output: str) -> str:
+    """Where a run's per-step rows live: ``<output>/steps.jsonl``."""
+    return os.path.join(output, "steps.jsonl")
+
+
 def write_rows(output: str, log_history: list[dict]) -> str:
     """TRL's per-step log rows (``ROW_KEYS``, those present) as ``<output>/steps.jsonl``, written whole (a
     resumed run's history comes back from its checkpoint, so rows after the last checkpoint are logged again
     rather than twice); atomic (a killed write leaves the previous file)."""
-    path = os.path.join(output, "steps.jsonl")
+    path = rows_path(output)
     os.makedirs(output, exist_ok=True)
     with open(path + ".tmp", "w") as f:
         for row in log_history:
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.accelerator.is_main_process:
         for row in trainer.state.log_history:
             print(json.dumps({k: row[k] for k in ROW_KEYS if k in row}), flush=True)
-        print(f"[grpo_addition] rows: {os.path.join(args.output, 'steps.jsonl')}", flush=True)  # RowsFile's
+        print(f"[grpo_addition] rows: {rows_path(args.output)}", flush=True)  # written by RowsFile
         sync = getattr(trainer.vllm_generation.sync_weights, "__self__", None) if trainer.args.use_vllm else None
         for record in getattr(sync, "history", []):  # install_trl_sync's account of each sync
             print(json.dumps({"sync": record}), flush=True)
