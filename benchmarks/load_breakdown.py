@@ -4,11 +4,11 @@
                                         [--configs plain dither error_feedback] [--loads 3] [--fresh] [--out DIR]
 
 For each ZeRO stage and configuration, one ``deepspeed --num_gpus 2`` launch on CPU ranks (gloo) builds the
-real architecture at ``--layers`` (the shipped DeepSpeed config of ``faircast-ds bench --model``), takes two
+real architecture at ``--layers`` (the shipped DeepSpeed config of ``python3 -m faircast_bench --model``), takes two
 optimizer steps, saves a checkpoint and loads it ``--loads`` times. Each load is split into stages by timers
 wrapped around the functions that do them (inclusive times; the larger rank's; median over the loads):
 
-- ``total``: ``engine.load_checkpoint`` until every rank is back (the load time ``faircast-ds bench`` reports);
+- ``total``: ``engine.load_checkpoint`` until every rank is back (the load time ``python3 -m faircast_bench`` reports);
 - ``ds files``: DeepSpeed's own reading and restoring (``engine._load_checkpoint`` and
   ``_load_zero_checkpoint``; under Fair Cast this includes the casts DeepSpeed's load sites make);
 - ``state read``: Fair Cast's state files and the tag folder's completeness check (``_read_state``);
@@ -83,10 +83,10 @@ def worker(argv: list[str]) -> None:
 
     from faircast_ds import get_fair_cast
     from faircast_ds.shard import guard as core_guard, caster as shard_caster
-    from faircast_ds.tools.bench.model_worker import bench_config
+    from faircast_bench.model_worker import bench_config
     from faircast_ds.deepspeed import checkpoint as save_load
-    from faircast_ds.deepspeed.zero_init import real_causal_lm
-    from faircast_ds.models.builders import real_config
+    from faircast_bench.zero_init import real_causal_lm
+    from faircast_bench.builders import real_config
 
     timers = _Timers()
     # the casts without their observers: time cast_flat, and the guard's record inside it separately

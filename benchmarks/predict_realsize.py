@@ -7,7 +7,7 @@
 Memory: the training process peaks at ~6.8 GB (fp32 masters, AdamW moments, the bf16 copy), each
 ``faircast-ds predict`` child at ~1.5 GB. Not run by the test suite (too slow for a slow test on 2 cores).
 
-One process, plain torch, no DeepSpeed. The model is ``faircast_ds.models.builders.real_causal_lm('qwen3-0.6b',
+One process, plain torch, no DeepSpeed. The model is ``faircast_bench.builders.real_causal_lm('qwen3-0.6b',
 layers=2)`` (the published architecture at its published init, tied embeddings), built once in bf16 and
 saved as a Hugging Face checkpoint (``save_pretrained``: safetensors): the user's bf16 checkpoint. Its
 fp32 masters are then trained with ``torch.optim.AdamW`` (weight decay 0) on a tiny batch of random
@@ -102,7 +102,7 @@ def train(model: torch.nn.Module, start: dict[str, torch.Tensor], lr: float, ste
     """Set the masters to ``start``, take ``steps`` AdamW steps; per step the measured RN changed fraction
     (torch's own bf16 cast, bits compared). With ``moments_before_last``: also the moments model's
     prediction for the last step, made from the optimizer's state before it."""
-    from faircast_ds.models.builders import token_ids
+    from faircast_bench.builders import token_ids
 
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -132,7 +132,7 @@ def train(model: torch.nn.Module, start: dict[str, torch.Tensor], lr: float, ste
 
 
 def run(lrs: list[float], steps: int, workdir: str, seed: int = 0) -> dict[str, Any]:
-    from faircast_ds.models.builders import real_causal_lm
+    from faircast_bench.builders import real_causal_lm
 
     started = time.time()
     model = real_causal_lm(ARCH, layers=LAYERS, seed=seed)  # bf16 parameters: the user's bf16 checkpoint

@@ -65,7 +65,7 @@ def initial_checkpoint(config: dict[str, Any], seed: int, directory: str) -> str
     """The job's initial weights for ``seed`` (its build_model: a bf16 tiny Qwen3) as one safetensors file."""
     from safetensors.torch import save_file
 
-    from faircast_ds.models.builders import tiny_causal_lm
+    from faircast_bench.builders import tiny_causal_lm
 
     hidden = int(config["hidden"])
     model = tiny_causal_lm("qwen3", seed=seed, init_std=float(config["init_std"]), attn="eager",

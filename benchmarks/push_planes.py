@@ -1,11 +1,11 @@
-"""The push table of ``faircast-ds bench --model`` alone: one push launch per data plane into ``vllm serve``
+"""The push table of ``python3 -m faircast_bench --model`` alone: one push launch per data plane into ``vllm serve``
 (ZeRO-3 on 2 CPU ranks, the real architecture), without the step table's launches before it.
 
     python3 benchmarks/push_planes.py [--model qwen3-0.6b] [--mode dither] [--planes shm net group ...] [--out DIR]
 
-It calls the bench's own functions (``faircast_ds.tools.bench.model``: ``run_push`` and the push, width and
+It calls the bench's own functions (``faircast_bench.model``: ``run_push`` and the push, width and
 stage tables), so the figures are the bench's. Each launch is the push worker's twelve pushes
-(``faircast_ds/tools/bench/push_worker.py``). The library is whichever ``faircast_ds`` comes first on the
+(``faircast_bench/push_worker.py``). The library is whichever ``faircast_ds`` comes first on the
 path, so one command times two commits side by side, each from its own checkout:
 
     PYTHONPATH=/path/to/old/checkout python3 benchmarks/push_planes.py --planes tcp shm net --out OLD
@@ -63,15 +63,15 @@ def compare(new: dict[str, dict], old: dict[str, dict], figures) -> str:  # type
 
 def main(argv: list[str] | None = None) -> int:
     import faircast_ds
-    from faircast_ds.models.builders import architecture
-    from faircast_ds.tools.bench import model as bench
+    from faircast_bench.builders import architecture
+    from faircast_bench import model as bench
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b", choices=("qwen3-0.6b", "qwen2.5-0.5b"))
     parser.add_argument("--layers", type=int, help="cut the depth to N layers (default: the architecture's)")
     parser.add_argument("--mode", default="dither", help="the Fair Cast mode of the pushes (default dither)")
     parser.add_argument("--planes", nargs="+", default=["shm"],
-                        help="data planes, as `faircast-ds bench --push-planes` takes them (default shm)")
+                        help="data planes, as `python3 -m faircast_bench --push-planes` takes them (default shm)")
     parser.add_argument("--lr", type=float, default=bench.PUSH_LR, help="AdamW lr of the steps between deltas")
     parser.add_argument("--out", help="folder for the launches' logs and JSON (default: a temporary one)")
     parser.add_argument("--against", metavar="OLD", help="another run's --out: print both side by side")

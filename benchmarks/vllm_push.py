@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def model_of(args):
-    from faircast_ds.models.builders import tiny_causal_lm
+    from faircast_bench.builders import tiny_causal_lm
 
     return tiny_causal_lm("qwen3", seed=0, init_std=0.3, norm_jitter=0.2, vocab_size=args.vocab,
                           hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,

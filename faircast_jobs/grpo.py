@@ -48,13 +48,13 @@ def build_model(cfg: JobConfig, seed: int, fp32: bool, ds_config: dict[str, Any]
     pretrained model's cached bf16 checkpoint (fp32: the same values), built under ``deepspeed.zero.Init``
     when ``ds_config`` is given (ZeRO-3)."""
     if cfg.model:
-        from faircast_ds.deepspeed.zero_init import ZeroInit
+        from faircast_bench.zero_init import ZeroInit
         from faircast_ds.models.pretrained import load_causal_lm
 
         model = load_causal_lm(cfg.model, dtype=torch.float32 if fp32 else torch.bfloat16,
                                partitioning=ZeroInit(ds_config) if ds_config is not None else None)
         return _with_gemm(model, cfg)
-    from faircast_ds.models.builders import tiny_causal_lm
+    from faircast_bench.builders import tiny_causal_lm
 
     model = tiny_causal_lm("qwen3", seed=seed, init_std=cfg.init_std, attn="eager", vocab_size=cfg.vocab,
                            hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden, num_hidden_layers=cfg.layers,

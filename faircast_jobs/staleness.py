@@ -20,7 +20,7 @@ from faircast_ds.casting.modes import MODES
 
 def build_model(hidden: int, layers: int, vocab: int, seed: int) -> torch.nn.Module:
     """bf16 parameters (the fp32 master starts on the bf16 grid), fp32 buffers as from_pretrained builds them."""
-    from faircast_ds.models.builders import tiny_causal_lm
+    from faircast_bench.builders import tiny_causal_lm
 
     return tiny_causal_lm("qwen3", seed=seed, init_std=0.1, vocab_size=vocab, hidden_size=hidden,
                           intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,

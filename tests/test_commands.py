@@ -25,7 +25,7 @@ from conftest import AVX512, NO_AVX512, ROOT, cpu_env, free_port
 
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 PREFIXES = ("bash launch/", "faircast-ds ", "faircast-vllm", "python3 -m faircast_ds", "python -m faircast_ds",
-            "python3 -m faircast_jobs", "python -m faircast_jobs",
+            "python3 -m faircast_jobs", "python -m faircast_jobs", "python3 -m faircast_bench",
             "python3 benchmarks/", "python benchmarks/", "nice -n", "NUM_RANKS=", "JOB=", "vllm serve",
             "VLLM_SERVER_DEV_MODE=", "FAIRCAST_SOAK_", "python3 -m pytest", "pip install", "export ")
 
@@ -50,9 +50,9 @@ COVERAGE: list[tuple[str, str, str]] = [
      "tests/jobs/test_campaign.py::test_the_two_committed_seeds_per_seed_and_over_seeds"),
     (r"^faircast-ds inspect", "test", "tests/export/test_export_zero.py::test_inspect_checkpoint_reports_residuals_per_module_type"),
     (r"^faircast-ds to-universal", "test", "tests/deepspeed_tests/test_checkpoint.py::test_elastic_resume_2_to_3_to_1_ranks"),
-    (r"^faircast-ds bench --model", "long",
-     "`faircast-ds bench --model qwen3-0.6b` (benchmarks; tests/system/test_realsize.py runs the same workers at 2 layers)"),
-    (r"^faircast-ds bench( --threads 1| --offload)?$", "quick", "test_bench_command_runs_quick"),
+    (r"^python3 -m faircast_bench --model", "long",
+     "`python3 -m faircast_bench --model qwen3-0.6b` (benchmarks; tests/system/test_realsize.py runs the same workers at 2 layers)"),
+    (r"^python3 -m faircast_bench( --threads 1| --offload)?$", "quick", "test_bench_command_runs_quick"),
     (r"^(VLLM_SERVER_DEV_MODE=1 )?vllm serve|^faircast-vllm serve", "test",
      "tests/vllm_tests/transfer/test_vllm_faults.py::test_dense_then_delta_serve_the_trainers_bits"),
     (r"^(nice -n 10 |OMP_NUM_THREADS=\d+ |PYTHONPATH=\S+ )?python3? benchmarks/", "long", "the benchmark script itself (benchmarks/, docs/performance.md)"),
@@ -112,10 +112,10 @@ def rule_for(command: str) -> tuple[str, str, str] | None:
 
 def test_the_scan_finds_block_and_inline_commands(tmp_path, monkeypatch):
     doc = tmp_path / "x.md"
-    doc.write_text("run `bash launch/main.sh --engine vllm` or\n```bash\n# a comment\nfaircast-ds bench \\\n"
+    doc.write_text("run `bash launch/main.sh --engine vllm` or\n```bash\n# a comment\npython3 -m faircast_bench \\\n"
                    "  --threads 1   # why\n```\nnot `faircast_ds.casting.modes`\n")
     monkeypatch.setattr(sys.modules[__name__], "DOCS", [doc])
-    assert documented_commands() == {"faircast-ds bench --threads 1": "x.md",
+    assert documented_commands() == {"python3 -m faircast_bench --threads 1": "x.md",
                                      "bash launch/main.sh --engine vllm": "x.md"}
 
 
@@ -299,6 +299,16 @@ def test_config_and_check_commands_run(fresh_copy):
 
 def test_bench_command_runs_quick(fresh_copy):
     py = shlex.quote(sys.executable)
-    proc = run_in(fresh_copy, f"{py} -m faircast_ds.tools.cli bench --sizes 4096 --repeats 1 --no-eager --no-torchao "
-                              "--threads 1", timeout=300)
+    proc = run_in(fresh_copy, f"{py} -m faircast_bench --sizes 4096 --repeats 1 --no-eager --no-torchao --threads 1",
+                  timeout=300)
     assert proc.returncode == 0 and "dither" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_the_installed_commands_bench_says_where_the_bench_went(capsys):
+    """The bench left the installed package (docs/layout.md): `faircast-ds bench ARGS` fails naming the command
+    that runs it from a clone, with its arguments, instead of argparse's bare 'invalid choice'."""
+    from faircast_ds.tools.cli import main
+
+    assert main(["bench", "--model", "qwen3-0.6b"]) == 2
+    err = capsys.readouterr().err
+    assert "python3 -m faircast_bench --model qwen3-0.6b" in err and "clone" in err, err

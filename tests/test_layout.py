@@ -23,10 +23,9 @@ from package_scan import (
 
 INTEGRATIONS = ("faircast_ds.deepspeed", "faircast_ds.megatron")
 FRAMEWORKS = ("deepspeed", "megatron")
-# may import a framework: the integrations themselves and the benchmark workers launched under
-# DeepSpeed; the shared model builders do not (ZeRO-3's zero.Init build is faircast_ds/deepspeed/zero_init.py)
-MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS + ("faircast_ds.tools.bench.casts",
-                                         "faircast_ds.tools.bench.model_worker", "faircast_ds.tools.bench.push_worker")
+# may import a framework: the integrations themselves (the model builders, ZeRO-3's zero.Init build and the
+# benchmark workers launched under DeepSpeed live beside the package, in faircast_bench/: BESIDE)
+MAY_IMPORT_A_FRAMEWORK = INTEGRATIONS
 
 
 def layout_map(text: str) -> dict[str, set[str]]:
@@ -99,8 +98,7 @@ def test_the_package_import_graph_has_no_cycle():
 
 
 def test_no_module_outside_the_integrations_imports_deepspeed_or_megatron():
-    """Outside faircast_ds/deepspeed/ and faircast_ds/megatron/ (and the job and benchmark workers, which run
-    DeepSpeed), no module imports DeepSpeed or Megatron, at any level of the file (which folder may import
+    """Outside faircast_ds/deepspeed/ and faircast_ds/megatron/, no module imports DeepSpeed or Megatron, at any level of the file (which folder may import
     an integration is the map's business)."""
     offenders = []
     for name, path in modules().items():
@@ -339,7 +337,7 @@ def test_no_module_outside_the_plane_registry_tells_planes_apart_by_name():
     assert not offenders, "ask the plane (faircast_ds/vllm/transfer/planes.py), not its name:\n" + "\n".join(offenders)
 
 
-BESIDE = ("faircast_jobs", "faircast_prepared")  # the folders beside the package, not installed
+BESIDE = ("faircast_jobs", "faircast_bench", "faircast_prepared")  # the folders beside the package, not installed
 
 
 def imports_of_folders_beside(source: str) -> list[int]:
@@ -356,9 +354,9 @@ def test_the_beside_scan_finds_an_import():
 
 
 def test_the_installed_package_imports_nothing_beside_it():
-    """The GRPO jobs (faircast_jobs) and the GPU code prepared for no push yet (faircast_prepared: the bucket
-    planner and stream) are not installed: no module of the package may import them, so the push path stays
-    readable without them and an installed package without a checkout loads."""
+    """The GRPO jobs (faircast_jobs), the benchmarks (faircast_bench) and the GPU code prepared for no push yet
+    (faircast_prepared: the bucket planner and stream) are not installed: no module of the package may import
+    them, so the push path stays readable without them and an installed package without a checkout loads."""
     offenders = [f"{path.relative_to(ROOT)}:{line}" for path in modules().values()
                  for line in imports_of_folders_beside(path.read_text())]
     assert not offenders, offenders

@@ -11,8 +11,7 @@ The same role names as ``faircast_ds.megatron``:
 - ``engine_hooks``: the one object per engine that runs diagnostics, checkpoint state and the guard around
   ``engine.step`` and the checkpoint methods (and the list of every other replacement we make).
 - ``autoload``: the interpreter-start hook that ``faircast-ds.pth`` loads; ``check``: ``faircast-ds check``.
-- ``params``: ZeRO-3 parameter attributes; ``zero_init``: real architectures built under ``deepspeed.zero.Init``;
-  ``masters``: a checkpoint's fp32 masters for ``faircast-ds inspect``.
+- ``params``: ZeRO-3 parameter attributes; ``masters``: a checkpoint's fp32 masters for ``faircast-ds inspect``.
 
 Importing this package imports nothing of DeepSpeed (the interpreter-start hook loads it).
 """

@@ -1,2 +1,3 @@
-"""Models the tests, the jobs and the benchmarks share: tiny and real-architecture builders
-(``builders``)."""
+"""Models the recipes load: published checkpoints by name (``pretrained``) and the fp32-summed bf16 GEMM for
+CPUs without AVX-512 (``gemm``). The randomly initialised builders the tests, jobs and benchmarks share live
+beside the package (``faircast_bench.builders``)."""

@@ -223,7 +223,7 @@ def _dequantize(model: Pretrained, source: Path, out: Path) -> None:
 
 
 class Partitioning(Protocol):
-    """How a framework partitions a model from the start (``faircast_ds.deepspeed.zero_init.ZeroInit``)."""
+    """How a framework partitions a model from the start (``faircast_bench.zero_init.ZeroInit``)."""
 
     def building(self, dtype: torch.dtype) -> ContextManager[Any]: ...
 

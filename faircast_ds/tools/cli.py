@@ -89,13 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     pred.add_argument("--weight-decay", type=float, help="decoupled weight decay (default: the checkpoint's, else 0)")
     pred.add_argument("--steps", type=int, help="also predict the mean lag and changed fraction over a run this long")
     pred.add_argument("--json", action="store_true", help="print one JSON object")
-    from faircast_ds.tools.bench import (
-        casts as bench,  # no torch import until the benchmark runs
-    )
-
-    bench.add_arguments(sub.add_parser("bench", help="time each cast against a plain bf16.copy_ of the same "
-                                                     "tensor, eager and fused paths side by side (one table)"))
-    args = parser.parse_args(argv)
+    sub.add_parser("bench", help="moved: the benchmarks run from a clone of the repository "
+                                 "(python3 -m faircast_bench, docs/performance.md)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        print(f"error: `faircast-ds bench` moved out of the installed package: from a clone of the repository, "
+              f"run `python3 -m faircast_bench {' '.join(rest)}`".rstrip() + " (docs/performance.md)", file=sys.stderr)
+        return 2
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "check":
         return _check(args)
     if args.command == "to-universal":
@@ -104,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         return _inspect(args)
     if args.command == "predict":
         return _predict(args)
-    if args.command == "bench":
-        return bench.run_cli(args)
     return 2
 
 

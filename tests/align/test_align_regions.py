@@ -9,7 +9,7 @@ from transformers.models.qwen3 import modeling_qwen3
 from faircast_ds.align.fused import fused_rmsnorm, fused_swiglu
 from faircast_ds.align.profiles import HF, SGLANG, VLLM_CUDA
 from faircast_ds.align.regions import add_rmsnorm, rmsnorm, rope, swiglu
-from faircast_ds.models.builders import single_thread
+from faircast_bench.builders import single_thread
 
 BF16 = torch.bfloat16
 

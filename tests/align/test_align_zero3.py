@@ -40,7 +40,7 @@ def _worker() -> None:
 
     from faircast_ds.align import align_model, reference_logits
     from faircast_ds.align.meter import token_logprobs
-    from faircast_ds.models.builders import alignment_lm, token_ids
+    from faircast_bench.builders import alignment_lm, token_ids
 
     model, ids = alignment_lm("qwen3"), token_ids()
     hf_logits = reference_logits(model, ids, "hf")

@@ -377,7 +377,7 @@ def test_kernel_mode_codes_are_the_ones_modes_defines():
 
 
 def test_bench_runs_a_tiny_case_and_formats():
-    from faircast_ds.tools.bench import casts as bench
+    from faircast_bench import casts as bench
 
     report = bench.run((4096,), modes=("nearest", "stochastic"), repeats=1, eager_repeats=1, torchao=False)
     text = bench.format_report(report)

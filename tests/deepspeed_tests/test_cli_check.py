@@ -111,7 +111,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WO
 import deepspeed
 from deepspeed.runtime.config import DeepSpeedConfig
 from faircast_ds.deepspeed.check import _predicted_optimizer
-from faircast_ds.models.builders import tiny_qwen3
+from faircast_bench.builders import tiny_qwen3
 out = []
 for zero, types in json.loads(sys.argv[2]):
     cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero,

@@ -17,7 +17,7 @@ WORKER = r'''
 import json, os, sys, torch
 import deepspeed
 deepspeed.init_distributed("gloo")
-from faircast_ds.deepspeed.zero_init import ZeroInit
+from faircast_bench.zero_init import ZeroInit
 out = {}
 for name, cfg, dtype in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)

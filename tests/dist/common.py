@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from faircast_ds.models.builders import tiny_qwen3  # noqa: F401  (the one tiny model, re-exported for the workers)
+from faircast_bench.builders import tiny_qwen3  # noqa: F401  (the one tiny model, re-exported for the workers)
 
 
 def freeze_the_imports() -> None:

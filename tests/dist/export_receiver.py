@@ -11,7 +11,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from export_common import append_jsonl, digest, greedy  # noqa: E402
-from faircast_ds.models.builders import tiny_qwen3  # noqa: E402  (as from_pretrained(dtype=bfloat16) builds it)
+from faircast_bench.builders import tiny_qwen3  # noqa: E402  (as from_pretrained(dtype=bfloat16) builds it)
 
 from faircast_ds.export import WeightReceiver, WeightSyncError  # noqa: E402
 

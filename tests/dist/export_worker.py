@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import batch, ds_config, finish_and_exit, full_served_bits, tensors_in, train_step, write_json  # noqa: E402
 from export_common import bits_digest, greedy  # noqa: E402
-from faircast_ds.models.builders import tiny_qwen3  # noqa: E402  (as from_pretrained(dtype=bfloat16) builds it)
+from faircast_bench.builders import tiny_qwen3  # noqa: E402  (as from_pretrained(dtype=bfloat16) builds it)
 
 import faircast_ds  # noqa: E402
 from faircast_ds.casting.bits import bf16_bits, fp32_bits

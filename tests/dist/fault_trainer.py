@@ -35,7 +35,7 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 
 def build_model() -> torch.nn.Module:
-    from faircast_ds.models.builders import tiny_qwen3
+    from faircast_bench.builders import tiny_qwen3
 
     return tiny_qwen3(seed=0, **MODEL)
 

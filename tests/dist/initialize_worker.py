@@ -89,7 +89,7 @@ def alignment_from_json():
     profile's reference forward bit for bit (and differs from HF eager)."""
     from faircast_ds import get_fair_cast
     from faircast_ds.align import reference_logits
-    from faircast_ds.models.builders import alignment_lm, token_ids
+    from faircast_bench.builders import alignment_lm, token_ids
 
     model, ids = alignment_lm("qwen3"), token_ids()
     expected = reference_logits(model, ids, "sglang")

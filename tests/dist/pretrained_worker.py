@@ -38,7 +38,7 @@ from served_oracle import vllm_keyed_checksums  # noqa: E402
 
 from faircast_ds import get_fair_cast  # noqa: E402
 from faircast_ds.models import pretrained
-from faircast_ds.deepspeed.zero_init import ZeroInit  # noqa: E402
+from faircast_bench.zero_init import ZeroInit  # noqa: E402
 from faircast_ds.models.gemm import use_fp32_accumulation  # noqa: E402
 from faircast_ds.export import served_weights  # noqa: E402
 from faircast_jobs.release import release  # noqa: E402

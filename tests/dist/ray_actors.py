@@ -54,7 +54,7 @@ class TrainerRank:
         from transformers.trainer import get_scheduler
 
         from faircast_ds import get_fair_cast
-        from faircast_ds.models.builders import tiny_qwen3
+        from faircast_bench.builders import tiny_qwen3
 
         builders, _ = openrlhf_builders()
         cfg = train_config(builders)

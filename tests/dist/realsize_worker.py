@@ -32,8 +32,8 @@ from common import finish_and_exit, write_json  # noqa: E402
 
 from faircast_ds import get_fair_cast  # noqa: E402
 from faircast_ds.export import WeightReceiver, WeightSender, save_hf, served_weights  # noqa: E402
-from faircast_ds.deepspeed.zero_init import real_causal_lm  # noqa: E402
-from faircast_ds.models.builders import _initial_values  # noqa: E402
+from faircast_bench.zero_init import real_causal_lm  # noqa: E402
+from faircast_bench.builders import _initial_values  # noqa: E402
 from faircast_ds.models.gemm import use_fp32_accumulation  # noqa: E402
 from faircast_ds.casting.reference import cast_reference  # noqa: E402
 

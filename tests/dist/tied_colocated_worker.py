@@ -27,7 +27,7 @@ ROW, COLUMN = 9, 5  # the element the head's faulty kernel reads wrong
 
 
 def build():
-    from faircast_ds.models.builders import tiny_causal_lm
+    from faircast_bench.builders import tiny_causal_lm
 
     return tiny_causal_lm("qwen3", seed=0, init_std=0.1, max_position_embeddings=64, tie_word_embeddings=True,
                           head_dim=32).eval()

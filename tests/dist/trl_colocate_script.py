@@ -87,7 +87,7 @@ def main() -> None:
         def on_train_begin(self, args, state, control, **kwargs):
             import deepspeed
 
-            from faircast_ds.models.builders import tiny_qwen3
+            from faircast_bench.builders import tiny_qwen3
 
             config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
                       "zero_optimization": {"stage": 3}, "steps_per_print": 10**9,

@@ -24,7 +24,7 @@ MODEL = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_
 
 
 def build():
-    from faircast_ds.models.builders import tiny_causal_lm
+    from faircast_bench.builders import tiny_causal_lm
 
     # a large init std and RMSNorm weights around 1 so rounding differences show in the log-probs; built as
     # from_pretrained builds (fp32 RoPE buffers), as the engine computes its own fp32 tables

@@ -14,7 +14,7 @@ from conftest import DIST
 sys.path.insert(0, str(DIST))
 from export_common import plain_model  # noqa: E402
 
-from faircast_ds.tools.bench.model import format_stage_table, push_stages  # noqa: E402
+from faircast_bench.model import format_stage_table, push_stages  # noqa: E402
 from faircast_ds.export.source import Stages  # noqa: E402
 from faircast_ds.export.sync import WeightReceiver, WeightSender  # noqa: E402
 

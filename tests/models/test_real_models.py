@@ -1,4 +1,4 @@
-"""The real architectures (faircast_ds.models.builders.real_causal_lm): shapes from the published configs, the
+"""The real architectures (faircast_bench.builders.real_causal_lm): shapes from the published configs, the
 published parameter counts, the published init, and a depth cut that keeps vocabulary and widths.
 
 The parameter counts are worked out here from the shapes alone (embedding, attention, MLP, norms),
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faircast_ds.models.builders import ARCHITECTURES, real_causal_lm, real_config
+from faircast_bench.builders import ARCHITECTURES, real_causal_lm, real_config
 
 
 def _expected_params(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int,

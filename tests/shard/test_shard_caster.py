@@ -542,13 +542,13 @@ def test_observer_called_once_per_flat_group_with_key_master_slices_step():
 
 
 def test_bench_offload_reports_a_row_per_size_and_mode():
-    """`faircast-ds bench --offload` reports, for each (size, mode), the three routes' times (DeepSpeed's
+    """`python3 -m faircast_bench --offload` reports, for each (size, mode), the three routes' times (DeepSpeed's
     cross-device copy, the staged route, the eager route it replaced; forced on the CPU here) and their
     ratios. Only the report: what the staged route serves is checked against the oracle in
     test_the_offload_route_serves_the_reference_cast."""
     import math
 
-    from faircast_ds.tools.bench import casts as bench
+    from faircast_bench import casts as bench
 
     rows = bench.run_offload((4096,), modes=("stochastic", "error_feedback"), repeats=1)
     assert [(r.size, r.mode) for r in rows] == [(4096, "stochastic"), (4096, "error_feedback")]

@@ -56,7 +56,7 @@ def engine_differences(engine_bits: dict[str, torch.Tensor], expected: dict[str,
 def job(tmp_path_factory):
     """A local Ray instance with the job's runtime environment, the engine actor and two DeepSpeed rank
     actors; torn down (actors killed, Ray shut down) however the test ends."""
-    from faircast_ds.models.builders import tiny_qwen3
+    from faircast_bench.builders import tiny_qwen3
 
     out = tmp_path_factory.mktemp("ray_job")
     engine_dir = out / "engine_model"

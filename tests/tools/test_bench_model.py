@@ -1,10 +1,10 @@
-"""faircast-ds bench --model: the pooling of the ranks' figures and the goal verdicts, on figures made
-up here (the launches themselves are what `faircast-ds bench --model ... --layers 2` runs)."""
+"""python3 -m faircast_bench --model: the pooling of the ranks' figures and the goal verdicts, on figures made
+up here (the launches themselves are what `python3 -m faircast_bench --model ... --layers 2` runs)."""
 from __future__ import annotations
 
 import pytest
 
-from faircast_ds.tools.bench.model import figures, format_table
+from faircast_bench.model import figures, format_table
 
 
 def _rank(config: str, seconds: list[float], cast: float, peak: float, save: float, size: int,
@@ -45,7 +45,7 @@ def test_table_prints_ratios_to_plain_and_the_goals():
 def test_stages_are_checked(capsys):
     import argparse
 
-    from faircast_ds.tools.bench.model import main_from_args
+    from faircast_bench.model import main_from_args
 
     args = argparse.Namespace(stages="3,1", modes=["dither"])
     assert main_from_args(args) == 2
@@ -64,7 +64,7 @@ def _push(mode: str, dense: float, bare: float, reload: float, delta: float, ver
 
 
 def test_push_table_prints_the_push_goals():
-    from faircast_ds.tools.bench.model import format_push_table
+    from faircast_bench.model import format_push_table
 
     good = _push("dither", dense=6.0, bare=5.0, reload=5.0, delta=1.0, verify=0.2)
     bad = _push("stochastic", dense=12.0, bare=6.0, reload=4.0, delta=9.0, verify=6.0)
@@ -85,7 +85,7 @@ def test_push_table_prints_the_push_goals():
 def test_width_table_prints_each_sampled_check_beside_the_reload_and_its_floor():
     """Pushes 7 and 8 (32 and 16 columns) join the default's push 4 in their own table; the deltas are still
     pushes 5 and 6 only, and results from before the narrower pushes print no width table."""
-    from faircast_ds.tools.bench.model import format_width_table, push_figures
+    from faircast_bench.model import format_width_table, push_figures
 
     data = _push("dither", dense=6.0, bare=5.0, reload=5.0, delta=1.0, verify=0.2)
     assert format_width_table([data]) == ""  # six pushes: no widths measured
@@ -106,7 +106,7 @@ def test_width_table_prints_each_sampled_check_beside_the_reload_and_its_floor()
 def test_deltas_are_also_compared_with_dense_pushes_after_a_step():
     """Pushes 9-12 (a step before each): their dense pushes get their own row against their own reload, their
     deltas join the delta median, and the header gives delta / dense-after-a-step; none of them is a width."""
-    from faircast_ds.tools.bench.model import format_push_table, format_width_table, push_figures
+    from faircast_bench.model import format_push_table, format_width_table, push_figures
 
     data = _push("dither", dense=6.0, bare=5.0, reload=5.0, delta=4.0, verify=0.2)
     for version, (kind, seconds, load) in enumerate((("dense", 16.0, 9.0), ("dense", 12.0, 8.0)), start=6):
@@ -133,7 +133,7 @@ def test_deltas_are_also_compared_with_dense_pushes_after_a_step():
 def test_a_stopped_run_is_resumed_and_a_failed_launch_is_reported(tmp_path, monkeypatch):
     import json
 
-    from faircast_ds.tools.bench import model as bench_model
+    from faircast_bench import model as bench_model
 
     def write(stem, config, layers=28):
         for r in (0, 1):
@@ -163,7 +163,7 @@ def test_a_stopped_run_is_resumed_and_a_failed_launch_is_reported(tmp_path, monk
 # ---- issue 33, item 4: the step ratio with its interval, the cast's share, RSS over rounds ------------------
 
 def test_a_constant_slowdown_has_a_point_interval_that_misses_the_goal():
-    from faircast_ds.tools.bench.stats import bootstrap_ratio_interval, median_ratio
+    from faircast_bench.stats import bootstrap_ratio_interval, median_ratio
 
     plain = [[10.0, 10.0, 10.0]] * 6
     mode = [[10.5, 10.5, 10.5]] * 6
@@ -175,7 +175,7 @@ def test_round_drift_cancels_in_the_paired_interval():
     """Plain's own median moves by half between rounds (a shared machine); the mode is 0.5% slower
     than plain in every round. The interval stays inside 1.01 (pairs by round), while the drift is 50x
     the difference being measured."""
-    from faircast_ds.tools.bench.stats import bootstrap_ratio_interval, median_ratio
+    from faircast_bench.stats import bootstrap_ratio_interval, median_ratio
 
     drift = [8.5, 12.4, 9.0, 11.8, 8.7, 12.0]
     jitter = [0.999, 1.0, 1.001]
@@ -189,7 +189,7 @@ def test_round_drift_cancels_in_the_paired_interval():
 def test_equal_noisy_configurations_leave_the_goal_open():
     import random
 
-    from faircast_ds.tools.bench.stats import bootstrap_ratio_interval
+    from faircast_bench.stats import bootstrap_ratio_interval
 
     rng = random.Random(5)
     plain = [[rng.uniform(9, 11) for _ in range(3)] for _ in range(6)]
@@ -199,14 +199,14 @@ def test_equal_noisy_configurations_leave_the_goal_open():
 
 
 def test_unpaired_rounds_are_refused():
-    from faircast_ds.tools.bench.stats import bootstrap_ratio_interval
+    from faircast_bench.stats import bootstrap_ratio_interval
 
     with pytest.raises(ValueError, match="paired rounds"):
         bootstrap_ratio_interval([[1.0]] * 3, [[1.0]] * 2)
 
 
 def test_settled_table_prints_the_interval_the_cast_share_and_plain_rss_spread():
-    from faircast_ds.tools.bench.model import format_settled
+    from faircast_bench.model import format_settled
 
     def rounds(config, steps, cast, peaks):  # one launch per round, both ranks alike
         return figures(2, config, [[_rank(config, [30.0] + steps, cast, p, 1.0, 1000, 1000 * 1024 * 1024)] * 2
@@ -230,7 +230,7 @@ def test_settled_table_prints_the_interval_the_cast_share_and_plain_rss_spread()
 def test_rounds_are_interleaved_in_a_rotating_order(tmp_path, monkeypatch):
     import json
 
-    from faircast_ds.tools.bench import model as bench_model
+    from faircast_bench import model as bench_model
 
     launched = []
 
@@ -251,26 +251,28 @@ def test_rounds_are_interleaved_in_a_rotating_order(tmp_path, monkeypatch):
 
 
 def test_launches_import_this_package_and_the_standard_library(tmp_path):
-    """A launch's path and folder give this checkout's faircast_ds and the standard library's inspect (a
-    root computed from the module's own folder once put faircast_ds/tools/ first: every launch died
+    """A launch's path and folder give this checkout's faircast_ds and faircast_bench and the standard library's
+    inspect (a root computed from the module's own folder once put faircast_ds/tools/ first: every launch died
     importing torch)."""
     import os
     import subprocess
     import sys
 
+    import faircast_bench
     import faircast_ds
-    from faircast_ds.tools.bench.model import launch_env
+    from faircast_bench.model import launch_env
 
     env, root = launch_env()
-    code = "import inspect, faircast_ds; print(inspect.__file__); print(faircast_ds.__file__)"
+    code = ("import inspect, faircast_ds, faircast_bench; print(inspect.__file__); print(faircast_ds.__file__); "
+            "print(faircast_bench.__file__)")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
-    lib, pkg = out.stdout.split()
+    lib, pkg, bench = out.stdout.split()
     assert os.path.dirname(lib) == os.path.dirname(os.__file__)
-    assert pkg == faircast_ds.__file__
+    assert (pkg, bench) == (faircast_ds.__file__, faircast_bench.__file__)
 
 
 def test_cpu_time_and_page_faults_per_step_are_the_busier_ranks_medians_beside_plains():
-    from faircast_ds.tools.bench.model import format_usage
+    from faircast_bench.model import format_usage
 
     def ranked(config, seconds, cpu, faults):
         r = _rank(config, seconds, 0.05, 3000, 4.0, 100)

@@ -83,7 +83,7 @@ def test_both_sections_must_agree():
 def _lora_model(b_std: float):
     from peft import LoraConfig, get_peft_model
 
-    from faircast_ds.models.builders import tiny_qwen3
+    from faircast_bench.builders import tiny_qwen3
 
     model = get_peft_model(tiny_qwen3(std=0.02), LoraConfig(r=4, lora_alpha=4, lora_dropout=0.0,
                                                             target_modules=["q_proj", "v_proj"]))
@@ -166,7 +166,7 @@ def test_lora_merge_round_to_nearest_loses_small_updates_fair_cast_keeps_them():
 def test_lora_merge_refuses_what_it_cannot_cast():
     from peft import LoraConfig, get_peft_model
 
-    from faircast_ds.models.builders import tiny_qwen3
+    from faircast_bench.builders import tiny_qwen3
     from faircast_ds.shard.adapter import UnsupportedSetupError
     from faircast_ds.transformers import install_lora_merge
 

@@ -30,7 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def tiny_smollm2(folder) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """A SmolLM2-shaped tiny Llama (tied embeddings, SmolLM2's vocabulary, tokenizer and chat template) saved in
     bf16 to ``folder``; returns its bf16 bits (flat int16) and shapes by HF name."""
-    from faircast_ds.models.builders import tiny_causal_lm
+    from faircast_bench.builders import tiny_causal_lm
     from faircast_ds.models.pretrained import checkpoint
 
     smollm2 = checkpoint("smollm2-135m-instruct")

@@ -14,7 +14,7 @@ def test_the_served_weights_are_a_vllm_weight_source():
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 
-    from faircast_ds.models.builders import tiny_qwen3
+    from faircast_bench.builders import tiny_qwen3
     from faircast_ds.vllm.weight_source import FairCastWeightSource
 
     model = tiny_qwen3(seed=0).to(torch.bfloat16)

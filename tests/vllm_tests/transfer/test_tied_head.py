@@ -36,7 +36,7 @@ PREFIX = "dp0:pp0:pcp0:tp0:"
 
 
 def build_model() -> torch.nn.Module:
-    from faircast_ds.models.builders import tiny_causal_lm
+    from faircast_bench.builders import tiny_causal_lm
 
     return tiny_causal_lm("qwen3", seed=0, init_std=0.1, max_position_embeddings=64, tie_word_embeddings=True,
                           head_dim=32)

@@ -1,5 +1,5 @@
 """Two hosts on one machine: network namespaces joined by a veth pair, with addresses of their own.
-Used by the benchmark's cross-host push row (``faircast-ds bench --model ... --push-planes netns``),
+Used by the benchmark's cross-host push row (``python3 -m faircast_bench --model ... --push-planes netns``),
 benchmarks/data_plane.py, and the tests (tests/netns.py: the multi-node launches and the net plane across
 hosts). Only the namespaces, links and addresses made here are touched, and every user removes them (a
 context manager). Needs root and iproute2 (:func:`available`)."""

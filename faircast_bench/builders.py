@@ -133,7 +133,7 @@ def real_config(name: str, *, layers: int | None = None) -> Any:
 
 class Partitioning(Protocol):
     """How a training framework builds a model whose parameters are partitioned from the start (DeepSpeed's
-    ``zero.Init``: faircast_ds/deepspeed/zero_init.py): a context to build it in, and a context under which
+    ``zero.Init``: faircast_bench/zero_init.py): a context to build it in, and a context under which
     one parameter is whole and a write to it is kept."""
 
     def building(self, dtype: torch.dtype) -> ContextManager[Any]: ...
@@ -148,7 +148,7 @@ def real_causal_lm(name: str, *, layers: int | None = None, seed: int = 0, dtype
     std ``initializer_range`` (0.02), biases zero, RMSNorm weights one — HF's own ``_init_weights`` rule.
 
     ``partitioning``: build the model partitioned from the start, as users build large models (each rank
-    holds only its partition; ZeRO-3: ``faircast_ds.deepspeed.zero_init.real_causal_lm``), each weight
+    holds only its partition; ZeRO-3: ``faircast_bench.zero_init.real_causal_lm``), each weight
     initialised while whole, one at a time. The values depend only on
     ``(seed, parameter name)``, drawn in fp32 and rounded to ``dtype``: the same model under ZeRO-3,
     ZeRO-2 or no DeepSpeed at all. Parameters are in ``dtype``, buffers (RoPE's ``inv_freq``) stay fp32,

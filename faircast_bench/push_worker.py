@@ -1,10 +1,10 @@
-"""The engine push of ``faircast-ds bench --model`` on the ranks of a ``deepspeed`` launch (started by
-:mod:`faircast_ds.tools.bench.model`, not by hand): the real architecture under ZeRO-3 with one Fair Cast mode
+"""The engine push of ``python3 -m faircast_bench --model`` on the ranks of a ``deepspeed`` launch (started by
+:mod:`faircast_bench.model`, not by hand): the real architecture under ZeRO-3 with one Fair Cast mode
 pushes into a ``vllm serve`` process (the ``faircast`` weight-transfer backend, vLLM's HTTP endpoints,
 verification in the engine's finish: its kernels read back) started on rank 0 from the model's own export.
 
 Arguments (after the script): STEM MODEL LAYERS MODE LR [PLANE] (``shm``, the default, ``net``, ``group``, or
-``netns``/``group-netns``: the net/group plane to a ``vllm serve`` in another network namespace, :func:`faircast_ds.tools.bench.model._launch_push`).
+``netns``/``group-netns``: the net/group plane to a ``vllm serve`` in another network namespace, :func:`faircast_bench.model._launch_push`).
 The pushes, each with its own version:
 
 1. dense, verified (the engine's first update, checked whole; includes the first-use costs),
@@ -68,11 +68,11 @@ def main(argv: list[str]) -> None:
     import deepspeed.comm as dist
     import torch
 
-    from faircast_ds.deepspeed.zero_init import real_causal_lm
+    from faircast_bench.zero_init import real_causal_lm
     from faircast_ds.export import save_hf
-    from faircast_ds.models.builders import real_config
+    from faircast_bench.builders import real_config
     from faircast_ds.models.gemm import use_fp32_accumulation
-    from faircast_ds.tools.bench.model_worker import (
+    from faircast_bench.model_worker import (
         SEQUENCE,
         bench_config,
         finish,
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
     if "FAIRCAST_DS_SYNC_SECRET" not in os.environ:  # one secret for every rank (the shm plane's ranks all prove it)
         from faircast_ds._util.dist import from_rank0
 
-        os.environ["FAIRCAST_DS_SYNC_SECRET"] = from_rank0("faircast-ds bench push secret " + os.urandom(16).hex())
+        os.environ["FAIRCAST_DS_SYNC_SECRET"] = from_rank0("python3 -m faircast_bench push secret " + os.urandom(16).hex())
     cfg = bench_config(3, mode)
     model = real_causal_lm(model_name, layers=layers, seed=0, ds_config=cfg)
     use_fp32_accumulation(model)  # the steps between pushes only move weights: not timed, not pushed differently

@@ -1,4 +1,4 @@
-"""Statistics of ``faircast-ds bench --model``: a configuration's median step time against plain
+"""Statistics of ``python3 -m faircast_bench --model``: a configuration's median step time against plain
 DeepSpeed's, with a bootstrap interval that respects the rounds.
 
 Each configuration has, per round, the timed steps of one launch; launches of a round run back to back

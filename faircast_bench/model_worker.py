@@ -1,5 +1,5 @@
-"""One configuration of ``faircast-ds bench --model`` on the ranks of a ``deepspeed`` launch (started by
-:mod:`faircast_ds.tools.bench.model`, not by hand): build the real architecture, train warm-up and timed
+"""One configuration of ``python3 -m faircast_bench --model`` on the ranks of a ``deepspeed`` launch (started by
+:mod:`faircast_bench.model`, not by hand): build the real architecture, train warm-up and timed
 steps, save and load a checkpoint, and write this rank's figures as JSON.
 
 Arguments (after the script): STEM MODEL LAYERS STAGE CONFIG WARMUP STEPS, where CONFIG is
@@ -113,8 +113,8 @@ def main(argv: list[str]) -> None:
     import torch
 
     from faircast_ds import get_fair_cast
-    from faircast_ds.deepspeed.zero_init import real_causal_lm
-    from faircast_ds.models.builders import real_config
+    from faircast_bench.zero_init import real_causal_lm
+    from faircast_bench.builders import real_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()

@@ -1,8 +1,8 @@
-"""``faircast-ds bench --model qwen3-0.6b|qwen2.5-0.5b``: Fair Cast against plain DeepSpeed on a real
+"""``python3 -m faircast_bench --model qwen3-0.6b|qwen2.5-0.5b``: Fair Cast against plain DeepSpeed on a real
 architecture, on 2 CPU ranks, ZeRO-3 and ZeRO-2, in one run.
 
 Every configuration (plain DeepSpeed, then each mode with the shipped defaults: guard on, diagnostics
-every 10 steps) is one ``deepspeed`` launch of :mod:`faircast_ds.tools.bench.model_worker`, so each has its
+every 10 steps) is one ``deepspeed`` launch of :mod:`faircast_bench.model_worker`, so each has its
 own peak RSS per rank. Launches run one after another; with ``--rounds R`` the whole sequence repeats
 R times, so plain and every mode are interleaved round by round and each configuration's median
 pools its rounds' timed steps. The first ``--warmup`` steps of each launch are not timed (the first
@@ -13,7 +13,7 @@ size against plain, the guard's and the diagnostics' cost. The goals of issue 23
 ratios with pass/miss; nothing is asserted.
 
 Then (``--push-modes``, default ``dither stochastic``; ``--no-push`` skips it) the engine push at this
-size, one launch of :mod:`faircast_ds.tools.bench.push_worker` per mode: ZeRO-3 on 2 ranks into a ``vllm
+size, one launch of :mod:`faircast_bench.push_worker` per mode: ZeRO-3 on 2 ranks into a ``vllm
 serve`` process on rank 0 through the ``faircast`` backend, dense and then delta updates after real
 optimizer steps at ``--push-lr``, against vLLM's own ``reload_weights`` of the same tensors (timed
 inside the engine) and a memcpy floor of the same bytes.
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from faircast_ds.casting.modes import MODES, spec
-from faircast_ds.tools.bench.stats import bootstrap_ratio_interval, median_ratio, spread
-from faircast_ds.tools.bench.table import columns
+from faircast_bench.stats import bootstrap_ratio_interval, median_ratio, spread
+from faircast_bench.table import columns
 
 CONFIGS = ("plain",) + MODES
 CROSS_HOST = ("netns", "group-netns")  # push planes whose engine runs on another host (a network namespace)
@@ -82,7 +82,7 @@ class Figures:
 
 def _launch(stem: str, model: str, layers: int, stage: int, config: str, warmup: int, steps: int,
             log: str) -> None:
-    from faircast_ds.tools.bench import model_worker as bench_model_worker
+    from faircast_bench import model_worker as bench_model_worker
 
     _deepspeed(bench_model_worker.__name__, [stem, model, str(layers), str(stage), config, str(warmup), str(steps)],
                log, f"{config} ZeRO-{stage}")
@@ -97,17 +97,17 @@ DEFAULT_PLANE = "shm"
 
 def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: str, plane: str = DEFAULT_PLANE) -> None:
     """One push launch. ``plane="netns"`` (or ``"group-netns"``): two hosts on this machine (network
-    namespaces joined by a veth pair, :mod:`faircast_ds.tools.bench.hosts`): the ranks run on one, ``vllm
+    namespaces joined by a veth pair, :mod:`faircast_bench.hosts`): the ranks run on one, ``vllm
     serve`` on the other (the worker reads where from ``ENGINE_NETNS``/``ENGINE_HOST``), and the push
     crosses the veth on the net plane (or the group plane). The namespaces are removed afterwards,
     whatever happened."""
-    from faircast_ds.tools.bench import push_worker as bench_push_worker
+    from faircast_bench import push_worker as bench_push_worker
 
     args, what = [stem, model, str(layers), mode, repr(lr), plane], f"push {mode} ({plane})"
     if plane not in CROSS_HOST:
         _deepspeed(bench_push_worker.__name__, args, log, what)
         return
-    from faircast_ds.tools.bench.hosts import TwoHosts, available
+    from faircast_bench.hosts import TwoHosts, available
 
     if not available():
         raise LaunchFailed(f"{what}: the cross-host row needs network namespaces (root and iproute2)")
@@ -119,12 +119,11 @@ def _launch_push(stem: str, model: str, layers: int, mode: str, lr: float, log: 
 
 
 def launch_env() -> tuple[dict[str, str], str]:
-    """The environment and working directory of a benchmark launch: the folder holding this faircast_ds
-    package first on the path (whatever folder this module sits in: a package folder there, such as
-    tools/ with its inspect.py, would shadow the standard library)."""
-    import faircast_ds
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(faircast_ds.__file__)))
+    """The environment and working directory of a benchmark launch: the clone this faircast_bench sits in,
+    first on the path, so the workers import its faircast_bench and faircast_ds (a package folder of the
+    clone, such as faircast_ds/tools/ with its inspect.py, would shadow the standard library as a script's
+    folder)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("DS_ACCELERATOR", "cpu")
@@ -145,8 +144,7 @@ def _deepspeed(module: str, worker_args: list[str], log: str, what: str, *, pref
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # as a module: run as a script, its folder (faircast_ds/, which has a deepspeed/ package) would come
-    # first on sys.path and shadow DeepSpeed itself
+    # as a module, from the clone's root, which is first on the path: the workers import faircast_bench by name
     cmd = [*(prefix or []), runner, "--num_gpus", "2", "--master_port", str(port), "--module", module, *worker_args]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=root)
@@ -255,7 +253,7 @@ def format_table(rows: list[Figures], *, model: str, layers: int, rounds: int, s
                       f"{r.guard_first_ms:.0f}/{r.guard_ms:.0f}", f"{r.diagnostics_first_ms:.0f}/{r.diagnostics_ms:.0f}"))
     params = rows[0].params if rows else 0
     shard = max((r.shard_elements or 0) for r in rows) if rows else 0
-    head = [f"faircast-ds bench --model {model}: {layers} layers, {params:,} parameters, 2 CPU ranks "
+    head = [f"python3 -m faircast_bench --model {model}: {layers} layers, {params:,} parameters, 2 CPU ranks "
             f"(largest shard {shard:,} elements); {rounds} round(s) x {steps} timed steps per configuration",
             f"command: {command}",
             "step s: median wall time of an optimizer step (forward, backward, step), the slower rank; "
@@ -273,7 +271,7 @@ def _interval_verdict(lo: float, hi: float, goal: float) -> str:
 
 def format_settled(rows: list[Figures]) -> str:
     """Issue 33, item 4: each mode's median step ratio to plain with its bootstrap 95% interval (rounds
-    resampled, paired with plain's; :mod:`faircast_ds.tools.bench.stats`) beside the cast's share of the same
+    resampled, paired with plain's; :mod:`faircast_bench.stats`) beside the cast's share of the same
     steps, and peak RSS as the median over rounds beside plain's own round-to-round spread."""
     lines = [("ZeRO", "config", "rounds", "steps", "step s", "x plain", "95% interval", "step goal", "cast ms",
               "cast share", "peak RSS MiB", "+MiB vs plain", "plain spread MiB", "RSS allowance", "RSS goal",
@@ -344,7 +342,7 @@ def format_usage(rows: list[Figures]) -> str:
 
 def run(model: str, *, layers: int | None, stages: tuple[int, ...], configs: tuple[str, ...], warmup: int,
         steps: int, rounds: int, out_dir: str | None, log=print, failures: list[str] | None = None) -> list[Figures]:
-    from faircast_ds.models.builders import architecture
+    from faircast_bench.builders import architecture
 
     layers = layers or architecture(model).layers
     failures = failures if failures is not None else []
@@ -440,7 +438,7 @@ def _deltas(pushes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def push_figures(data: dict[str, Any]) -> dict[str, Any]:
     """The push worker's pushes (dense verified whole, dense unverified, dense verified whole, dense verified
     sampled, delta, delta; then, where the worker made them, the narrower checks and the dense pushes and deltas
-    after a step each: :mod:`faircast_ds.tools.bench.push_worker`) as the figures the table prints."""
+    after a step each: :mod:`faircast_bench.push_worker`) as the figures the table prints."""
     p = data["pushes"]
     first, bare, dense, dense_sampled = p[0], p[1], p[2], p[3]
     deltas = _deltas(p)
@@ -628,14 +626,14 @@ def main_from_args(args) -> int:  # type: ignore[no-untyped-def]
         print(f"error: --stages takes 2 and/or 3, got {bad}", file=sys.stderr)
         return 2
     configs = ("plain",) + tuple(m for m in args.modes if m != "plain")
-    command = "faircast-ds bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
+    command = "python3 -m faircast_bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
     push_modes = () if getattr(args, "no_push", False) else tuple(getattr(args, "push_modes", None) or PUSH_MODES)
     bad = [m for m in push_modes if m not in MODES]
     if bad:
         print(f"error: --push-modes takes Fair Cast modes {list(MODES)}, got {bad}", file=sys.stderr)
         return 2
     lr = float(getattr(args, "push_lr", None) or PUSH_LR)
-    from faircast_ds.models.builders import architecture
+    from faircast_bench.builders import architecture
 
     layers = args.layers or architecture(args.model).layers
     out_dir = args.out or tempfile.mkdtemp(prefix="faircast-bench-model-")

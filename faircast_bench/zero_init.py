@@ -1,4 +1,4 @@
-"""The real architectures (faircast_ds.models.builders) built as DeepSpeed users build large models: under
+"""The real architectures (faircast_bench.builders) built as DeepSpeed users build large models: under
 ``deepspeed.zero.Init`` for ZeRO-3, so each rank holds only its partition from the start."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from typing import Any, Iterator
 
 import torch
 
-from faircast_ds.models import builders as models
+from faircast_bench import builders as models
 
 
 class ZeroInit:
-    """:class:`faircast_ds.models.builders.Partitioning` for ZeRO-3: build under ``zero.Init``; initialise each
+    """:class:`faircast_bench.builders.Partitioning` for ZeRO-3: build under ``zero.Init``; initialise each
     parameter gathered, rank 0's write kept (DeepSpeed re-partitions what a gathered parameter's
     ``modifier_rank`` wrote and drops writes without one)."""
 
@@ -61,7 +61,7 @@ def is_zero3(ds_config: dict[str, Any] | None) -> bool:
 
 
 def real_causal_lm(name: str, *, ds_config: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-    """:func:`faircast_ds.models.builders.real_causal_lm` for the DeepSpeed config the model will train under:
+    """:func:`faircast_bench.builders.real_causal_lm` for the DeepSpeed config the model will train under:
     partitioned from the start (``zero.Init``) when it is ZeRO stage 3, built whole otherwise."""
     partitioning = ZeroInit(ds_config) if is_zero3(ds_config) and kwargs.get("device") is None else None
     return models.real_causal_lm(name, partitioning=partitioning, **kwargs)

@@ -29,7 +29,7 @@ from faircast_ds.casting.modes import (
     MODES,  # torch-free: the command line stays fast
     spec,
 )
-from faircast_ds.tools.bench.table import columns
+from faircast_bench.table import columns
 
 DEFAULT_SIZES = (1 << 20, 16 << 20, 64 << 20)
 GOALS = {"stochastic": 1.3, "dither": 1.3, "error_feedback": 2.5}  # fused / RN copy_
@@ -312,10 +312,10 @@ def to_json(report: Report) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``faircast-ds bench`` (see ``faircast_ds.tools.cli``)."""
+    """``python3 -m faircast_bench`` (faircast_bench/__main__.py)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="faircast-ds bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m faircast_bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 
@@ -329,7 +329,7 @@ def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     parser.add_argument("--no-torchao", action="store_true", help="skip torchao's SR even if importable")
     parser.add_argument("--threads", type=int, help="torch intra-op threads for every path (default: torch's)")
     parser.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
-    model = parser.add_argument_group("a real model through DeepSpeed (faircast_ds.tools.bench.model; 2 CPU ranks)")
+    model = parser.add_argument_group("a real model through DeepSpeed (faircast_bench.model; 2 CPU ranks)")
     model.add_argument("--model", choices=("qwen3-0.6b", "qwen2.5-0.5b"),
                        help="benchmark plain DeepSpeed and each mode on this architecture instead of the casts alone")
     model.add_argument("--layers", type=int, help="cut the depth to N layers (vocabulary and widths stay real)")
@@ -364,7 +364,7 @@ def run_cli(args) -> int:  # type: ignore[no-untyped-def]
     import sys
 
     if getattr(args, "model", None):
-        from faircast_ds.tools.bench import model as bench_model
+        from faircast_bench import model as bench_model
 
         return bench_model.main_from_args(args)
     sizes = tuple(args.sizes) if args.sizes else (DEFAULT_SIZES[:2] if args.quick else DEFAULT_SIZES)
