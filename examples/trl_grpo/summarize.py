@@ -5,8 +5,13 @@
 Reads ``<runs>/<mode>-seed<seed>/steps.jsonl`` (the recipe's per-step rows of TRL's own log) for every run there,
 copies each to ``<docs>/<mode>-seed<seed>.jsonl``, and writes ``<docs>/table.md`` (per run: steps done, mean reward
 over all steps and over the last 20, Fair Cast's changed fraction and lag, the range of TRL's importance-sampling
-ratio, seconds per step; then dither minus nearest per seed, for the seeds with both modes at the same number of
-steps) and ``<docs>/rewards.png``. Unfinished runs are tabled as far as they got, marked as such.
+ratio and the mean of its per-step means, the steps in which TRL's correction masked a sequence, seconds per step;
+then dither minus nearest per seed, for the seeds with both modes at the same number of steps) and
+``<docs>/rewards.png``. Unfinished runs are tabled as far as they got, marked as such.
+
+TRL logs the ratio after its correction: under ``sequence_mask`` (the default) a masked sequence's ratio is set to 0,
+so a step whose logged minimum is 0 masked at least one sequence, and a step whose minimum is above 0 masked none.
+The share of sequences masked is not in TRL's log; when no step masked one, it is 0 at every step.
 """
 from __future__ import annotations
 
@@ -45,7 +50,9 @@ def mean(values: list[float]) -> float:
 def summary(rows: list[dict]) -> dict:
     col = lambda key: [r.get(key) for r in rows]  # noqa: E731
     lows, highs = col("sampling/importance_sampling_ratio/min"), col("sampling/importance_sampling_ratio/max")
-    return {"steps": len(rows), "reward": mean(col("reward")), "reward_last": mean(col("reward")[-LAST:]),
+    masked = sum(1 for v in lows if v is not None and v == 0.0)  # TRL logs a masked sequence's ratio as 0
+    return {"masked_steps": masked, "ratio_mean": mean(col("sampling/importance_sampling_ratio/mean")),
+            "steps": len(rows), "reward": mean(col("reward")), "reward_last": mean(col("reward")[-LAST:]),
             "changed": mean(col("fair_cast/changed_fraction")), "lag": mean(col("fair_cast/lag_steps")),
             "ratio_min": min((v for v in lows if v is not None), default=float("nan")),
             "ratio_max": max((v for v in highs if v is not None), default=float("nan")),
@@ -53,15 +60,15 @@ def summary(rows: list[dict]) -> dict:
 
 
 def table(found: dict, done: dict) -> str:
-    lines = ["| mode | seed | steps | reward (all) | reward (last 20) | changed/step | lag (steps) | IS ratio range | s/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | seed | steps | reward (all) | reward (last 20) | changed/step | lag (steps) | IS ratio range | "
+             "IS ratio mean | steps masking a sequence | s/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     sums = {}
     for (mode, seed), rows in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         s = sums[mode, seed] = summary(rows)
         mark = "" if done[mode, seed] else " (unfinished)"
         lines.append(f"| {mode} | {seed} | {s['steps']}{mark} | {s['reward']:.3f} | {s['reward_last']:.3f} | "
                      f"{100 * s['changed']:.2f}% | {s['lag']:.1f} | [{s['ratio_min']:.2f}, {s['ratio_max']:.2f}] | "
-                     f"{s['step_time']:.0f} |")
+                     f"{s['ratio_mean']:.3f} | {s['masked_steps']} | {s['step_time']:.0f} |")
     pairs = [seed for seed in sorted({seed for _, seed in sums})
              if ("nearest", seed) in sums and ("dither", seed) in sums
              and sums["nearest", seed]["steps"] == sums["dither", seed]["steps"]]

@@ -11,11 +11,12 @@ from conftest import ROOT
 SCRIPT = ROOT / "examples" / "trl_grpo" / "summarize.py"
 
 
-def write(run, rewards, changed=0.01, done=True):
+def write(run, rewards, changed=0.01, done=True, masked_at=()):
     run.mkdir(parents=True)
     rows = [{"step": i + 1, "reward": r, "fair_cast/changed_fraction": changed, "fair_cast/lag_steps": 2.0,
-             "sampling/importance_sampling_ratio/min": 0.9 - i / 100, "sampling/importance_sampling_ratio/max": 1.1,
-             "step_time": 40.0} for i, r in enumerate(rewards)]
+             "sampling/importance_sampling_ratio/min": 0.0 if i + 1 in masked_at else 0.9 - i / 100,
+             "sampling/importance_sampling_ratio/mean": 0.95 if i % 2 else 1.05,
+             "sampling/importance_sampling_ratio/max": 1.1, "step_time": 40.0} for i, r in enumerate(rewards)]
     (run / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if done:
         (run / "done.json").write_text("{}")
@@ -29,13 +30,14 @@ def summarize(runs, docs):
 def test_the_table_is_the_rows_arithmetic(tmp_path):
     runs, docs = tmp_path / "runs", tmp_path / "docs"
     write(runs / "nearest-seed0", [0.0] * 10 + [0.5] * 20)  # all: 10/30 = 0.333; last 20: 0.5
-    write(runs / "dither-seed0", [0.25] * 30, changed=0.03)
+    write(runs / "dither-seed0", [0.25] * 30, changed=0.03, masked_at=(4, 17))  # two steps logged a 0: masked
     write(runs / "dither-seed1", [1.0] * 3, done=False)  # no nearest partner: no difference row
     proc = summarize(runs, docs)
     assert proc.returncode == 0, proc.stderr
     table = (docs / "table.md").read_text()
-    assert "| nearest | 0 | 30 | 0.333 | 0.500 | 1.00% | 2.0 | [0.61, 1.10] | 40 |" in table
-    assert "| dither | 0 | 30 | 0.250 | 0.250 | 3.00% | 2.0 | [0.61, 1.10] | 40 |" in table
+    # ratio means alternate 1.05, 0.95 over 30 steps: 1.000
+    assert "| nearest | 0 | 30 | 0.333 | 0.500 | 1.00% | 2.0 | [0.61, 1.10] | 1.000 | 0 | 40 |" in table
+    assert "| dither | 0 | 30 | 0.250 | 0.250 | 3.00% | 2.0 | [0.00, 1.10] | 1.000 | 2 | 40 |" in table
     assert "| dither | 1 | 3 (unfinished) | 1.000 | 1.000 |" in table
     assert "| 0 | 30 | -0.083 | -0.250 |" in table and "| 1 | 3 |" not in table
     assert (docs / "rewards.png").stat().st_size > 1000
