@@ -8,9 +8,11 @@ import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Protocol
+from typing import Any
 
 import torch
+
+from faircast_ds.models.pretrained import Partitioning
 
 # the smallest model the tests use; sizes chosen not to divide by 2 or 3 where it matters
 TINY = dict(
@@ -129,16 +131,6 @@ def real_config(name: str, *, layers: int | None = None) -> Any:
         settings["num_hidden_layers"] = layers
     config_cls, _ = _family(arch.family)
     return config_cls(**settings)
-
-
-class Partitioning(Protocol):
-    """How a training framework builds a model whose parameters are partitioned from the start (DeepSpeed's
-    ``zero.Init``: faircast_bench/zero_init.py): a context to build it in, and a context under which
-    one parameter is whole and a write to it is kept."""
-
-    def building(self, dtype: torch.dtype) -> ContextManager[Any]: ...
-
-    def modifying(self, param: torch.nn.Parameter) -> ContextManager[Any]: ...
 
 
 def real_causal_lm(name: str, *, layers: int | None = None, seed: int = 0, dtype: torch.dtype = torch.bfloat16,

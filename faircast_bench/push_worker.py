@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
     if "FAIRCAST_DS_SYNC_SECRET" not in os.environ:  # one secret for every rank (the shm plane's ranks all prove it)
         from faircast_ds._util.dist import from_rank0
 
-        os.environ["FAIRCAST_DS_SYNC_SECRET"] = from_rank0("python3 -m faircast_bench push secret " + os.urandom(16).hex())
+        os.environ["FAIRCAST_DS_SYNC_SECRET"] = from_rank0("faircast_bench push secret " + os.urandom(16).hex())
     cfg = bench_config(3, mode)
     model = real_causal_lm(model_name, layers=layers, seed=0, ds_config=cfg)
     use_fp32_accumulation(model)  # the steps between pushes only move weights: not timed, not pushed differently

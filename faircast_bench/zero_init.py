@@ -12,7 +12,7 @@ from faircast_bench import builders as models
 
 
 class ZeroInit:
-    """:class:`faircast_bench.builders.Partitioning` for ZeRO-3: build under ``zero.Init``; initialise each
+    """:class:`faircast_ds.models.pretrained.Partitioning` for ZeRO-3: build under ``zero.Init``; initialise each
     parameter gathered, rank 0's write kept (DeepSpeed re-partitions what a gathered parameter's
     ``modifier_rank`` wrote and drops writes without one)."""
 

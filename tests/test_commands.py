@@ -312,3 +312,5 @@ def test_the_installed_commands_bench_says_where_the_bench_went(capsys):
     assert main(["bench", "--model", "qwen3-0.6b"]) == 2
     err = capsys.readouterr().err
     assert "python3 -m faircast_bench --model qwen3-0.6b" in err and "clone" in err, err
+    assert main(["bench"]) == 2
+    assert "`python3 -m faircast_bench`" in capsys.readouterr().err

@@ -223,7 +223,10 @@ def _dequantize(model: Pretrained, source: Path, out: Path) -> None:
 
 
 class Partitioning(Protocol):
-    """How a framework partitions a model from the start (``faircast_bench.zero_init.ZeroInit``)."""
+    """How a training framework builds a model whose parameters are partitioned from the start (DeepSpeed's
+    ``zero.Init``: ``faircast_bench.zero_init.ZeroInit``): a context to build it in, and a context under which
+    one parameter is whole and a write to it is kept. The pretrained loader and the random builders
+    (``faircast_bench.builders``) take the same one."""
 
     def building(self, dtype: torch.dtype) -> ContextManager[Any]: ...
 

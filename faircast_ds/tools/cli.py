@@ -91,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     pred.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser("bench", help="moved: the benchmarks run from a clone of the repository "
                                  "(python3 -m faircast_bench, docs/performance.md)", add_help=False)
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its arguments are the moved command's, not this parser's
+        command = " ".join(["python3 -m faircast_bench", *argv[1:]])
         print(f"error: `faircast-ds bench` moved out of the installed package: from a clone of the repository, "
-              f"run `python3 -m faircast_bench {' '.join(rest)}`".rstrip() + " (docs/performance.md)", file=sys.stderr)
+              f"run `{command}` (docs/performance.md)", file=sys.stderr)
         return 2
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = parser.parse_args(argv)
     if args.command == "check":
         return _check(args)
     if args.command == "to-universal":
