@@ -3,23 +3,38 @@
 # first seeds 0 and 1's first 5 steps again (do they reproduce the committed rows?), then nearest and dither
 # on seeds 2-7 (100 steps each, one folder per seed), then the fp32 reference on seed 2. Each run resumes
 # from its own checkpoints: running this script again (after a crash, a kill or a session's end) continues.
+# A finished run's rows (steps.csv, job.json, run.json; not its checkpoints) are copied into KEPT, a folder
+# git tracks, and a run whose rows are there is not run again: commit KEPT after each finished run, since
+# OUT is ignored by git and does not outlive the checkout it was written in.
 #   nice -n 15 bash launch/smollm2_campaign.sh [OUT]     # OUT defaults to runs/campaign (ignored by git)
+#   python3 -m faircast_jobs.campaign docs/pretrained/campaign/runs --out docs/pretrained/campaign
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/campaign}"
+kept="${KEPT:-docs/pretrained/campaign/runs}"
 retries="${RETRIES:-5}"
 mkdir -p "$out"
 echo 1000 > /proc/self/oom_score_adj 2>/dev/null || true
 port="${MASTER_PORT:-29660}"
-pause=30
+pause="${PAUSE:-30}"
 source launch/smollm2_run.sh
+keep() {  # name: copy a finished run's rows into $kept (the copy is whole or absent: a temporary folder, renamed)
+  local name="$1" tmp="$kept/.$1.partial"
+  rm -rf "$tmp" && mkdir -p "$tmp" || return 1
+  for f in steps.csv job.json run.json; do
+    [ -e "$out/$name/$f" ] || { echo "$name: $out/$name/$f is missing; not kept" >&2; rm -rf "$tmp"; return 1; }
+    cp "$out/$name/$f" "$tmp/" || return 1
+  done
+  rm -rf "${kept:?}/$name" && mv "$tmp" "$kept/$name" && echo "$(date -u +%FT%TZ) $name kept in $kept" >> "$out/runs.log"
+}
+kept_run() { [ -e "$kept/$1/steps.csv" ]; }
 registered=(--lr 1e-5 --steps 100)  # the registration's learning rate and length, for every run
 # reproduction: the first 5 steps of seeds 0 and 1 (a session stops after 5 trained steps per mode run)
 for seed in 0 1; do
   for mode in nearest dither; do
-    [ -e "$out/repro-seed$seed-$mode/done" ] && continue
+    kept_run "repro-seed$seed-$mode" && continue
     run "repro-seed$seed-$mode" "${registered[@]}" --seed-list "$seed" --modes "$mode" --session-steps 5 && \
-      touch "$out/repro-seed$seed-$mode/done"
+      keep "repro-seed$seed-$mode"
   done
 done
 # seeds 0 and 1 count on their committed rows only if all their re-run steps equal them (the registration);
@@ -27,7 +42,7 @@ done
 # AVX-512 CPU; on an AVX2 one the kernels round differently and the rows cannot reproduce.
 rerun=()
 for seed in 0 1; do
-  if ! "${PYTHON:-python3}" - "$out" "$seed" <<'PY'
+  if ! "${PYTHON:-python3}" - "$kept" "$seed" <<'PY'
 import sys
 from faircast_jobs import campaign as c
 out, seed = sys.argv[1], int(sys.argv[2])
@@ -41,8 +56,8 @@ PY
 done
 echo "$(date -u +%FT%TZ) seeds run again in full: ${rerun[*]:-none}" >> "$out/runs.log"
 for seed in "${rerun[@]}" 2 3 4 5 6 7; do
-  run "lr1e-5-seed$seed" "${registered[@]}" --seed-list "$seed" --modes nearest,dither
+  kept_run "lr1e-5-seed$seed" || { run "lr1e-5-seed$seed" "${registered[@]}" --seed-list "$seed" --modes nearest,dither && keep "lr1e-5-seed$seed"; }
 done
 for seed in "${rerun[@]}" 2; do
-  run "lr1e-5-fp32-seed$seed" "${registered[@]}" --seed-list "$seed" --modes fp32
+  kept_run "lr1e-5-fp32-seed$seed" || { run "lr1e-5-fp32-seed$seed" "${registered[@]}" --seed-list "$seed" --modes fp32 && keep "lr1e-5-fp32-seed$seed"; }
 done

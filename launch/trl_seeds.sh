@@ -4,11 +4,15 @@
 # and its importance-sampling correction as TRL ships it. Each run is a user's run: its own DeepSpeed JSON (the
 # recipe's, with the mode changed) named by its own Accelerate config, both written into the run's folder. Runs
 # checkpoint every 10 steps and resume from the newest checkpoint: running this script again (after a crash, a
-# kill or a session's end) continues each unfinished run; a finished one (its done.json) is skipped.
+# kill or a session's end) continues each unfinished run; a finished one (its done.json) is skipped. OUT is ignored
+# by git and does not outlive its checkout: after each finished run the rows of every run go to KEPT
+# (examples/trl_grpo/summarize.py: the rows, runs.json, the table and the plot), and a run KEPT records as
+# finished is not run again. Commit KEPT after each finished run.
 #   nice -n 19 bash launch/trl_seeds.sh [OUT]     # OUT defaults to runs/trl (ignored by git)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/trl}"
+kept="${KEPT:-docs/trl_runs}"
 retries="${RETRIES:-5}"
 steps="${STEPS:-100}"
 seeds="${SEEDS:-0 1}"
@@ -19,6 +23,8 @@ for seed in $seeds; do
   for mode in $modes; do
     run="$out/$mode-seed$seed"
     [ -e "$run/done.json" ] && continue
+    "${PYTHON:-python3}" -c "import json,sys; sys.exit(0 if json.load(open(sys.argv[1])).get(sys.argv[2], {}).get('finished') else 1)" \
+      "$kept/runs.json" "$mode-seed$seed" 2>/dev/null && continue
     mkdir -p "$run"
     "${PYTHON:-python3}" - "$run" "$mode" <<'PY' || exit 1
 import json, sys
@@ -40,10 +46,11 @@ PY
         "${PYTHON:-python3}" -c "import json,sys; json.dump({'steps': int(sys.argv[2])}, open(sys.argv[1], 'w'))" \
           "$run/done.json" "$steps"
         echo "$(date -u +%FT%TZ) $mode-seed$seed finished" >> "$out/runs.log"
+        "${PYTHON:-python3}" examples/trl_grpo/summarize.py "$out" "$kept" >> "$out/runs.log" 2>&1 || exit 1
         break
       fi
       echo "$(date -u +%FT%TZ) $mode-seed$seed stopped (attempt $attempt); resuming from its checkpoint" >> "$out/runs.log"
-      sleep 30
+      sleep "${PAUSE:-30}"
     done
   done
 done

@@ -1,13 +1,19 @@
 """The TRL runs of launch/trl_seeds.sh as a table, a plot and their rows in one folder:
 
-    python3 examples/trl_grpo/summarize.py runs/trl runs/trl/summary
+    python3 examples/trl_grpo/summarize.py runs/trl docs/trl_runs
 
 Reads ``<runs>/<mode>-seed<seed>/steps.jsonl`` (the recipe's per-step rows of TRL's own log) for every run there,
-copies each to ``<docs>/<mode>-seed<seed>.jsonl``, and writes ``<docs>/table.md`` (per run: steps done, mean reward
+copies each to ``<docs>/<mode>-seed<seed>.jsonl``, and writes ``<docs>/runs.json`` (each run's steps and whether it
+finished: its ``done.json``) and ``<docs>/table.md`` (per run: steps done, mean reward
 over all steps and over the last 20, Fair Cast's changed fraction and lag, the range of TRL's importance-sampling
 ratio and the mean of its per-step means, the steps in which TRL's correction masked a sequence, seconds per step;
 then dither minus nearest per seed, for the seeds with both modes at the same number of steps) and
 ``<docs>/rewards.png``. Unfinished runs are tabled as far as they got, marked as such.
+
+The rows already in ``<docs>`` (committed by an earlier summary, with ``runs.json``) are read too, for every run
+``<runs>`` does not hold: ``runs/`` is ignored by git and does not outlive its checkout, so the four runs of
+launch/trl_seeds.sh, run in different sessions, meet in the committed folder. A run in ``<runs>`` replaces its
+committed rows.
 
 TRL logs the ratio after its correction: under ``sequence_mask`` (the default) a masked sequence's ratio is set to 0,
 so a step whose logged minimum is 0 masked at least one sequence, and a step whose minimum is above 0 masked none.
@@ -26,20 +32,39 @@ RUN = re.compile(r"(?P<mode>[a-z_0-9]+)-seed(?P<seed>\d+)")
 LAST = 20
 
 
+def read_rows(path: Path) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in rows]
+    if steps != list(range(1, len(rows) + 1)):
+        raise SystemExit(f"{path}: steps {steps[:5]}... are not 1, 2, 3, ... (a mixed-up rows file)")
+    return rows
+
+
 def read_runs(runs: Path) -> dict[tuple[str, int], list[dict]]:
     found = {}
-    for folder in sorted(runs.iterdir()):
+    for folder in sorted(runs.iterdir()) if runs.is_dir() else []:
         m = RUN.fullmatch(folder.name)
-        if not (folder.is_dir() and m and (folder / "steps.jsonl").exists()):
-            continue
-        rows = [json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines() if line.strip()]
-        steps = [r["step"] for r in rows]
-        if steps != list(range(1, len(rows) + 1)):
-            raise SystemExit(f"{folder}/steps.jsonl: steps {steps[:5]}... are not 1, 2, 3, ... (a mixed-up rows file)")
-        found[m["mode"], int(m["seed"])] = rows
-    if not found:
-        raise SystemExit(f"no <mode>-seed<seed>/steps.jsonl under {runs}")
+        if folder.is_dir() and m and (folder / "steps.jsonl").exists():
+            found[m["mode"], int(m["seed"])] = read_rows(folder / "steps.jsonl")
     return found
+
+
+def read_committed(docs: Path) -> tuple[dict[tuple[str, int], list[dict]], dict[tuple[str, int], bool]]:
+    """The rows an earlier summary left in ``docs`` and whether each run had finished (its ``runs.json``)."""
+    record = json.loads((docs / "runs.json").read_text()) if (docs / "runs.json").exists() else {}
+    found, done = {}, {}
+    for path in sorted(docs.glob("*.jsonl")) if docs.is_dir() else []:
+        m = RUN.fullmatch(path.stem)
+        if not m:
+            continue
+        if path.stem not in record:
+            raise SystemExit(f"{path}: no entry in {docs / 'runs.json'} says whether this run finished")
+        key = m["mode"], int(m["seed"])
+        found[key], done[key] = read_rows(path), bool(record[path.stem]["finished"])
+        if record[path.stem]["steps"] != len(found[key]):
+            raise SystemExit(f"{path}: {len(found[key])} steps, but {docs / 'runs.json'} records "
+                             f"{record[path.stem]['steps']}")
+    return found, done
 
 
 def mean(values: list[float]) -> float:
@@ -106,11 +131,18 @@ def main(argv: list[str]) -> None:
     if len(argv) != 2:
         raise SystemExit("usage: python examples/trl_grpo/summarize.py RUNS_DIR DOCS_DIR")
     runs, docs = Path(argv[0]), Path(argv[1])
-    found = read_runs(runs)
-    done = {key: (runs / f"{key[0]}-seed{key[1]}" / "done.json").exists() for key in found}
+    new = read_runs(runs)
+    found, done = read_committed(docs)
+    found.update(new)
+    done.update({key: (runs / f"{key[0]}-seed{key[1]}" / "done.json").exists() for key in new})
+    if not found:
+        raise SystemExit(f"no <mode>-seed<seed>/steps.jsonl under {runs}, and no committed rows in {docs}")
     docs.mkdir(parents=True, exist_ok=True)
-    for mode, seed in found:
+    for mode, seed in new:
         shutil.copyfile(runs / f"{mode}-seed{seed}" / "steps.jsonl", docs / f"{mode}-seed{seed}.jsonl")
+    record = {f"{mode}-seed{seed}": {"steps": len(rows), "finished": done[mode, seed]}
+              for (mode, seed), rows in sorted(found.items())}
+    (docs / "runs.json").write_text(json.dumps(record, indent=1) + "\n")
     (docs / "table.md").write_text(table(found, done))
     plot(found, docs / "rewards.png")
     print((docs / "table.md").read_text(), end="")

@@ -57,3 +57,38 @@ def test_no_runs_is_an_error(tmp_path):
     (tmp_path / "runs").mkdir()
     proc = summarize(tmp_path / "runs", tmp_path / "docs")
     assert proc.returncode != 0 and "no <mode>-seed<seed>/steps.jsonl" in proc.stderr
+
+
+def test_committed_rows_meet_the_new_runs_and_a_new_run_replaces_its_committed_rows(tmp_path):
+    first, docs = tmp_path / "session1", tmp_path / "docs"
+    write(first / "nearest-seed0", [0.5] * 4)
+    write(first / "dither-seed0", [1.0] * 2, done=False)  # the session ended at step 2
+    assert summarize(first, docs).returncode == 0
+    assert json.loads((docs / "runs.json").read_text()) == {
+        "dither-seed0": {"steps": 2, "finished": False}, "nearest-seed0": {"steps": 4, "finished": True}}
+    # a later checkout: runs/ is gone; dither-seed0 ran again from the start and finished
+    second = tmp_path / "session2"
+    write(second / "dither-seed0", [0.75] * 4)
+    proc = summarize(second, docs)
+    assert proc.returncode == 0, proc.stderr
+    table = (docs / "table.md").read_text()
+    assert "| nearest | 0 | 4 | 0.500 |" in table  # read back from the committed rows
+    assert "| dither | 0 | 4 | 0.750 |" in table and "unfinished" not in table
+    assert "| 0 | 4 | +0.250 | +0.250 |" in table
+    assert json.loads((docs / "runs.json").read_text())["dither-seed0"] == {"steps": 4, "finished": True}
+    # with no runs at all, the committed rows alone give the same table
+    (tmp_path / "empty").mkdir()
+    assert summarize(tmp_path / "empty", docs).returncode == 0
+    assert (docs / "table.md").read_text() == table
+
+
+@pytest.mark.parametrize("record", [None, {"nearest-seed0": {"steps": 3, "finished": True}}])
+def test_committed_rows_without_a_true_record_are_refused(tmp_path, record):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "nearest-seed0.jsonl").write_text("".join(json.dumps({"step": s, "reward": 0.0}) + "\n" for s in (1, 2)))
+    if record is not None:
+        (docs / "runs.json").write_text(json.dumps(record))
+    proc = summarize(tmp_path / "none", docs)
+    assert proc.returncode != 0
+    assert ("says whether this run finished" if record is None else "2 steps, but") in proc.stderr
