@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The pre-registered eight-seed campaign of docs/pretrained/campaign/README.md on SmolLM2-135M-Instruct:
 # first seeds 0 and 1's first 5 steps again (do they reproduce the committed rows?), then nearest and dither
-# on seeds 2-7 (100 steps each, one folder per seed), then the fp32 reference on seed 2. Each run resumes
+# on seeds 2-7 (100 steps each, one folder per mode and seed), then the fp32 reference on seed 2. Each run resumes
 # from its own checkpoints: running this script again (after a crash, a kill or a session's end) continues.
 # A finished run's rows (steps.csv, job.json, run.json; not its checkpoints) are copied into KEPT, a folder
 # git tracks, and a run whose rows are there is not run again: commit KEPT after each finished run, since
@@ -55,8 +55,12 @@ PY
   then rerun+=("$seed"); fi
 done
 echo "$(date -u +%FT%TZ) seeds run again in full: ${rerun[*]:-none}" >> "$out/runs.log"
+# one run per mode and seed (~50 minutes of this machine each), so that a run starts and finishes in one session
 for seed in "${rerun[@]}" 2 3 4 5 6 7; do
-  kept_run "lr1e-5-seed$seed" || { run "lr1e-5-seed$seed" "${registered[@]}" --seed-list "$seed" --modes nearest,dither && keep "lr1e-5-seed$seed"; }
+  for mode in nearest dither; do
+    name="lr1e-5-seed$seed-$mode"
+    kept_run "$name" || { run "$name" "${registered[@]}" --seed-list "$seed" --modes "$mode" && keep "$name"; }
+  done
 done
 for seed in "${rerun[@]}" 2; do
   kept_run "lr1e-5-fp32-seed$seed" || { run "lr1e-5-fp32-seed$seed" "${registered[@]}" --seed-list "$seed" --modes fp32 && keep "lr1e-5-fp32-seed$seed"; }

@@ -28,7 +28,7 @@ echo '{"name": "'"$name"'"}' > "$out/$name/job.json"
 """
 
 ALL_RUNS = ([f"repro-seed{s}-{m}" for s in (0, 1) for m in ("nearest", "dither")]
-            + [f"lr1e-5-seed{s}" for s in (0, 1, 2, 3, 4, 5, 6, 7)] + [f"lr1e-5-fp32-seed{s}" for s in (0, 1, 2)])
+            + [f"lr1e-5-seed{s}-{m}" for s in (0, 1, 2, 3, 4, 5, 6, 7) for m in ("nearest", "dither")] + [f"lr1e-5-fp32-seed{s}" for s in (0, 1, 2)])
 
 
 def copy_repo(tmp: Path) -> Path:
@@ -70,12 +70,12 @@ def test_finished_runs_are_kept_whole_and_not_run_again(tmp_path):
 
 def test_a_failed_or_incomplete_run_is_not_kept_and_runs_again_next_time(tmp_path):
     repo, calls = copy_repo(tmp_path), tmp_path / "calls"
-    campaign(repo, calls, FAIL="lr1e-5-seed3", NO_RUN_JSON="lr1e-5-seed5")
+    campaign(repo, calls, FAIL="lr1e-5-seed3-dither", NO_RUN_JSON="lr1e-5-seed5-nearest")
     kept = repo / "docs/pretrained/campaign/runs"
-    assert not (kept / "lr1e-5-seed3").exists()
-    assert not (kept / "lr1e-5-seed5").exists()
+    assert not (kept / "lr1e-5-seed3-dither").exists()
+    assert not (kept / "lr1e-5-seed5-nearest").exists()
     assert not [p for p in kept.iterdir() if p.name.startswith(".")]  # the half-made copy was removed
-    assert (kept / "lr1e-5-seed4" / "steps.csv").exists()  # the campaign went on past the failure
+    assert (kept / "lr1e-5-seed4-nearest" / "steps.csv").exists()  # the campaign went on past the failure
     calls.unlink()
     campaign(repo, calls)
-    assert calls.read_text().split() == ["lr1e-5-seed3", "lr1e-5-seed5"]
+    assert calls.read_text().split() == ["lr1e-5-seed3-dither", "lr1e-5-seed5-nearest"]
