@@ -402,3 +402,23 @@ def test_each_of_route_source_kernels_means_one_thing():
     offenders = [f"{path.relative_to(ROOT)}:{line}" for name, path in found.items() if within(name, NO_ROUTE_WORD)
                  for line in route_word_lines(path.read_text())]
     assert not offenders, "the push side says setup, endpoint or push, not route:\n" + "\n".join(offenders)
+
+
+FACE_BUDGET = 80  # every package's public names together (96 before issue 48 trimmed export's face to 9)
+
+
+def test_every_public_name_resolves_and_the_faces_stay_small():
+    """Each package's ``__all__`` names what it gives (every name resolves, lazy or not); export's face is the
+    nine names a user needs (the rest are its modules'), and all faces together stay within the budget."""
+    import importlib
+
+    sizes, missing = {}, []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        name = ".".join(init.parent.relative_to(ROOT).parts)
+        module = importlib.import_module(name)
+        names = getattr(module, "__all__", [])
+        sizes[name] = len(names)
+        missing += [f"{name}.{n}" for n in names if not hasattr(module, n)]
+    assert not missing, missing
+    assert sizes["faircast_ds.export"] <= 9, sizes["faircast_ds.export"]
+    assert sum(sizes.values()) <= FACE_BUDGET, sizes

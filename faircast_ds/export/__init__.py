@@ -5,54 +5,28 @@
   acknowledged version (delta), with one :class:`ServedReport` type for every consumer.
   :func:`served_weights` is its per-parameter primitive (a collective under ZeRO-3);
   :func:`served_specs` lists names, shapes and dtypes without gathering. Each reads the model
-  through the reader its integration handed over (:func:`provide`, :func:`reader_of`; a model no
+  through the reader its integration handed over (``source.provide``, ``source.reader_of``; a model no
   integration attached is read as a plain module).
 - :func:`save_hf` writes a Hugging Face directory (safetensors + config) atomically.
 - :class:`WeightSender` / :class:`WeightReceiver` push the weights to a separate inference process
   over an authenticated TCP channel of their own, dense or as sparse deltas, all-or-nothing (the
-  channel's errors: :class:`WeightSyncError` and its kinds).
-- :class:`ParamSpec`, :class:`AtomicDirectory`: a served parameter's name, shape and dtype; a directory
-  written whole or not at all.
+  channel's errors: :class:`WeightSyncError`, the base of every kind in ``channel``).
 
-The pieces the push into ``vllm serve`` shares with its engine (the data plane's layout and ledger,
-``plane``; the send group, ``send_group``; delta encodings, ``delta``) are
-modules here, not names of this face: their user is :mod:`faircast_ds.vllm.transfer`. A checkpoint's or an
+These nine names are the face a user needs. What an integration or the push builds on is in the modules,
+not on this face: the readers an integration hands over (``source``: ``provide``, ``reader_of``,
+``ServedReader``, ``ModelReader``), a parameter's name, shape and dtype (``served.ParamSpec``), a directory
+written whole or not at all (``atomic.AtomicDirectory``), the channel's kinds of error (``channel``), and
+the pieces the push into ``vllm serve`` shares with its engine (the data plane's layout and ledger,
+``plane``; the send group, ``send_group``; delta encodings, ``delta``), whose user is
+:mod:`faircast_ds.vllm.transfer`. A checkpoint's or an
 export's summary (``faircast-ds inspect``) is :mod:`faircast_ds.tools.inspect`.
 """
 from __future__ import annotations
 
-from faircast_ds.export.atomic import AtomicDirectory
-from faircast_ds.export.channel import (
-                                        DEFAULT_HOST,
-                                        AcceptTimeout,
-                                        AuthenticationError,
-                                        ChannelError,
-                                        ProtocolError,
-                                        Refused,
-                                        WeightSyncError,
-)
-from faircast_ds.export.hf import ExportError, ExportResult, save_hf
-from faircast_ds.export.served import ParamSpec
-from faircast_ds.export.source import (
-                                        ModelReader,
-                                        ServedItem,
-                                        ServedReader,
-                                        ServedReport,
-                                        ServedSource,
-                                        Walk,
-                                        local_served_slices,
-                                        provide,
-                                        reader_of,
-                                        served_specs,
-                                        served_weights,
-)
-from faircast_ds.export.sync import (
-                                        SyncAborted,
-                                        WeightReceiver,
-                                        WeightSender,
-)
+from faircast_ds.export.channel import WeightSyncError
+from faircast_ds.export.hf import ExportError, save_hf
+from faircast_ds.export.source import ServedReport, ServedSource, served_specs, served_weights
+from faircast_ds.export.sync import WeightReceiver, WeightSender
 
-__all__ = ["AcceptTimeout", "AtomicDirectory", "AuthenticationError", "ChannelError", "ProtocolError", "Refused", "DEFAULT_HOST", "ExportError", "ExportResult", "ModelReader", "ParamSpec", "ServedItem",
-           "ServedReader", "ServedReport", "ServedSource", "Walk",
-           "SyncAborted", "WeightReceiver", "WeightSender", "WeightSyncError", "local_served_slices",
-           "provide", "reader_of", "save_hf", "served_specs", "served_weights"]
+__all__ = ["ExportError", "ServedReport", "ServedSource", "WeightReceiver", "WeightSender", "WeightSyncError",
+           "save_hf", "served_specs", "served_weights"]
