@@ -21,6 +21,7 @@ ROLLOUT_VIA: tuple[str, ...] = ("view", "module")
 # how the trainer's bf16 linear layers multiply: PyTorch's own bf16 kernels, or fp32 products of the bf16 values
 # rounded once to bf16 (faircast_ds/models/gemm.py: on a CPU without AVX-512 the former is 10-20x slower)
 GEMMS: tuple[str, ...] = ("native", "fp32")
+ADAMWS: tuple[str, ...] = ("loop", "fused")  # --adamw: torch AdamW's per-tensor loop or its fused CPU kernel
 GEMM_NOTES = {"native": "", "fp32": ", bf16 GEMMs summed in fp32 (--gemm fp32)"}  # what a headline adds for each
 MAX_SEED = 2**31 - 1
 
@@ -105,6 +106,10 @@ class JobConfig:
     # rounded once: the arithmetic of --gemm fp32 and of a GPU's bf16 GEMM; faircast_ds/vllm/cpu_gemm.py).
     # The served weights are the same either way; the sampled tokens are not, so a job resumes only with its own
     engine_gemm: str = "native"
+    # the trainer's AdamW over each rank's fp32 master shard: "loop" (torch's per-tensor loop, its CPU default)
+    # or "fused" (torch's fused CPU kernel: one pass over the shard). The same update up to the order of its
+    # float operations, so the trajectories part within a few steps: a job resumes only with its own
+    adamw: str = "loop"
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -186,6 +191,8 @@ def _problems(cfg: JobConfig) -> list[str]:
         out.append(f"unknown --gemm {cfg.gemm!r}; choose from {', '.join(GEMMS)}")
     if cfg.engine_gemm not in GEMMS:
         out.append(f"unknown --engine-gemm {cfg.engine_gemm!r}; choose from {', '.join(GEMMS)}")
+    if cfg.adamw not in ADAMWS:
+        out.append(f"unknown --adamw {cfg.adamw!r}; choose from {', '.join(ADAMWS)}")
     if cfg.rollout_via not in ROLLOUT_VIA:
         out.append(f"unknown --rollout-via {cfg.rollout_via!r}; choose from {', '.join(ROLLOUT_VIA)}")
     if cfg.model and cfg.model not in PRETRAINED:

@@ -295,6 +295,11 @@ class Trained:
     stepped_at: float  # perf_counter() after the optimizer step (what follows is measurement: "extra")
 
 
+def make_optimizer(params, cfg: JobConfig) -> torch.optim.Optimizer:  # type: ignore[no-untyped-def]
+    """AdamW at ``--lr`` with no weight decay; ``--adamw fused``: torch's fused CPU kernel, else its loop."""
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, **({"fused": True} if cfg.adamw == "fused" else {}))
+
+
 def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
     """Build the model (off the grid with ``--off-grid``), its ZeRO-3 engine and the run's meters."""
     import deepspeed
@@ -313,7 +318,7 @@ def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(masters[name])
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = make_optimizer(model.parameters(), cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     if masters is not None:
         offgrid.set_masters(engine, masters)  # bf16 modes: the served copy stays RN(master) = the bf16 init

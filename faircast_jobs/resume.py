@@ -22,7 +22,7 @@ from typing import Any
 # settings a resumed job may change (where it writes and what it shows), every other one must match
 FREE = ("out", "name", "session_steps", "engine_threads", "push_plane")  # the last two: same bits (config.py)
 # settings added after jobs were started, with the value a job.json written before them ran with
-ADDED = {"gemm": "native", "zero_stage": 3, "engine_gemm": "native"}  # settings added since: what a job.json without them ran with
+ADDED = {"gemm": "native", "zero_stage": 3, "engine_gemm": "native", "adamw": "loop"}  # settings added since: what a job.json without them ran with
 INTEGER_COLUMNS = ("seed", "step", "changed", "numel", "sync_bytes", "sync_bytes_dense", "engine_sync_params",
                    "engine_sync_bytes")
 BOOL_COLUMNS = ("engine_weights_equal",)  # written as True/False, read back by steps_csv as 1.0/0.0

@@ -50,6 +50,7 @@ def test_model_defaults_are_the_issues_minimum():
     (["--session-steps", "3"], "--session-steps needs --save-every"),
     (["--gemm", "bf16"], "unknown --gemm 'bf16'; choose from native, fp32"),
     (["--engine-gemm", "bf16"], "unknown --engine-gemm 'bf16'; choose from native, fp32"),
+    (["--adamw", "foreach"], "unknown --adamw 'foreach'; choose from loop, fused"),
 ])
 def test_bad_model_settings_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -237,3 +238,36 @@ def test_a_resumed_job_rewrites_the_rows_it_read_back_as_it_wrote_them(tmp_path)
     assert "True" in first and "False" in first
     write_csv(path, resume.tidy(read_csv(path)))
     assert open(path).read() == first
+
+
+def test_a_job_started_before_adamw_existed_resumes_only_with_the_loop(tmp_path):
+    cfg = parse(["--model", NAME, "--out", str(tmp_path), "--name", "r", "--adamw", "fused"]).to_json()
+    older = {k: v for k, v in cfg.items() if k != "adamw"}  # its job.json has no adamw: torch's per-tensor loop
+    resume.check_settings(str(tmp_path), older)
+    resume.check_settings(str(tmp_path), {**cfg, "adamw": "loop"})
+    with pytest.raises(SystemExit, match=r"adamw \(was 'loop', now 'fused'\)"):
+        resume.check_settings(str(tmp_path), cfg)
+
+
+@pytest.mark.parametrize("adamw", ["loop", "fused"])
+def test_both_adamws_take_the_adamw_step_written_out_in_float64(adamw):
+    """Two steps of the job's optimizer against AdamW's update by hand (float64, no weight decay)."""
+    import torch
+
+    from faircast_jobs.grpo import make_optimizer
+
+    cfg = parse(["--adamw", adamw, "--lr", "1e-3"])
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(10_000, generator=gen))
+    grads = [torch.randn(10_000, generator=gen) for _ in range(2)]
+    opt = make_optimizer([p], cfg)
+    assert bool(opt.defaults.get("fused")) == (adamw == "fused")
+    x, m, v = p.detach().double().clone(), torch.zeros(10_000, dtype=torch.float64), torch.zeros(10_000, dtype=torch.float64)
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    for t, g in enumerate(grads, start=1):
+        p.grad = g.clone()
+        opt.step()
+        g = g.double()
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        x = x - 1e-3 * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+    torch.testing.assert_close(p.detach().double(), x, rtol=0, atol=2e-6)
