@@ -27,14 +27,15 @@ keep() {  # name: copy a finished run's rows into $kept (the copy is whole or ab
   done
   rm -rf "${kept:?}/$name" && mv "$tmp" "$kept/$name" && echo "$(date -u +%FT%TZ) $name kept in $kept" >> "$out/runs.log"
 }
-kept_run() { [ -e "$kept/$1/steps.csv" ]; }
+run_kept() {  # name, then the job's flags: a run whose rows are kept is done; otherwise run it and keep its rows
+  local name="$1"; shift
+  [ -e "$kept/$name/steps.csv" ] || { run "$name" "$@" && keep "$name"; }
+}
 registered=(--lr 1e-5 --steps 100)  # the registration's learning rate and length, for every run
 # reproduction: the first 5 steps of seeds 0 and 1 (a session stops after 5 trained steps per mode run)
 for seed in 0 1; do
   for mode in nearest dither; do
-    kept_run "repro-seed$seed-$mode" && continue
-    run "repro-seed$seed-$mode" "${registered[@]}" --seed-list "$seed" --modes "$mode" --session-steps 5 && \
-      keep "repro-seed$seed-$mode"
+    run_kept "repro-seed$seed-$mode" "${registered[@]}" --seed-list "$seed" --modes "$mode" --session-steps 5
   done
 done
 # seeds 0 and 1 count on their committed rows only if all their re-run steps equal them (the registration);
@@ -58,10 +59,9 @@ echo "$(date -u +%FT%TZ) seeds run again in full: ${rerun[*]:-none}" >> "$out/ru
 # one run per mode and seed (~50 minutes of this machine each), so that a run starts and finishes in one session
 for seed in "${rerun[@]}" 2 3 4 5 6 7; do
   for mode in nearest dither; do
-    name="lr1e-5-seed$seed-$mode"
-    kept_run "$name" || { run "$name" "${registered[@]}" --seed-list "$seed" --modes "$mode" && keep "$name"; }
+    run_kept "lr1e-5-seed$seed-$mode" "${registered[@]}" --seed-list "$seed" --modes "$mode"
   done
 done
 for seed in "${rerun[@]}" 2; do
-  kept_run "lr1e-5-fp32-seed$seed" || { run "lr1e-5-fp32-seed$seed" "${registered[@]}" --seed-list "$seed" --modes fp32 && keep "lr1e-5-fp32-seed$seed"; }
+  run_kept "lr1e-5-fp32-seed$seed" "${registered[@]}" --seed-list "$seed" --modes fp32
 done
