@@ -18,18 +18,23 @@ echo 1000 > /proc/self/oom_score_adj 2>/dev/null || true
 port="${MASTER_PORT:-29660}"
 pause="${PAUSE:-30}"
 source launch/smollm2_run.sh
-keep() {  # name: copy a finished run's rows into $kept (the copy is whole or absent: a temporary folder, renamed)
-  local name="$1" tmp="$kept/.$1.partial"
+keep() {  # name [rows]: copy a finished run's rows into $kept (the copy is whole or absent: a temporary folder,
+  # renamed). A run stopped on purpose after --session-steps (the reproduction runs) has no run.json: the job
+  # writes it only when every step is done; rows=steps keeps such a run's steps.csv and job.json alone.
+  local name="$1" rows="${2:-all}" tmp="$kept/.$1.partial" f
+  local need=(steps.csv job.json run.json)
+  [ "$rows" = steps ] && need=(steps.csv job.json)
   rm -rf "$tmp" && mkdir -p "$tmp" || return 1
-  for f in steps.csv job.json run.json; do
+  for f in "${need[@]}"; do
     [ -e "$out/$name/$f" ] || { echo "$name: $out/$name/$f is missing; not kept" >&2; rm -rf "$tmp"; return 1; }
     cp "$out/$name/$f" "$tmp/" || return 1
   done
   rm -rf "${kept:?}/$name" && mv "$tmp" "$kept/$name" && echo "$(date -u +%FT%TZ) $name kept in $kept" >> "$out/runs.log"
 }
 run_kept() {  # name, then the job's flags: a run whose rows are kept is done; otherwise run it and keep its rows
-  local name="$1"; shift
-  [ -e "$kept/$name/steps.csv" ] || { run "$name" "$@" && keep "$name"; }
+  local name="$1" rows=all; shift
+  case " $* " in *" --session-steps "*) rows=steps;; esac
+  [ -e "$kept/$name/steps.csv" ] || { run "$name" "$@" && keep "$name" "$rows"; }
 }
 registered=(--lr 1e-5 --steps 100)  # the registration's learning rate and length, for every run
 # reproduction: the first 5 steps of seeds 0 and 1 (a session stops after 5 trained steps per mode run)

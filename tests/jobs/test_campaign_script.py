@@ -3,7 +3,8 @@ again: the run folders under runs/ are ignored by git and do not outlive the che
 rows committed from the kept folder are what a later session continues from.
 
 The script runs for real, in a copy of its launch folder, with launch/main.sh replaced by a job that writes a
-run folder the way the real one does (steps.csv, job.json, run.json) and records every call; the real job is
+run folder the way the real one does (steps.csv, job.json, and run.json only once every step is done, not
+after a session stopped by --session-steps) and records every call; the real job is
 tested by tests/jobs/test_job_pretrained.py."""
 from __future__ import annotations
 
@@ -16,15 +17,18 @@ from conftest import ROOT
 
 FAKE_JOB = r"""#!/usr/bin/env bash
 set -u
+session=""
 while [ $# -gt 0 ]; do
-  case "$1" in --out) out="$2"; shift 2;; --name) name="$2"; shift 2;; *) shift;; esac
+  case "$1" in --out) out="$2"; shift 2;; --name) name="$2"; shift 2;; --session-steps) session="$2"; shift 2;;
+    *) shift;; esac
 done
 echo "$name" >> "$CALLS"
 [ "$name" = "${FAIL:-}" ] && exit 1
 mkdir -p "$out/$name"
 printf 'step,reward\n1,0.5\n' > "$out/$name/steps.csv"
 echo '{"name": "'"$name"'"}' > "$out/$name/job.json"
-[ "$name" = "${NO_RUN_JSON:-}" ] || echo '{}' > "$out/$name/run.json"
+# as the real job: run.json only when every step is done, not after a session stopped by --session-steps
+[ "$name" = "${NO_RUN_JSON:-}" ] || [ -n "$session" ] || echo '{}' > "$out/$name/run.json"
 """
 
 ALL_RUNS = ([f"repro-seed{s}-{m}" for s in (0, 1) for m in ("nearest", "dither")]
@@ -57,8 +61,9 @@ def test_finished_runs_are_kept_whole_and_not_run_again(tmp_path):
     assert calls.read_text().split() == ALL_RUNS
     kept = repo / "docs/pretrained/campaign/runs"
     assert sorted(p.name for p in kept.iterdir()) == sorted(ALL_RUNS)  # no partial folder left beside them
-    for name in ALL_RUNS:
-        assert sorted(p.name for p in (kept / name).iterdir()) == ["job.json", "run.json", "steps.csv"]
+    for name in ALL_RUNS:  # the reproduction runs stop after 5 steps on purpose: the job writes no run.json then
+        files = ["job.json", "steps.csv"] if name.startswith("repro-") else ["job.json", "run.json", "steps.csv"]
+        assert sorted(p.name for p in (kept / name).iterdir()) == files
         assert (kept / name / "job.json").read_text() == (repo / "runs/campaign" / name / "job.json").read_text()
     # a later checkout has the kept rows and none of runs/: nothing runs again
     shutil.rmtree(repo / "runs")
