@@ -19,8 +19,11 @@ import re
 import shutil
 from typing import Any
 
-# settings a resumed job may change (where it writes and what it shows), every other one must match
-FREE = ("out", "name", "session_steps", "engine_threads", "push_plane")  # the last two: same bits (config.py)
+# settings a resumed job may change, every other one must match: where it writes, when it stops, and three that
+# train and serve the same bits: engine_threads and push_plane (config.py), persist_threshold (ZeRO-3 keeps
+# gathered what the forward would gather anyway; tests/jobs/test_job_pretrained.py resumes at 1e9 elements a
+# run that an uninterrupted one at 1e5 equals in every column)
+FREE = ("out", "name", "session_steps", "engine_threads", "push_plane", "persist_threshold")
 # settings added after jobs were started, with the value a job.json written before them ran with
 ADDED = {"gemm": "native", "zero_stage": 3, "engine_gemm": "native", "adamw": "loop"}  # settings added since: what a job.json without them ran with
 INTEGER_COLUMNS = ("seed", "step", "changed", "numel", "sync_bytes", "sync_bytes_dense", "engine_sync_params",
