@@ -241,13 +241,10 @@ PRETRAINED: tuple[str, ...] = ("smollm2-135m-instruct",)
 TASKS: tuple[str, ...] = ("", "addition")
 # what --model sets before the flags given: GRPO at a post-training rate, 4 prompts x 4 completions of 16
 # tokens from `vllm serve` fed the served weights, the fp32 reference and the two casts, checkpoints to resume
-# persist_threshold: every parameter kept gathered under ZeRO-3 (SmolLM2 is 270 MB in bf16): the same bits as at
-# DeepSpeed's 1e5 (tests/jobs/test_job_pretrained.py's resume test), a step ~0.85x as long
-# (benchmarks/results/pretrained_step_persist_vllm.txt); a run may change it on resume (resume.FREE)
 PRETRAINED_DEFAULTS: dict[str, Any] = {
     "steps": 100, "lr": 1e-5, "modes": ("fp32", "nearest", "dither"), "rollouts": 16, "group": 4, "gen_len": 16,
     "rollout_engine": "vllm", "rollout_via": "module", "eval_every": 0, "kl_every": 0, "kl_master_every": 5,
-    "save_every": 5, "persist_threshold": 10**9, "task": "addition", "gemm": "fp32", "engine_gemm": "fp32",
+    "save_every": 5, "persist_threshold": 100_000, "task": "addition", "gemm": "fp32", "engine_gemm": "fp32",
 }
 # what a run.json written before regimes existed ran with (the settings it does not list)
 LEGACY: dict[str, Any] = {"regime": "large-step", "prompt_vocab": 0, "eval_every": 0, "kl_every": 0}

@@ -33,7 +33,6 @@ def test_model_defaults_are_the_issues_minimum():
     assert cfg.task == "addition" and cfg.rollout_engine == "vllm"
     assert cfg.rollouts // cfg.group >= 4 and cfg.group >= 4 and cfg.gen_len >= 16
     assert cfg.modes == ("fp32", "nearest", "dither") and cfg.save_every > 0 and cfg.kl_master_every == 5
-    assert cfg.persist_threshold >= 10**9  # every parameter kept gathered (the resume test: the same bits)
     assert parse(["--model", NAME, "--lr", "1e-6", "--modes", "nearest"]).lr == 1e-6  # flags win
     assert parse([]).model == ""  # the tiny model stays the default
     assert cfg.gemm == "fp32" and parse([]).gemm == "native"  # the tiny model keeps PyTorch's bf16 kernels
@@ -195,10 +194,10 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path
     resumed by the same command. Step 2's reward, changed count, KL and staleness figures (the lag along the
     drift needs step 1's master, which only the checkpoint's diagnostics history holds) are the same to the bit.
 
-    The resumed run keeps every parameter gathered under ZeRO-3 (the model's default), which skips ZeRO-3's
-    gathers in the rollouts and the forward; the straight one gathers what is over DeepSpeed's default
-    persistence threshold (``--persist-threshold 100000``). Every column equal across the two also says that
-    persistence changes no bit a run trains or serves (resume.FREE lets a run change it)."""
+    The straight run gathers under ZeRO-3 what is over the model's persistence threshold (1e5 elements); the
+    resumed one keeps every parameter gathered (``--persist-threshold``), which skips ZeRO-3's gathers in the
+    rollouts and the forward. Every column equal across the two also says that persistence changes no bit a run
+    trains or serves (resume.FREE lets a run change it)."""
     from conftest import ROOT, cpu_env, deepspeed_runner, free_port, run_logged
 
     # KL(master || served) at both steps (the model's default is every 5th), so step 1's is compared too
@@ -211,12 +210,13 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path
                "faircast_jobs.grpo", *common, "--name", name, *extra]
         run_logged(cmd, tmp_path / f"{name}-{len(extra)}.log", env=env, timeout=1500, cwd=ROOT)
 
-    launch("straight", "--persist-threshold", "100000")  # DeepSpeed's default: the large tensors gathered per use
-    launch("resumed", "--session-steps", "1")
+    everything = ("--persist-threshold", str(10**9))  # more than any parameter of the model
+    launch("straight")
+    launch("resumed", "--session-steps", "1", *everything)
     first = _rows(tmp_path / "resumed" / "steps.csv")
     assert [r["step"] for r in first] == ["1"] and not (tmp_path / "resumed" / "results.md").exists()
     assert resume.latest_step(str(tmp_path / "resumed" / "resume" / "nearest-seed0")) == 1
-    launch("resumed")
+    launch("resumed", *everything)
     straight, resumed = _rows(tmp_path / "straight" / "steps.csv"), _rows(tmp_path / "resumed" / "steps.csv")
     assert [r["step"] for r in resumed] == ["1", "2"]
     # the diagnostics' history is in the checkpoint: the lag reads as in the uninterrupted run
