@@ -1,12 +1,13 @@
 """A lead for the engine's rollouts (issue 49 item 1): the bf16 -> fp32 conversion of each weight inside
 faircast_ds/vllm/cpu_gemm.py's ``linear``, whole at once or in blocks of output rows, at a decode batch.
 
-``linear`` converts a layer's whole bf16 weight to fp32 at every call and multiplies; converting and multiplying
-``--block`` output rows at a time keeps each converted block in cache. For SmolLM2-135M's linear layers (fused
-qkv and gate/up as vLLM holds them, 30 layers) and its tied LM head, one decode step of 16 rows, this times both
-forms alternately (``--repeats``), prints the medians and their ratio, and whether every output is the same to
-the bit (the product of a block of output rows is its rows of the whole product if the fp32 GEMM's sums along
-the input dimension do not depend on how many output rows share the call: measured here, not assumed).
+``linear`` converts a layer's whole bf16 weight to fp32 at every call and multiplies; calling it on ``--block``
+output rows of the weight at a time keeps each converted block in cache. Both forms are the shipped ``linear``
+itself. For SmolLM2-135M's linear layers (fused qkv and gate/up as vLLM holds them, 30 layers) and its tied LM
+head, one decode step of 16 rows, this times both forms alternately (``--repeats``), prints the medians and
+their ratio, and whether every bf16 output is the same to the bit (the product of a block of output rows is its
+rows of the whole product if the fp32 GEMM's sums along the input dimension do not depend on how many output
+rows share the call: measured here, not assumed).
 
     python3 benchmarks/engine_gemm_blocks.py [--threads 2] [--block 512] [--repeats 7]
 """
@@ -17,18 +18,15 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+
+from faircast_ds.vllm.cpu_gemm import linear
 
 # (out, in) of SmolLM2-135M's linear layers as vLLM fuses them, then the tied head
 LAYERS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
-def whole(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, w.float())
-
-
 def in_blocks(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
-    return torch.cat([F.linear(x, w[i:i + block].float()) for i in range(0, w.shape[0], block)], dim=1)
+    return torch.cat([linear(x, w[i:i + block]) for i in range(0, w.shape[0], block)], dim=-1)
 
 
 def main() -> None:
@@ -41,7 +39,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=gen).bfloat16() for shape in LAYERS]
-    inputs = {n: torch.randn(args.rows, n, generator=gen).bfloat16().float() for n in {c for _, c in LAYERS}}
+    inputs = {n: torch.randn(args.rows, n, generator=gen).bfloat16() for n in {c for _, c in LAYERS}}
 
     def step(form) -> tuple[float, list[torch.Tensor]]:
         began = time.perf_counter()
@@ -50,7 +48,7 @@ def main() -> None:
 
     a, b, same = [], [], True
     for _ in range(args.repeats):
-        ta, oa = step(whole)
+        ta, oa = step(linear)
         tb, ob = step(lambda x, w: in_blocks(x, w, args.block))
         a.append(ta)
         b.append(tb)
