@@ -98,6 +98,12 @@ class JobConfig:
     # wait while it samples). Its tokens and log-probs are bit-for-bit the same at 1 and 2 threads
     # (benchmarks/pretrained_step.py checks the trajectory), so a job may resume with another value
     engine_threads: int = 0
+    # --engine vllm: how many of a step's completion requests `vllm serve` has in flight at once (0: all of them,
+    # so each decode step runs every rollout in one batch; the runs started before 2026-12-07 ran 8, two waves).
+    # With --engine-gemm fp32 a row's products do not depend on the rows beside it, so the tokens and log-probs
+    # are the same at any value (tests/models/test_pretrained.py: one request at a time against all at once) and a
+    # job with the fp32 products may resume with another value (resume.FREE_WHEN)
+    engine_requests: int = 0
     # --engine vllm: the plane the served weights reach `vllm serve` by ("": ServedPush's fastest that works,
     # shm on one host, with a secret the job draws; every push is verified, so a job may resume with another)
     push_plane: str = ""
@@ -206,7 +212,7 @@ def _problems(cfg: JobConfig) -> list[str]:
         positive_int(name, getattr(cfg, name))
     if isinstance(cfg.operand_max, int) and not isinstance(cfg.operand_max, bool) and cfg.operand_max > 9:
         out.append(f"--operand-max must be at most 9 (one-digit operands), got {cfg.operand_max}")
-    for name in ("kl_master_every", "save_every", "session_steps", "engine_threads"):
+    for name in ("kl_master_every", "save_every", "session_steps", "engine_threads", "engine_requests"):
         positive_int(name, getattr(cfg, name), low=0)
     if cfg.push_plane:
         from faircast_ds.vllm.transfer.planes import PLANES

@@ -334,7 +334,8 @@ def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
         else None
     source = rollouts.make(cfg.rollout_engine, sample=rollout, ds_engine=engine, view=view, fp32=reference,
                           seed=seed, max_len=cfg.prompt_len + cfg.gen_len + 8, run_dir=os.path.join(cfg.out, cfg.name),
-                          threads=cfg.engine_threads, plane=cfg.push_plane, gemm=cfg.engine_gemm)
+                          threads=cfg.engine_threads, plane=cfg.push_plane, gemm=cfg.engine_gemm,
+                          requests=cfg.engine_requests)
     return Run(mode=mode, seed=seed, cfg=cfg, engine=engine, optimizer=opt, fair_cast=fair_cast, view=view,
                sync_meter=DeltaSyncBytes(view) if view is not None and fair_cast is not None else None,
                counter=ReferenceChangeCounter(engine) if fair_cast is None else None, master_view=master_view,

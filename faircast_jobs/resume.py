@@ -24,8 +24,11 @@ from typing import Any
 # gathered what the forward would gather anyway; tests/jobs/test_job_pretrained.py resumes at 1e9 elements a
 # run that an uninterrupted one at 1e5 equals in every column)
 FREE = ("out", "name", "session_steps", "engine_threads", "push_plane", "persist_threshold")
+# settings a resumed job may change when the job's other settings (as it was started) hold these values:
+# engine_requests with the engine's fp32 products, whose rows do not depend on the rows beside them (config.py)
+FREE_WHEN = {"engine_requests": ("engine_gemm", "fp32")}
 # settings added after jobs were started, with the value a job.json written before them ran with
-ADDED = {"gemm": "native", "zero_stage": 3, "engine_gemm": "native", "adamw": "loop"}  # settings added since: what a job.json without them ran with
+ADDED = {"gemm": "native", "zero_stage": 3, "engine_gemm": "native", "adamw": "loop", "engine_requests": 8}  # settings added since: what a job.json without them ran with
 INTEGER_COLUMNS = ("seed", "step", "changed", "numel", "sync_bytes", "sync_bytes_dense", "engine_sync_params",
                    "engine_sync_bytes")
 BOOL_COLUMNS = ("engine_weights_equal",)  # written as True/False, read back by steps_csv as 1.0/0.0
@@ -99,7 +102,9 @@ def check_settings(run_dir: str, config: dict[str, Any]) -> None:
     with open(path) as f:
         before = json.load(f)
     before = {**ADDED, **before}
-    differ = sorted(k for k in set(before) | set(config) if k not in FREE
+    free = set(FREE) | {k for k, (other, value) in FREE_WHEN.items()
+                        if before.get(other) == value and config.get(other) == value}
+    differ = sorted(k for k in set(before) | set(config) if k not in free
                     and _norm(before.get(k)) != _norm(config.get(k)))
     if differ:
         raise SystemExit(f"{run_dir} was started with other settings; resuming needs the same ones. Differing: "

@@ -76,7 +76,7 @@ class VllmRollouts:
     name = "vllm"
 
     def __init__(self, ds_engine: Any, view: Any, *, fp32: bool, seed: int, max_len: int, run_dir: str,
-                 threads: int = 0, plane: str = "", gemm: str = "native") -> None:
+                 threads: int = 0, plane: str = "", gemm: str = "native", requests: int = 0) -> None:
         import torch.distributed as dist
 
         from faircast_ds.export import save_hf
@@ -85,6 +85,7 @@ class VllmRollouts:
         self.dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ds_engine, self.view, self.fp32 = ds_engine, view, fp32
+        self.requests = requests  # in flight at once (0: every rollout of the step)
         dtype = "float32" if fp32 else "bfloat16"
         from faircast_ds.export.channel import SECRET_ENV
 
@@ -126,7 +127,7 @@ class VllmRollouts:
             every = [prompts] + [task.draw(per_rank, task.generator(seed, step, r))[0] for r in range(1, self.world)]
             all_prompts = torch.cat(every)
             seeds = [rollout_seed(seed, step, r, i) for r in range(self.world) for i in range(per_rank)]
-            tokens, lp = self.engine.generate(all_prompts, gen, seeds)
+            tokens, lp = self.engine.generate(all_prompts, gen, seeds, workers=self.requests or len(seeds))
             seqs.copy_(torch.cat([all_prompts, tokens], dim=1))
             logps.copy_(lp)
         self.dist.broadcast(seqs, src=0)
@@ -224,14 +225,15 @@ def _gap_sums(trainer: torch.Tensor, engine: torch.Tensor) -> list[float]:
 
 
 def make(name: str, *, sample: Callable[..., torch.Tensor], ds_engine: Any, view: Any, fp32: bool, seed: int,
-         max_len: int, run_dir: str, threads: int = 0, plane: str = "", gemm: str = "native") -> HFRollouts | VllmRollouts:
-    """``threads``, ``plane`` and ``gemm`` (--engine-threads, --push-plane, --engine-gemm) are VllmRollouts'; the HF
-    source has no engine."""
+         max_len: int, run_dir: str, threads: int = 0, plane: str = "", gemm: str = "native",
+         requests: int = 0) -> HFRollouts | VllmRollouts:
+    """``threads``, ``plane``, ``gemm`` and ``requests`` (--engine-threads, --push-plane, --engine-gemm,
+    --engine-requests) are VllmRollouts'; the HF source has no engine."""
     if name == "hf":
         return HFRollouts(sample, ds_engine, view)
     if name == "vllm":
         return VllmRollouts(ds_engine, view, fp32=fp32, seed=seed, max_len=max_len, run_dir=run_dir, threads=threads,
-                            plane=plane, gemm=gemm)
+                            plane=plane, gemm=gemm, requests=requests)
     raise ValueError(f"unknown rollout engine {name!r}; choose from {', '.join(ENGINES)}")
 
 

@@ -37,22 +37,34 @@ import torch.nn.functional as F
 ENV = "FAIRCAST_VLLM_CPU_GEMM"
 CHOICES = ("native", "fp32")
 ROWS = 16  # the fixed block of rows each fp32 product is computed in (a decode batch of up to 16 is one call)
+WEIGHT_ROWS = 512  # output rows of the weight converted to fp32 at a time (see linear)
 
 
-def linear(x, weight, bias=None):
+def linear(x, weight, bias=None, *, weight_rows=WEIGHT_ROWS):
     """``round_bf16(x @ weight.T + bias)`` from fp32 products and sums of the bf16 values, in blocks of
-    :data:`ROWS` rows so that each row's bits do not depend on the rows beside it."""
+    :data:`ROWS` rows so that each row's bits do not depend on the rows beside it.
+
+    The weight is converted to fp32 ``weight_rows`` output rows at a time, and each converted block serves every
+    block of input rows before the next is made: it stays in cache, where converting the whole weight at each
+    call made the fp32 GEMMs read it back from memory (SmolLM2's layers and head, a decode step of 16 rows at two
+    threads: 0.7x the time; ``benchmarks/engine_gemm_blocks.py``). A block's outputs are those of the whole
+    weight's product when the fp32 GEMM's sums along the input dimension do not depend on how many output rows
+    share the call: measured on this CPU's kernels at 1 and 2 threads, and checked against the whole weight's
+    product by tests/vllm_tests/test_cpu_gemm.py."""
     flat = x.reshape(-1, x.shape[-1]).float()
-    rows = flat.shape[0]
-    w = weight.float()
-    b = None if bias is None else bias.float()
+    rows, n_out = flat.shape[0], weight.shape[0]
     if rows == 0:
-        return x.new_empty(*x.shape[:-1], w.shape[0])
+        return x.new_empty(*x.shape[:-1], n_out)
     pad = -rows % ROWS
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
-    out = torch.cat([F.linear(flat[i:i + ROWS], w, b) for i in range(0, flat.shape[0], ROWS)])[:rows]
-    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    out = flat.new_empty(flat.shape[0], n_out)
+    for j in range(0, n_out, weight_rows):
+        w = weight[j:j + weight_rows].float()
+        b = None if bias is None else bias[j:j + weight_rows].float()
+        for i in range(0, flat.shape[0], ROWS):
+            out[i:i + ROWS, j:j + weight_rows] = F.linear(flat[i:i + ROWS], w, b)
+    return out[:rows].to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
 def chosen(environ=os.environ) -> str:

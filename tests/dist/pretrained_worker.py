@@ -194,6 +194,15 @@ def push_and_generate(engine, tok, rank: int, server_box: dict, starter, result:
         out["generation"] = {"question": QUESTION, "prompt_ids": prompt, "tokens": ids,
                              "text": tok.decode(ids[:ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids),
                              "eos_id": tok.eos_token_id, "version": server.weight_version()}
+        # sampled as the job samples (temperature 1, a seed per rollout), each request alone and then all eight in
+        # flight at once: with the fp32 products a row's bits do not depend on the requests beside it
+        # (the job's --engine-requests); two questions, four rollouts each
+        prompts = [pretrained.chat_prompt_ids(tok, q) for q in ("What is 3 + 5?", "What is 6 + 2?") for _ in range(4)]
+        seeds = list(range(7, 15))
+        alone = server.generate(prompts, 8, seeds, workers=1)
+        together = server.generate(prompts, 8, seeds, workers=len(prompts))
+        out["in_flight"] = {"alone_tokens": alone[0].tolist(), "together_tokens": together[0].tolist(),
+                            "alone_logps": alone[1].tolist(), "together_logps": together[1].tolist()}
     push.close()
     return out
 

@@ -51,6 +51,7 @@ def test_model_defaults_are_the_issues_minimum():
     (["--gemm", "bf16"], "unknown --gemm 'bf16'; choose from native, fp32"),
     (["--engine-gemm", "bf16"], "unknown --engine-gemm 'bf16'; choose from native, fp32"),
     (["--adamw", "foreach"], "unknown --adamw 'foreach'; choose from loop, fused"),
+    (["--engine-requests", "-1"], "--engine-requests must be an integer >= 0, got -1"),
 ])
 def test_bad_model_settings_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -159,6 +160,25 @@ def test_a_job_started_before_engine_gemm_existed_resumes_only_with_vllms_own(tm
     resume.check_settings(str(tmp_path), {**cfg, "engine_gemm": "native"})
     with pytest.raises(SystemExit, match=r"engine_gemm \(was 'native', now 'fp32'\)"):
         resume.check_settings(str(tmp_path), cfg)
+
+
+def test_requests_in_flight_may_change_on_resume_only_with_the_engines_fp32_products(tmp_path):
+    """--engine-requests changes no bit where a row's products do not depend on the rows beside it (the fp32
+    products: tests/models/test_pretrained.py compares one request at a time with all at once); with vLLM's own
+    kernels nothing says so, and a resumed job keeps its value."""
+    cfg = parse(["--model", NAME, "--out", str(tmp_path), "--name", "r"]).to_json()
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    assert cfg["engine_gemm"] == "fp32" and cfg["engine_requests"] == 0
+    older = {k: v for k, v in cfg.items() if k != "engine_requests"}  # started before the flag: it ran 8 at once
+    resume.check_settings(str(tmp_path / "a"), older)
+    resume.check_settings(str(tmp_path / "a"), cfg)
+    resume.check_settings(str(tmp_path / "a"), {**cfg, "engine_requests": 3})
+    native = {**cfg, "engine_gemm": "native"}
+    resume.check_settings(str(tmp_path / "b"), native)
+    with pytest.raises(SystemExit, match=r"engine_requests \(was 0, now 8\)"):
+        resume.check_settings(str(tmp_path / "b"), {**native, "engine_requests": 8})
+    with pytest.raises(SystemExit, match=r"engine_gemm \(was 'native', now 'fp32'\)"):  # not freed by the new side
+        resume.check_settings(str(tmp_path / "b"), {**cfg, "engine_requests": 8})
 
 
 def test_a_job_started_before_zero_stage_existed_resumes_at_stage_3_only(tmp_path):

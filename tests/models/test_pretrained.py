@@ -301,6 +301,18 @@ def test_smoke_generation_through_the_chat_template(smoke):
     print("greedy answer:", repr(gen["text"]))
 
 
+@pytest.mark.slow
+def test_smoke_a_rollouts_tokens_do_not_depend_on_the_requests_beside_it(smoke):
+    """The job's --engine-requests: eight rollouts (two questions, a seed each, temperature 1) sampled one request
+    at a time and all eight in flight at once. With the fp32 products every token and log-probability is the
+    same to the bit, so the number in flight may change on resume (resume.FREE_WHEN)."""
+    _, ranks = smoke
+    got = ranks[0]["dither"]["push"]["in_flight"]
+    assert got["together_tokens"] == got["alone_tokens"]
+    assert got["together_logps"] == got["alone_logps"]  # floats read back from JSON: equal as written
+    assert len({tuple(t) for t in got["alone_tokens"]}) > 2  # the seeds sample different answers: not vacuous
+
+
 def test_vllm_server_names_a_relative_model_directory_by_its_absolute_path(tmp_path, monkeypatch):
     """Issue 32 item 9: the server runs in the export's parent directory, so a relative path is made
     absolute before it reaches vLLM (the smoke run starts a real server from a relative path)."""

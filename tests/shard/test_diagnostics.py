@@ -117,6 +117,30 @@ def test_bf16_spacing():
     assert bf16_spacing(values).tolist() == [2.0**-7, 2.0**-7, 2.0**-6, 2.0**-133, 2.0**-133, 2.0**-133]
 
 
+def test_bf16_spacing_of_every_bf16_value_and_of_fp32_values():
+    """Every one of the 65,536 bf16 bit patterns, and fp32 values (special ones, every binade's edges, 2^20 random
+    bit patterns), against the frexp definition written here (float64): 2^(e - 8) for |x| = m 2^e, 0.5 <= m < 1;
+    2^-133 below 2^-126 and at 0; for Inf and NaN 2^121 (the top exponent field's binade)."""
+    def oracle(x: torch.Tensor) -> torch.Tensor:
+        d = x.double()
+        _, exponent = torch.frexp(d)
+        want = torch.where(d.abs() < 2.0**-126, torch.tensor(2.0**-133, dtype=torch.float64),
+                           torch.ldexp(torch.ones_like(d), exponent - 8))
+        return torch.where(d.isfinite(), want, torch.tensor(2.0**121, dtype=torch.float64)).float()
+
+    every = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(bf16_spacing(every), oracle(every.float()))
+    edges = torch.tensor([2.0**e for e in range(-149, 128)], dtype=torch.float64)
+    special = torch.cat([edges, edges * (2 - 2.0**-23), -edges, torch.tensor([0.0, -0.0, 3.4e38, float("inf"),
+                                                                              float("-inf"), float("nan")],
+                                                                             dtype=torch.float64)]).float()
+    random = torch.randint(-2**31, 2**31, (1 << 20,), generator=torch.Generator().manual_seed(3),
+                           dtype=torch.int64).to(torch.int32).view(torch.float32)
+    for x in (special, random):
+        assert torch.equal(bf16_spacing(x), oracle(x))
+    assert bf16_spacing(torch.zeros(2, 3)).shape == (2, 3) and bf16_spacing(torch.zeros(2, 3)).dtype == torch.float32
+
+
 def test_metrics_reach_deepspeed_monitor_and_the_log(run):
     out, _ = run
     rows = list(csv.reader(open(next(out.glob("csv/fc/fair_cast_lag_steps.csv")))))

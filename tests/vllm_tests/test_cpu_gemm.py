@@ -119,3 +119,32 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
     finally:
         torch.set_num_threads(threads)
     assert cpu_gemm.linear(torch.empty(0, 576, dtype=torch.bfloat16), w, b).shape == (0, 1536)
+
+
+def test_the_weights_blocks_give_the_whole_weights_bits():
+    """linear converts the weight WEIGHT_ROWS output rows at a time. The oracle, written here: each block of ROWS
+    input rows times the whole weight in fp32 (what linear did before), rounded once. SmolLM2's shapes as vLLM
+    holds them (fused qkv 960 = 512 + 448, o_proj 576 = 512 + 64, gate/up 3072, down 576 x 1536), a head-like
+    3000 rows, decode batches (and a prefill of 608 rows on one shape), with and without a bias, at 1 and 2
+    threads: the same to the bit."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(2)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for n_out, n_in in ((960, 576), (576, 576), (3072, 576), (576, 1536), (3000, 576)):
+                w = (torch.randn(n_out, n_in, generator=g) * 0.05).bfloat16()
+                b = (torch.randn(n_out, generator=g) * 0.1).bfloat16()
+                for rows in (16, 37) + ((608,) if n_out == 960 else ()):
+                    x = torch.randn(rows, n_in, generator=g).bfloat16()
+                    padded = torch.cat([x.float(), torch.zeros(-rows % 16, n_in)])
+                    for bias in (None, b):
+                        whole = torch.cat([F.linear(padded[i:i + 16], w.float(), None if bias is None else bias.float())
+                                           for i in range(0, padded.shape[0], 16)])[:rows].bfloat16()
+                        got = cpu_gemm.linear(x, w, bias)
+                        assert torch.equal(got, whole), (n_threads, n_out, n_in, rows, bias is None)
+            assert cpu_gemm.WEIGHT_ROWS < 960  # the shapes above do span several blocks
+    finally:
+        torch.set_num_threads(threads)
