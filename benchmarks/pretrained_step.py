@@ -1,7 +1,7 @@
 """One step of the SmolLM2 job by stage, two settings side by side in one run (issue 49 item 1).
 
     python benchmarks/pretrained_step.py [--steps 10] [--mode dither] [--seed 0] \
-        [--base '--engine-threads 1 --kl-master-every 1 --engine-gemm native'] [--fast '']
+        [--base '--engine-threads 1 --kl-master-every 1 --engine-gemm native --engine-requests 8'] [--fast '']
 
 Runs `bash launch/main.sh --model smollm2-135m-instruct --task addition` for ``--steps`` steps of one mode and
 seed, once with each setting (base first, then fast, then base and fast again with ``--rounds 2``), each into a
@@ -78,9 +78,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mode", default="dither")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--base", default="--engine-threads 1 --kl-master-every 1 --engine-gemm native",
-                   help="the job as the committed SmolLM2 runs ran it (the engine on 1 thread with vLLM's own GEMM, KL every step) but for "
-                        "their tcp push, which no longer exists (docs/pretrained.md)")
+    p.add_argument("--base", default="--engine-threads 1 --kl-master-every 1 --engine-gemm native --engine-requests 8",
+                   help="the job as the committed SmolLM2 runs ran it (the engine on 1 thread with vLLM's own GEMM, 8 "
+                        "requests in flight, KL every step) but for their tcp push, which no longer exists, and for code "
+                        "changes that keep the bits and have no flag (docs/pretrained.md)")
     p.add_argument("--fast", default="", help="the job's defaults now")
     p.add_argument("--rounds", type=int, default=1, help="base, fast, base, fast, ... (alternated)")
     p.add_argument("--json", type=Path, help="also write the figures here")

@@ -613,6 +613,7 @@ def main(argv: list[str] | None = None) -> None:
         from tqdm import tqdm
 
         os.makedirs(run_dir, exist_ok=True)
+        sessions = provenance.add_session(run_dir, len(earlier))  # the code this process runs, read at its start
         print(f"[grpo] {len(cfg.modes)} modes x {len(cfg.seed_ids)} seeds x {cfg.steps} steps, world size {world} "
               f"-> {run_dir}", flush=True)
         progress = tqdm(total=len(cfg.modes) * len(cfg.seed_ids) * cfg.steps, unit="step", file=sys.stdout,
@@ -671,7 +672,7 @@ def main(argv: list[str] | None = None) -> None:
             f.write(table)
         with open(os.path.join(run_dir, "run.json"), "w") as f:
             json.dump({"config": cfg.to_json(), "world_size": world, "wall_s": wall, "finals": finals,
-                       "provenance": provenance.record()}, f, indent=1)
+                       "provenance": sessions[-1], "sessions": sessions}, f, indent=1)
         text = report.summary_text(summaries, cfg, world, wall, run_dir, rows)
         with open(os.path.join(run_dir, "summary.txt"), "w") as f:
             f.write(text + "\n")

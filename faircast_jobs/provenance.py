@@ -1,10 +1,16 @@
 """What a run's numbers depend on besides its settings, recorded in its run.json: the commit, the versions
 of the packages on the numeric path, and the CPU's vector capability and thread count (matrix kernels
-round differently on AVX2 and AVX-512, so bit-for-bit reproduction needs the same capability)."""
+round differently on AVX2 and AVX-512, so bit-for-bit reproduction needs the same capability).
+
+Read when a job's process starts (:func:`add_session`), not when its run ends: the working tree may change
+while a long run runs, and the run ran the code its processes imported at their start. A run resumed across
+sessions has one record per session, in ``<run>/sessions.jsonl`` and in its run.json."""
 from __future__ import annotations
 
+import json
 import os
 import platform
+import time
 import subprocess
 from importlib import metadata
 
@@ -43,3 +49,18 @@ def record() -> dict:
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
     }
+
+
+SESSIONS = "sessions.jsonl"
+
+
+def add_session(run_dir: str, rows_before: int) -> list[dict]:
+    """Append this process's start to ``<run_dir>/sessions.jsonl`` (when, the rows ``steps.csv`` held, and
+    :func:`record`) and return every session's record so far, oldest first."""
+    entry = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_before": rows_before,
+             **record()}
+    path = os.path.join(run_dir, SESSIONS)
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -32,7 +32,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 ENV = "FAIRCAST_VLLM_CPU_GEMM"
 CHOICES = ("native", "fp32")
@@ -44,13 +43,13 @@ def linear(x, weight, bias=None, *, weight_rows=WEIGHT_ROWS):
     """``round_bf16(x @ weight.T + bias)`` from fp32 products and sums of the bf16 values, in blocks of
     :data:`ROWS` rows so that each row's bits do not depend on the rows beside it.
 
-    The weight is converted to fp32 ``weight_rows`` output rows at a time, and each converted block serves every
-    block of input rows before the next is made: it stays in cache, where converting the whole weight at each
-    call made the fp32 GEMMs read it back from memory (SmolLM2's layers and head, a decode step of 16 rows at two
-    threads: 0.7x the time; ``benchmarks/engine_gemm_blocks.py``). A block's outputs are those of the whole
-    weight's product when the fp32 GEMM's sums along the input dimension do not depend on how many output rows
-    share the call: measured on this CPU's kernels at 1 and 2 threads, and checked against the whole weight's
-    product by tests/vllm_tests/test_cpu_gemm.py."""
+    The weight is converted to fp32 ``weight_rows`` output rows at a time, and each converted block is multiplied
+    by every block of input rows in one batched product (``torch.bmm`` of ROWS-row problems) before the next block
+    is made: it stays in cache, and there is one call (one fork and join of the threads) per weight block instead
+    of one per row block (``benchmarks/engine_gemm_blocks.py`` times it against the earlier form). The bits are
+    those of one fp32 product per row block of the whole weight when the GEMM's sums along the input dimension
+    depend neither on how many output rows share the call nor on the batch around a problem: measured on this
+    CPU's kernels at 1 and 2 threads, and checked by tests/vllm_tests/test_cpu_gemm.py."""
     flat = x.reshape(-1, x.shape[-1]).float()
     rows, n_out = flat.shape[0], weight.shape[0]
     if rows == 0:
@@ -58,13 +57,17 @@ def linear(x, weight, bias=None, *, weight_rows=WEIGHT_ROWS):
     pad = -rows % ROWS
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
-    out = flat.new_empty(flat.shape[0], n_out)
+    blocks = flat.view(-1, ROWS, flat.shape[1])  # [row blocks, ROWS, in]
+    out = flat.new_empty(blocks.shape[0], ROWS, n_out)
     for j in range(0, n_out, weight_rows):
         w = weight[j:j + weight_rows].float()
-        b = None if bias is None else bias[j:j + weight_rows].float()
-        for i in range(0, flat.shape[0], ROWS):
-            out[i:i + ROWS, j:j + weight_rows] = F.linear(flat[i:i + ROWS], w, b)
-    return out[:rows].to(x.dtype).reshape(*x.shape[:-1], n_out)
+        wt = w.t().expand(blocks.shape[0], *w.t().shape)  # the same block for every row block: a view, no copy
+        if bias is None:
+            out[:, :, j:j + weight_rows] = torch.bmm(blocks, wt)
+        else:
+            b = bias[j:j + weight_rows].float().expand(blocks.shape[0], ROWS, w.shape[0])
+            out[:, :, j:j + weight_rows] = torch.baddbmm(b, blocks, wt)
+    return out.view(-1, n_out)[:rows].to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
 def chosen(environ=os.environ) -> str:

@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -249,6 +250,25 @@ def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path
     assert "| nearest | 0 | 2 |" in (tmp_path / "resumed" / "results.md").read_text()
     assert resume.is_done(str(tmp_path / "resumed"), "nearest", 0)
     assert json.loads((tmp_path / "resumed" / "job.json").read_text())["model"] == NAME
+    # provenance read at each session's start: two sessions, the second resumed after the first's one row
+    sessions = json.loads((tmp_path / "resumed" / "run.json").read_text())["sessions"]
+    assert [s["rows_before"] for s in sessions] == [0, 1]
+    assert json.loads((tmp_path / "straight" / "run.json").read_text())["sessions"][0]["rows_before"] == 0
+
+
+def test_provenance_is_read_when_a_session_starts_and_kept_per_session(tmp_path, monkeypatch):
+    """Each start appends its record to sessions.jsonl; the list comes back oldest first, and a later change of
+    what record() reads (the tree edited while the run ran) changes only the later session's entry."""
+    from faircast_jobs import provenance
+
+    monkeypatch.setattr(provenance, "record", lambda: {"commit": "aaa"})
+    first = provenance.add_session(str(tmp_path), 0)
+    monkeypatch.setattr(provenance, "record", lambda: {"commit": "bbb+dirty"})
+    both = provenance.add_session(str(tmp_path), 37)
+    assert [s["commit"] for s in first] == ["aaa"]
+    assert [(s["commit"], s["rows_before"]) for s in both] == [("aaa", 0), ("bbb+dirty", 37)]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", s["started_utc"]) for s in both)
+    assert len((tmp_path / "sessions.jsonl").read_text().splitlines()) == 2
 
 
 def test_a_resumed_job_rewrites_the_rows_it_read_back_as_it_wrote_them(tmp_path):
