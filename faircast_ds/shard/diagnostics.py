@@ -227,8 +227,9 @@ class Diagnostics:
                 for at in range(part.offset, part.offset + part.numel, CHUNK):
                     n = min(CHUNK, part.offset + part.numel - at)
                     got = s.narrow(0, at, n)
-                    gap_sum += float(((m.narrow(0, at, n) - got.float()).abs() / bf16_spacing(got)).sum(
-                        dtype=torch.float64))  # a Python float: no small tensor kept between the chunks
+                    gap = m.narrow(0, at, n) - got.float()
+                    gap.abs_().div_(bf16_spacing(got))  # in place: one temporary per chunk
+                    gap_sum += float(gap.sum(dtype=torch.float64))  # a Python float: no small tensor kept between the chunks
                 count += part.numel
             if key in self._positions and self._positions[key].numel():
                 current = s[self._positions[key]].float()
