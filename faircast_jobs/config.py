@@ -112,6 +112,17 @@ class JobConfig:
     # rounded once: the arithmetic of --gemm fp32 and of a GPU's bf16 GEMM; faircast_ds/vllm/cpu_gemm.py).
     # The served weights are the same either way; the sampled tokens are not, so a job resumes only with its own
     engine_gemm: str = "native"
+    # --engine vllm with --engine-gemm fp32: 1 keeps each weight's fp32 copy in the engine's worker from one forward
+    # to the next (dropped at any other call, a weight update included; faircast_ds/vllm/cpu_gemm.py): the same
+    # products, so the same tokens (benchmarks/pretrained_step.py checks the trajectory) and a job may resume with
+    # either value; 0: every forward converts the weights again (the runs started before 2026-12-07). With
+    # --engine-gemm native there are no fp32 products and nothing to keep: the value does nothing
+    engine_gemm_cache: int = 0
+    # --engine vllm: how long `vllm serve`'s message-queue readers spin before sleeping (faircast_ds/vllm/spin.py;
+    # vLLM's own is 1 s, what the runs started before 2026-12-07 had). 0: its engine core sleeps while its
+    # worker computes instead of spinning beside it on the same cores. Timing only: the same tokens
+    # (benchmarks/pretrained_step.py checks the trajectory), so a job may resume with another value
+    engine_spin_s: float = 0.0
     # the trainer's AdamW over each rank's fp32 master shard: "loop" (torch's per-tensor loop, its CPU default)
     # or "fused" (torch's fused CPU kernel: one pass over the shard). The same update up to the order of its
     # float operations, so the trajectories part within a few steps: a job resumes only with its own
@@ -214,6 +225,11 @@ def _problems(cfg: JobConfig) -> list[str]:
         out.append(f"--operand-max must be at most 9 (one-digit operands), got {cfg.operand_max}")
     for name in ("kl_master_every", "save_every", "session_steps", "engine_threads", "engine_requests"):
         positive_int(name, getattr(cfg, name), low=0)
+    if isinstance(cfg.engine_spin_s, bool) or not isinstance(cfg.engine_spin_s, (int, float)) \
+            or not math.isfinite(cfg.engine_spin_s) or cfg.engine_spin_s < 0:
+        out.append(f"--engine-spin-s must be a number of seconds >= 0, got {cfg.engine_spin_s!r}")
+    if isinstance(cfg.engine_gemm_cache, bool) or cfg.engine_gemm_cache not in (0, 1):
+        out.append(f"--engine-gemm-cache must be 0 or 1, got {cfg.engine_gemm_cache!r}")
     if cfg.push_plane:
         from faircast_ds.vllm.transfer.planes import PLANES
 
@@ -251,6 +267,7 @@ PRETRAINED_DEFAULTS: dict[str, Any] = {
     "steps": 100, "lr": 1e-5, "modes": ("fp32", "nearest", "dither"), "rollouts": 16, "group": 4, "gen_len": 16,
     "rollout_engine": "vllm", "rollout_via": "module", "eval_every": 0, "kl_every": 0, "kl_master_every": 5,
     "save_every": 5, "persist_threshold": 100_000, "task": "addition", "gemm": "fp32", "engine_gemm": "fp32",
+    "engine_gemm_cache": 1,
 }
 # what a run.json written before regimes existed ran with (the settings it does not list)
 LEGACY: dict[str, Any] = {"regime": "large-step", "prompt_vocab": 0, "eval_every": 0, "kl_every": 0}

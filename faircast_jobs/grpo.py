@@ -335,7 +335,8 @@ def start_run(mode: str, seed: int, cfg: JobConfig, task: LowTokenTask) -> Run:
     source = rollouts.make(cfg.rollout_engine, sample=rollout, ds_engine=engine, view=view, fp32=reference,
                           seed=seed, max_len=cfg.prompt_len + cfg.gen_len + 8, run_dir=os.path.join(cfg.out, cfg.name),
                           threads=cfg.engine_threads, plane=cfg.push_plane, gemm=cfg.engine_gemm,
-                          requests=cfg.engine_requests)
+                          requests=cfg.engine_requests, gemm_cache=bool(cfg.engine_gemm_cache),
+                          spin_s=cfg.engine_spin_s)
     return Run(mode=mode, seed=seed, cfg=cfg, engine=engine, optimizer=opt, fair_cast=fair_cast, view=view,
                sync_meter=DeltaSyncBytes(view) if view is not None and fair_cast is not None else None,
                counter=ReferenceChangeCounter(engine) if fair_cast is None else None, master_view=master_view,

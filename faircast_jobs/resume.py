@@ -19,16 +19,19 @@ import re
 import shutil
 from typing import Any
 
-# settings a resumed job may change, every other one must match: where it writes, when it stops, and three that
+# settings a resumed job may change, every other one must match: where it writes, when it stops, and five that
 # train and serve the same bits: engine_threads and push_plane (config.py), persist_threshold (ZeRO-3 keeps
 # gathered what the forward would gather anyway; tests/jobs/test_job_pretrained.py resumes at 1e9 elements a
-# run that an uninterrupted one at 1e5 equals in every column)
-FREE = ("out", "name", "session_steps", "engine_threads", "push_plane", "persist_threshold")
+# run that an uninterrupted one at 1e5 equals in every column), engine_gemm_cache (the same fp32 products) and
+# engine_spin_s (how the engine's processes wait, nothing they compute)
+FREE = ("out", "name", "session_steps", "engine_threads", "push_plane", "persist_threshold", "engine_gemm_cache",
+        "engine_spin_s")
 # settings a resumed job may change when the job's other settings (as it was started) hold these values:
 # engine_requests with the engine's fp32 products, whose rows do not depend on the rows beside them (config.py)
 FREE_WHEN = {"engine_requests": ("engine_gemm", "fp32")}
 # settings added after jobs were started, with the value a job.json written before them ran with
-ADDED = {"gemm": "native", "zero_stage": 3, "engine_gemm": "native", "adamw": "loop", "engine_requests": 8}  # settings added since: what a job.json without them ran with
+ADDED = {"gemm": "native", "zero_stage": 3, "engine_gemm": "native", "adamw": "loop", "engine_requests": 8,
+         "engine_gemm_cache": 0, "engine_spin_s": 1.0}  # settings added since: what a job.json without them ran with
 INTEGER_COLUMNS = ("seed", "step", "changed", "numel", "sync_bytes", "sync_bytes_dense", "engine_sync_params",
                    "engine_sync_bytes")
 BOOL_COLUMNS = ("engine_weights_equal",)  # written as True/False, read back by steps_csv as 1.0/0.0

@@ -76,7 +76,8 @@ class VllmRollouts:
     name = "vllm"
 
     def __init__(self, ds_engine: Any, view: Any, *, fp32: bool, seed: int, max_len: int, run_dir: str,
-                 threads: int = 0, plane: str = "", gemm: str = "native", requests: int = 0) -> None:
+                 threads: int = 0, plane: str = "", gemm: str = "native", requests: int = 0,
+                 gemm_cache: bool = False, spin_s: float | None = None) -> None:
         import torch.distributed as dist
 
         from faircast_ds.export import save_hf
@@ -103,6 +104,7 @@ class VllmRollouts:
                 # a `vllm serve` process on loopback with the faircast backend, killed with its group at the end
                 _Shared.engine = VllmServer(directory, dtype=dtype, seed=seed, max_model_len=max_len,
                                             kv_cache_gib=KV_CACHE_GIB, threads=threads or os.cpu_count(), gemm=gemm,
+                                            gemm_cache=gemm_cache and gemm == "fp32", spin_s=spin_s,
                                             log_path=os.path.join(run_dir, f"vllm-server-{dtype}.log"))
             _Shared.dtype = dtype
             dist.barrier()
@@ -226,14 +228,16 @@ def _gap_sums(trainer: torch.Tensor, engine: torch.Tensor) -> list[float]:
 
 def make(name: str, *, sample: Callable[..., torch.Tensor], ds_engine: Any, view: Any, fp32: bool, seed: int,
          max_len: int, run_dir: str, threads: int = 0, plane: str = "", gemm: str = "native",
-         requests: int = 0) -> HFRollouts | VllmRollouts:
-    """``threads``, ``plane``, ``gemm`` and ``requests`` (--engine-threads, --push-plane, --engine-gemm,
-    --engine-requests) are VllmRollouts'; the HF source has no engine."""
+         requests: int = 0, gemm_cache: bool = False, spin_s: float | None = None) -> HFRollouts | VllmRollouts:
+    """``threads``, ``plane``, ``gemm``, ``requests``, ``gemm_cache`` and ``spin_s`` (--engine-threads,
+    --push-plane, --engine-gemm, --engine-requests, --engine-gemm-cache, --engine-spin-s) are VllmRollouts'; the
+    HF source has no engine."""
     if name == "hf":
         return HFRollouts(sample, ds_engine, view)
     if name == "vllm":
         return VllmRollouts(ds_engine, view, fp32=fp32, seed=seed, max_len=max_len, run_dir=run_dir, threads=threads,
-                            plane=plane, gemm=gemm, requests=requests)
+                            plane=plane, gemm=gemm, requests=requests, gemm_cache=gemm_cache,
+                            spin_s=spin_s)
     raise ValueError(f"unknown rollout engine {name!r}; choose from {', '.join(ENGINES)}")
 
 

@@ -12,7 +12,9 @@ built), ZeRO-3 on 2 CPU ranks, one launch. Each rank writes what it checked to O
   checksums and compares them with SHA-256 digests it computes here of the gathered served bits;
 - one greedy generation through the chat template from the pushed weights (the prompt's ids recorded).
 The server runs as the job runs it under ``--model``: ``gemm="fp32"`` (faircast_ds/vllm/cpu_gemm.py), so the
-read-back and the answer above go through the fp32-summed products.
+read-back and the answer above go through the fp32-summed products, with ``gemm_cache=True``: the worker keeps the
+weights' fp32 copies between its forwards (the answers above) and drops them at the push and the read-back,
+and its queue readers sleep at once (``spin_s=0``).
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ def main() -> None:
             try:
                 # the job's --engine-gemm fp32 (the default under --model): the engine's bf16 products from fp32 sums
                 server_box["server"] = VllmServer(relative, max_model_len=256, log_path=Path(out) / "server.log",
-                                                  gemm="fp32")
+                                                  gemm="fp32", gemm_cache=True, spin_s=0)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 server_box["error"] = repr(exc)
             server_box["seconds"] = time.perf_counter() - began
@@ -157,6 +159,7 @@ def main() -> None:
         result["server_exit"] = server_box["server"].close()
         server_log = (Path(out) / "server.log").read_text(errors="replace")
         result["server_gemm_fp32_processes"] = server_log.count("[fair_cast] FAIRCAST_VLLM_CPU_GEMM=fp32:")
+        result["server_copies_kept"] = server_log.count("[fair_cast] FAIRCAST_VLLM_CPU_GEMM_CACHE=1: this worker keeps")
     write_json(os.path.join(out, f"rank{rank}.json"), result)
     finish_and_exit(0)
 

@@ -41,6 +41,9 @@ def test_model_defaults_are_the_issues_minimum():
     # the engine's bf16 products from fp32 sums under --model (faircast_ds/vllm/cpu_gemm.py); vLLM's own otherwise
     assert cfg.engine_gemm == "fp32" and parse([]).engine_gemm == "native"
     assert parse(["--model", NAME, "--engine-gemm", "native"]).engine_gemm == "native"
+    # the engine keeps the weights' fp32 copies between forwards under --model; a job may say otherwise
+    assert cfg.engine_gemm_cache == 1 and parse([]).engine_gemm_cache == 0
+    assert parse(["--model", NAME, "--engine-gemm-cache", "0"]).engine_gemm_cache == 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -53,6 +56,9 @@ def test_model_defaults_are_the_issues_minimum():
     (["--engine-gemm", "bf16"], "unknown --engine-gemm 'bf16'; choose from native, fp32"),
     (["--adamw", "foreach"], "unknown --adamw 'foreach'; choose from loop, fused"),
     (["--engine-requests", "-1"], "--engine-requests must be an integer >= 0, got -1"),
+    (["--engine-gemm-cache", "2"], "--engine-gemm-cache must be 0 or 1, got 2"),
+    (["--engine-spin-s", "-0.5"], "--engine-spin-s must be a number of seconds >= 0, got -0.5"),
+    (["--engine-spin-s", "nan"], "--engine-spin-s must be a number of seconds >= 0, got nan"),
 ])
 def test_bad_model_settings_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -180,6 +186,19 @@ def test_requests_in_flight_may_change_on_resume_only_with_the_engines_fp32_prod
         resume.check_settings(str(tmp_path / "b"), {**native, "engine_requests": 8})
     with pytest.raises(SystemExit, match=r"engine_gemm \(was 'native', now 'fp32'\)"):  # not freed by the new side
         resume.check_settings(str(tmp_path / "b"), {**cfg, "engine_requests": 8})
+
+
+@pytest.mark.parametrize("key, other", [("engine_gemm_cache", 0), ("engine_spin_s", 1.0)])
+def test_the_engines_fp32_copies_and_spin_may_change_on_resume(tmp_path, key, other):
+    """--engine-gemm-cache computes the same products from the same fp32 values (tests/vllm_tests/test_cpu_gemm.py),
+    --engine-spin-s changes only how the engine's processes wait (benchmarks/pretrained_step.py's trajectory check
+    for both): a job started before them (no key: it ran 0 and vLLM's 1 s) resumes with them and back."""
+    cfg = parse(["--model", NAME, "--out", str(tmp_path), "--name", "r"]).to_json()
+    assert cfg["engine_gemm_cache"] == 1 and cfg["engine_spin_s"] == 0.0
+    older = {k: v for k, v in cfg.items() if k != key}
+    resume.check_settings(str(tmp_path), older)
+    resume.check_settings(str(tmp_path), cfg)
+    resume.check_settings(str(tmp_path), {**cfg, key: other})
 
 
 def test_a_job_started_before_zero_stage_existed_resumes_at_stage_3_only(tmp_path):

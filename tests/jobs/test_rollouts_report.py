@@ -80,5 +80,5 @@ def test_make_hands_the_requests_in_flight_to_the_vllm_source(monkeypatch):
     made = {}
     monkeypatch.setattr(rollouts, "VllmRollouts", lambda *a, **kw: made.update(kw) or "source")
     assert rollouts.make("vllm", sample=None, ds_engine=None, view=None, fp32=False, seed=0, max_len=8,
-                         run_dir="x", requests=5) == "source"
-    assert made["requests"] == 5
+                         run_dir="x", requests=5, gemm_cache=True, spin_s=0.0) == "source"
+    assert (made["requests"], made["gemm_cache"], made["spin_s"]) == (5, True, 0.0)

@@ -148,3 +148,130 @@ def test_the_weights_blocks_give_the_whole_weights_bits():
             assert cpu_gemm.WEIGHT_ROWS < 960  # the shapes above do span several blocks
     finally:
         torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- the fp32 copies (FAIRCAST_VLLM_CPU_GEMM_CACHE)
+
+FP32_KEEP = {cpu_gemm.ENV: "fp32", cpu_gemm.CACHE_ENV: "1"}
+
+
+@pytest.mark.parametrize("env, want", [({}, False), ({cpu_gemm.CACHE_ENV: "0"}, False), (FP32_KEEP, True),
+                                       ({cpu_gemm.ENV: "fp32", cpu_gemm.CACHE_ENV: " "}, False)])
+def test_the_copies_choice_is_read_from_the_environment(env, want):
+    assert cpu_gemm.copies_chosen(env) is want
+
+
+@pytest.mark.parametrize("env, message", [
+    ({cpu_gemm.ENV: "fp32", cpu_gemm.CACHE_ENV: "yes"}, r"FAIRCAST_VLLM_CPU_GEMM_CACHE='yes': 1 \(keep"),
+    ({cpu_gemm.CACHE_ENV: "1"}, r"FAIRCAST_VLLM_CPU_GEMM_CACHE=1 .* needs FAIRCAST_VLLM_CPU_GEMM=fp32, not 'native'"),
+])
+def test_a_bad_copies_choice_names_the_variable(env, message, vllm_dispatch):
+    with pytest.raises(ValueError, match=message):
+        cpu_gemm.install(env)
+
+
+@pytest.fixture
+def worker_rpc(monkeypatch):
+    """vLLM's own multiprocess worker RPC step (``WorkerProc._execute_worker_rpc``), restored after the test, run on
+    a stand-in process holding a stand-in worker: what install() wraps is vLLM's code."""
+    from vllm.v1.executor import multiproc_executor
+
+    proc_cls = multiproc_executor.WorkerProc
+    monkeypatch.setattr(proc_cls, "_execute_worker_rpc", proc_cls._execute_worker_rpc)  # restored afterwards
+    monkeypatch.setattr(cpu_gemm, "COPIES", cpu_gemm.WeightCopies())
+
+    class Proc:
+        rank = 0
+
+        def __init__(self, worker):
+            self.worker, self.outputs = worker, []
+
+        def handle_output(self, output):
+            self.outputs.append(output)
+
+        def call(self, method, *args):
+            proc_cls._execute_worker_rpc(self, (method, args, {}, None))
+            out = self.outputs.pop()
+            if isinstance(out, Exception):
+                raise out
+            return out
+
+    return Proc
+
+
+def test_a_worker_keeps_fp32_copies_between_forwards_and_drops_them_at_any_other_call(vllm_dispatch, worker_rpc):
+    """Oracle: float64 sums of the weight the layer holds when the forward runs, and the uncached linear's bits.
+    A forward (execute_model, sample_tokens) uses the copies and keeps them; any other call to the worker
+    (a weight update by name, a pickled function) drops them before it runs, so the next forward
+    computes with the weights as they are then. A write that bypasses the worker's calls is not seen: that is
+    the copies being used, and why a process that is not a multiprocess worker never arms them."""
+    import cloudpickle
+
+    assert cpu_gemm.install(FP32_KEEP) is True
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(960, 576, generator=g) * 0.05).bfloat16()  # two weight blocks: 512 + 448 rows
+    layer = layer_with(w.clone())
+    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    x = torch.randn(16, 576, generator=g).bfloat16()
+
+    class Worker:
+        def execute_model(self, x):
+            return layer.cpu_linear(x, layer.weight, None)
+
+        def sample_tokens(self, x):
+            return layer.cpu_linear(x, layer.weight, None)
+
+        def update_weights(self, row, values):
+            layer.weight.data[row] = values
+
+        def fails(self, x):
+            raise RuntimeError("a forward that fails")
+
+    proc = worker_rpc(Worker())
+    copies = cpu_gemm.COPIES
+    first = proc.call("execute_model", x)
+    check_against_float64(first, x, w, None)
+    assert torch.equal(first.view(torch.int16), cpu_gemm.linear(x, w).view(torch.int16))  # the same bits
+    assert (copies.fills, copies.hits, copies.armed) == (1, 0, False) and copies.nbytes == w.numel() * 4
+    assert torch.equal(proc.call("sample_tokens", x), first) and (copies.fills, copies.hits) == (1, 1)
+    assert torch.equal(layer.cpu_linear(x, layer.weight, None), first) and copies.hits == 1  # outside a call: live
+
+    new_row = (torch.randn(576, generator=g) * 0.05).bfloat16()
+    layer.weight.data[7] = new_row  # behind the worker's back: the forward still has the old row's copy
+    assert torch.equal(proc.call("execute_model", x), first)
+    layer.weight.data[7] = w[7]
+
+    proc.call("update_weights", 7, new_row)  # a call by name: dropped
+    assert copies.nbytes == 0 and copies.drops >= 1
+    now = w.clone()
+    now[7] = new_row
+    second = proc.call("execute_model", x)
+    check_against_float64(second, x, now, None)
+    assert not torch.equal(second[:, 7], first[:, 7]) and torch.equal(second[:, :7], first[:, :7])
+
+    other = (torch.randn(576, generator=g) * 0.05).bfloat16()
+    proc.call(cloudpickle.dumps(lambda worker: worker.update_weights(900, other)))  # a pickled function: dropped
+    now[900] = other
+    third = proc.call("execute_model", x)
+    check_against_float64(third, x, now, None)
+    assert not torch.equal(third[:, 900], second[:, 900])
+
+    with pytest.raises(RuntimeError, match="a forward that fails"):
+        proc.call("fails", x)
+    assert copies.armed is False and copies.nbytes == 0
+
+
+def test_without_the_variable_a_worker_keeps_no_copies(vllm_dispatch, worker_rpc):
+    cpu_gemm.install({cpu_gemm.ENV: "fp32"})
+    layer = layer_with((torch.randn(64, 576) * 0.05).bfloat16())
+    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+
+    class Worker:
+        def execute_model(self, x):
+            return layer.cpu_linear(x, layer.weight, None)
+
+    x = torch.randn(16, 576).bfloat16()
+    first = worker_rpc(Worker()).call("execute_model", x)
+    layer.weight.data[3] = 0.5
+    assert not torch.equal(worker_rpc(Worker()).call("execute_model", x)[:, 3], first[:, 3])  # read live
+    assert cpu_gemm.COPIES.fills == 0

@@ -53,3 +53,6 @@ def register() -> None:
 
     install_checksums()
     install_cpu_gemm()  # FAIRCAST_VLLM_CPU_GEMM=fp32: bf16 matrix products from fp32 sums (faircast_ds/vllm/cpu_gemm.py)
+    from faircast_ds.vllm.spin import install as install_spin
+
+    install_spin()  # FAIRCAST_VLLM_SPIN_S: how long the queues' readers spin (faircast_ds/vllm/spin.py)

@@ -102,3 +102,55 @@ def test_the_root_exports_servedpush_and_vllmserver_lazily():
             "assert 'vllm' not in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+class _Started(Exception):
+    """Raised by the stand-in Popen: the server process is not started."""
+
+
+@pytest.fixture
+def server_env(monkeypatch, tmp_path):
+    """The environment VllmServer hands its server process (Popen recorded, nothing started)."""
+    from faircast_ds.vllm.transfer import server as module
+
+    (tmp_path / "config.json").write_text("{}")
+    for name in ("FAIRCAST_VLLM_CPU_GEMM", "FAIRCAST_VLLM_CPU_GEMM_CACHE", "FAIRCAST_VLLM_SPIN_S"):
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+
+    def popen(cmd, **kw):
+        seen.update(kw["env"])
+        raise _Started
+
+    monkeypatch.setattr(module.subprocess, "Popen", popen)
+
+    def start(**kw):
+        seen.clear()
+        with pytest.raises(_Started):
+            VllmServer(tmp_path, log_path=tmp_path / "server.log", **kw)
+        return dict(seen)
+
+    return start
+
+
+def test_the_server_process_gets_the_products_copies_and_spin_it_is_given(server_env):
+    env = server_env(gemm="fp32", gemm_cache=True, spin_s=0)
+    assert (env["FAIRCAST_VLLM_CPU_GEMM"], env["FAIRCAST_VLLM_CPU_GEMM_CACHE"], env["FAIRCAST_VLLM_SPIN_S"]) == \
+        ("fp32", "1", "0.0")
+    env = server_env()  # the defaults: vLLM's products, no copies, vLLM's spin
+    assert (env["FAIRCAST_VLLM_CPU_GEMM"], env["FAIRCAST_VLLM_CPU_GEMM_CACHE"]) == ("native", "0")
+    assert "FAIRCAST_VLLM_SPIN_S" not in env
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"gemm_cache": True}, "gemm_cache is True \\(with gemm='fp32'\\) or False, not True with gemm='native'"),
+    ({"gemm": "fp32", "gemm_cache": 1}, "gemm_cache is True"),
+    ({"spin_s": -1}, "spin_s is a number of seconds >= 0 or None, not -1"),
+    ({"spin_s": True}, "spin_s is a number of seconds >= 0 or None, not True"),
+    ({"spin_s": float("inf")}, "spin_s is a number of seconds >= 0 or None, not inf"),
+])
+def test_bad_engine_settings_are_named_before_anything_starts(tmp_path, kw, message):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"VllmServer: {message}"):
+        VllmServer(tmp_path, log_path=tmp_path / "server.log", **kw)
+    assert not (tmp_path / "server.log").exists()
