@@ -43,7 +43,9 @@ def bf16_spacing(y: torch.Tensor) -> torch.Tensor:
     from ``e = 7`` down the products are fp32 subnormals, still powers of two), clamped to ``[2^-133, 2^121]``
     (which changes only ``e = 0`` and ``e = 255``): four passes over the values, ~2x faster than the earlier
     construction from int32 exponents and 6-8x faster than ``ldexp``, the same values
-    (tests/shard/test_diagnostics.py checks every bf16 bit pattern and a spread of fp32 ones against frexp)."""
+    (tests/shard/test_diagnostics.py checks every bf16 bit pattern and a spread of fp32 ones against frexp).
+    Under ``torch.set_flush_denormal(True)`` the spacings below 2^-126 (values under 2^-119 and zero) flush to 0;
+    they are subnormal either way, so a division by them is not meaningful there."""
     y = y.detach().contiguous()
     if y.dtype == torch.float32:
         power = (y.view(torch.int32) & 0x7F800000).view(torch.float32)

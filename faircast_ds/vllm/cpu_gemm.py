@@ -35,9 +35,13 @@ worker's RPC loop (``WorkerProc._execute_worker_rpc``) runs ``execute_model`` an
 copies and every other call (a weight update, a reload, ``/weight_checker``, a pickled function) without them,
 emptying them first. A served engine's weights change only inside such calls, so a forward computes
 with the weights as they are then; the products are the same calls on the same fp32 values, so the same bits
-(tests/vllm_tests/test_cpu_gemm.py). A process that is not a multiprocess worker (an in-process ``LLM``, whose
-caller may write the weights directly) never uses the copies. The price: 4 bytes per weight element (540 MB for
-SmolLM2-135M). ``0`` or unset: no copies; needs ``FAIRCAST_VLLM_CPU_GEMM=fp32``.
+(tests/vllm_tests/test_cpu_gemm.py). An engine whose worker runs in its caller's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocated engine, an external launcher), where the caller may write
+the weights directly, never arms the copies. This rests on vLLM's worker running every call in one loop (vLLM
+0.32's CPU build: the multiprocess executor, no async scheduling); calls that run every step without touching the
+weights but are not forwards (``take_draft_token_ids`` under speculative decoding, ``execute_dummy_batch`` under
+data parallelism) would drop the copies each time: slower, not wrong. The price: 4 bytes per weight element
+(513 MiB for SmolLM2-135M). ``0`` or unset: no copies; needs ``FAIRCAST_VLLM_CPU_GEMM=fp32``.
 """
 from __future__ import annotations
 
@@ -214,10 +218,10 @@ def _arm_in_workers() -> None:
     def _execute_worker_rpc(self, rpc_request):
         with COPIES.during(rpc_request[0]):
             original(self, rpc_request)
-        if COPIES.fills and not COPIES.announced:  # once per process, after the first forward that kept copies
+        if COPIES.hits and not COPIES.announced:  # once per process, after the first forward that reused copies
             COPIES.announced = True
             print(f"[fair_cast] {CACHE_ENV}=1: this worker keeps fp32 copies of {len(COPIES)} weights "
-                  f"({COPIES.nbytes / 2**20:.0f} MiB) between its forwards (pid {os.getpid()})",
+                  f"({COPIES.nbytes / 2**20:.0f} MiB) between its forwards and reused them (pid {os.getpid()})",
                   file=sys.stderr, flush=True)
 
     _execute_worker_rpc.faircast_copies = True

@@ -5,19 +5,22 @@ whose queue is empty keeps calling ``sched_yield`` for ``busy_loop_s`` seconds a
 and only then sleeps until the writer's notification. On a GPU host that spin costs a spare core and saves
 microseconds per step. On a CPU engine it competes with the compute: while a worker runs a decode step (~0.1 s
 for SmolLM2-135M on this project's 2-core machine) the engine core spins through all of it, and sampling from
-`vllm serve` was measured with a third to a half of a core in ``sched_yield`` (py-spy, docs/pretrained.md). At 0
+`vllm serve` had its engine core in ``sched_yield`` for 28% of a core's time (py-spy at 50 Hz during the
+campaign; a third to a half of a core busy by /proc sampling, docs/pretrained.md). At 0
 a batch of the GRPO job's 16 rollouts took 4.38 s against 6.28 s, the same tokens (benchmarks/engine_spin.py).
 
 With ``FAIRCAST_VLLM_SPIN_S=<seconds>`` in a vLLM process's environment (``VllmServer(spin_s=...)``, the GRPO job's
 ``--engine-spin-s``) every reader created afterwards spins that long instead; 0 goes straight to sleeping on the
 notification, the path vLLM itself takes after a second without reads. Unset: vLLM's own. A value that is not a
-non-negative finite number stops the process at start, naming the variable. Nothing computed changes: only how a
-process waits for the next message.
+non-negative finite number stops the process at start, naming the variable; each process that took a value says
+so in its log (``[fair_cast] FAIRCAST_VLLM_SPIN_S=...``). Nothing computed changes: only how a process waits
+for the next message.
 """
 from __future__ import annotations
 
 import math
 import os
+import sys
 
 ENV = "FAIRCAST_VLLM_SPIN_S"
 
@@ -51,4 +54,6 @@ def install(environ=os.environ) -> float | None:
 
     __init__.faircast_original = original
     condition.__init__ = __init__
+    print(f"[fair_cast] {ENV}={seconds:g}: this vLLM process's queue readers spin {seconds:g} s before they sleep "
+          f"(pid {os.getpid()})", file=sys.stderr, flush=True)
     return seconds

@@ -159,7 +159,9 @@ def main() -> None:
         result["server_exit"] = server_box["server"].close()
         server_log = (Path(out) / "server.log").read_text(errors="replace")
         result["server_gemm_fp32_processes"] = server_log.count("[fair_cast] FAIRCAST_VLLM_CPU_GEMM=fp32:")
-        result["server_copies_kept"] = server_log.count("[fair_cast] FAIRCAST_VLLM_CPU_GEMM_CACHE=1: this worker keeps")
+        result["server_copies_reused"] = server_log.count("[fair_cast] FAIRCAST_VLLM_CPU_GEMM_CACHE=1: this worker "
+                                                          "keeps fp32 copies")
+        result["server_spin_processes"] = server_log.count("[fair_cast] FAIRCAST_VLLM_SPIN_S=0:")
     write_json(os.path.join(out, f"rank{rank}.json"), result)
     finish_and_exit(0)
 

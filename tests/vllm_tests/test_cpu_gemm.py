@@ -224,9 +224,6 @@ def test_a_worker_keeps_fp32_copies_between_forwards_and_drops_them_at_any_other
         def update_weights(self, row, values):
             layer.weight.data[row] = values
 
-        def fails(self, x):
-            raise RuntimeError("a forward that fails")
-
     proc = worker_rpc(Worker())
     copies = cpu_gemm.COPIES
     first = proc.call("execute_model", x)
@@ -256,9 +253,20 @@ def test_a_worker_keeps_fp32_copies_between_forwards_and_drops_them_at_any_other
     check_against_float64(third, x, now, None)
     assert not torch.equal(third[:, 900], second[:, 900])
 
-    with pytest.raises(RuntimeError, match="a forward that fails"):
-        proc.call("fails", x)
-    assert copies.armed is False and copies.nbytes == 0
+    with pytest.raises(RuntimeError, match="batch2 tensor"):  # a forward that fails (vLLM's step reports it): unarmed after
+        proc.call("execute_model", torch.zeros(16, 5).bfloat16())
+    assert copies.armed is False
+
+
+def test_a_forward_that_raises_leaves_the_copies_unarmed():
+    copies = cpu_gemm.WeightCopies()
+    with pytest.raises(ValueError, match="inside"):
+        with copies.during("execute_model"):
+            assert copies.armed
+            raise ValueError("inside")
+    assert copies.armed is False
+    with copies.during("update_weights"):
+        assert copies.armed is False
 
 
 def test_without_the_variable_a_worker_keeps_no_copies(vllm_dispatch, worker_rpc):

@@ -107,6 +107,8 @@ class VllmServer:
         env[GEMM_CACHE_ENV] = "1" if gemm_cache else "0"
         if spin_s is not None:
             env[SPIN_ENV] = repr(float(spin_s))
+        else:
+            env.pop(SPIN_ENV, None)  # None is vLLM's own, whatever this process's environment says
         if not torch.cuda.is_available():
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: pin nothing
         self.log_path = Path(log_path) if log_path is not None else Path(f"vllm-server-{port}.log")

@@ -142,6 +142,14 @@ def test_the_server_process_gets_the_products_copies_and_spin_it_is_given(server
     assert "FAIRCAST_VLLM_SPIN_S" not in env
 
 
+def test_spin_none_is_vllms_own_whatever_this_process_exported(server_env, monkeypatch):
+    monkeypatch.setenv("FAIRCAST_VLLM_SPIN_S", "0")
+    monkeypatch.setenv("FAIRCAST_VLLM_CPU_GEMM_CACHE", "1")
+    env = server_env()
+    assert "FAIRCAST_VLLM_SPIN_S" not in env and env["FAIRCAST_VLLM_CPU_GEMM_CACHE"] == "0"
+    assert server_env(spin_s=0.5)["FAIRCAST_VLLM_SPIN_S"] == "0.5"
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"gemm_cache": True}, "gemm_cache is True \\(with gemm='fp32'\\) or False, not True with gemm='native'"),
     ({"gemm": "fp32", "gemm_cache": 1}, "gemm_cache is True"),
