@@ -242,6 +242,15 @@ def test_fp32_on_the_seeds_that_have_it(tmp_path, capsys):
     assert line(out, "| nearest − fp32 | primary").startswith("| nearest − fp32 | primary (steps 1-100) | 2 (0, 1) | -0.105 |")
 
 
+def test_a_few_seeds_intervals_carry_their_caveat(tmp_path, capsys):
+    """Four seeds (and the fp32 rows' two): the table says how little so few seeds' intervals say."""
+    c = Campaign(tmp_path / "repo", four_seeds(DIFFS))
+    assert c.main() == 0
+    out = capsys.readouterr().out
+    assert "With 2 seeds these intervals say little: the t interval has 1 degree(s) of freedom" in out
+    assert "zero width, which is equal differences, not certainty" in out
+
+
 def test_the_pooled_steps_bootstrap_only_when_asked_and_labelled_as_within_run_noise(tmp_path, capsys):
     c = Campaign(tmp_path / "repo", four_seeds(DIFFS))
     assert c.main("--pooled-steps") == 0
