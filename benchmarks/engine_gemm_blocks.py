@@ -42,8 +42,10 @@ def before(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def smollm2_products(doc: str) -> tuple[argparse.Namespace, list[torch.Tensor], dict[int, torch.Tensor]]:
+    """The command line both engine-products benchmarks take (this one and engine_gemm_cache.py), with the
+    threads it asks for set: SmolLM2's weights (and head unless ``--no-head``) and a bf16 input per input width."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rows", type=int, default=16, help="rows per layer (16: a decode step of 16 rollouts; 608: "
@@ -56,7 +58,11 @@ def main() -> None:
     shapes = LAYERS + ([HEAD] if args.head else [])
     weights = [torch.randn(shape, generator=gen).bfloat16() for shape in shapes]
     inputs = {n: torch.randn(args.rows, n, generator=gen).bfloat16() for n in {c for _, c in shapes}}
+    return args, weights, inputs
 
+
+def main() -> None:
+    args, weights, inputs = smollm2_products(__doc__)
     runs = alternately({"before": lambda: [before(inputs[w.shape[1]], w) for w in weights],
                         "now": lambda: [linear(inputs[w.shape[1]], w) for w in weights]}, args.repeats)
     ma, mb = (statistics.median(t for t, _ in runs[form]) for form in ("before", "now"))

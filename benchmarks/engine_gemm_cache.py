@@ -13,31 +13,17 @@ output is the same to the bit.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
+from engine_gemm_blocks import smollm2_products
 from faircast_ds.vllm.cpu_gemm import WeightCopies, linear
 from timing import alternately
 
-LAYERS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # (out, in), the tied head apart
-HEAD = (49152, 576)
-
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--rows", type=int, default=16, help="rows per layer (16: a decode step of 16 rollouts; 608: "
-                   "the prefill of 16 prompts of 38 tokens)")
-    p.add_argument("--no-head", dest="head", action="store_false", help="leave the LM head out (a prefill)")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    gen = torch.Generator().manual_seed(0)
-    shapes = LAYERS + ([HEAD] if args.head else [])
-    weights = [torch.randn(shape, generator=gen).bfloat16() for shape in shapes]
-    inputs = {n: torch.randn(args.rows, n, generator=gen).bfloat16() for n in {c for _, c in shapes}}
+    args, weights, inputs = smollm2_products(__doc__)
     copies = WeightCopies()
     copies.armed = True
     for w in weights:  # filled once, as by the first forward after a weight update

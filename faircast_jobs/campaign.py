@@ -437,10 +437,10 @@ def markdown(an: Analysis) -> str:
                      f"[{_f(c.boot[0])}, {_f(c.boot[1])}] | {c.wtl} |")
     if not an.across:
         lines.append("| – | – | 0 | – | – | – | – |")
-    few = [c for c in an.across if len(c.seeds) < 5]
-    if few:
-        lines += ["", f"With {min(len(c.seeds) for c in few)} seeds these intervals say little: the t interval has "
-                  f"{min(len(c.seeds) for c in few) - 1} degree(s) of freedom, the bootstrap can only resample the "
+    fewest = min((len(c.seeds) for c in an.across), default=0)
+    if 0 < fewest < 5:
+        lines += ["", f"With {fewest} seeds these intervals say little: the t interval has "
+                  f"{fewest - 1} degree(s) of freedom, the bootstrap can only resample the "
                   "seeds' own differences (at 2 seeds it spans them), and seeds whose differences coincide give an "
                   "interval of zero width, which is equal differences, not certainty."]
     if an.pooled:

@@ -225,8 +225,9 @@ def _problems(cfg: JobConfig) -> list[str]:
         out.append(f"--operand-max must be at most 9 (one-digit operands), got {cfg.operand_max}")
     for name in ("kl_master_every", "save_every", "session_steps", "engine_threads", "engine_requests"):
         positive_int(name, getattr(cfg, name), low=0)
-    if isinstance(cfg.engine_spin_s, bool) or not isinstance(cfg.engine_spin_s, (int, float)) \
-            or not math.isfinite(cfg.engine_spin_s) or cfg.engine_spin_s < 0:
+    from faircast_ds.vllm import spin
+
+    if not spin.valid(cfg.engine_spin_s):
         out.append(f"--engine-spin-s must be a number of seconds >= 0, got {cfg.engine_spin_s!r}")
     if isinstance(cfg.engine_gemm_cache, bool) or cfg.engine_gemm_cache not in (0, 1):
         out.append(f"--engine-gemm-cache must be 0 or 1, got {cfg.engine_gemm_cache!r}")

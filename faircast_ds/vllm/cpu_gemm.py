@@ -29,8 +29,8 @@ at start naming the variable.
 **The fp32 copies (``FAIRCAST_VLLM_CPU_GEMM_CACHE=1``).** Converting every weight to fp32 at every forward was a
 third of the engine worker's samples in its products (py-spy during the SmolLM2 campaign); timed alone, keeping
 the copies saves 7-9% of a decode step's products (SmolLM2-135M, 16 rows, 2 threads: 105 -> 98 ms;
-benchmarks/engine_gemm_cache.py), since the copies are read at 4 bytes per weight where the conversion read 2. With the variable set, a ``vllm serve`` worker keeps each weight's fp32 blocks
-from one forward to the next, and drops them all whenever its worker is asked for anything but a forward: the
+benchmarks/engine_gemm_cache.py), since the copies are read at 4 bytes per weight where the conversion read 2.
+With the variable set, a ``vllm serve`` worker keeps each weight's fp32 blocks from one forward to the next, and drops them all whenever its worker is asked for anything but a forward: the
 worker's RPC loop (``WorkerProc._execute_worker_rpc``) runs ``execute_model`` and ``sample_tokens`` with the
 copies and every other call (a weight update, a reload, ``/weight_checker``, a pickled function) without them,
 emptying them first. A served engine's weights change only inside such calls, so a forward computes

@@ -25,6 +25,13 @@ import sys
 ENV = "FAIRCAST_VLLM_SPIN_S"
 
 
+def valid(seconds: object) -> bool:
+    """Whether ``seconds`` is a spin: a finite number >= 0 (not a bool). The environment, VllmServer and the
+    job's --engine-spin-s all check with this."""
+    return (not isinstance(seconds, bool) and isinstance(seconds, (int, float)) and math.isfinite(seconds)
+            and seconds >= 0)
+
+
 def chosen(environ=os.environ) -> float | None:
     """The environment's spin in seconds, or None (unset or empty: vLLM's own)."""
     value = environ.get(ENV, "").strip()
@@ -34,7 +41,7 @@ def chosen(environ=os.environ) -> float | None:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not math.isfinite(seconds) or seconds < 0:
+    if not valid(seconds):
         raise ValueError(f"{ENV}={value!r}: a number of seconds >= 0 (0: readers sleep at once)")
     return seconds
 

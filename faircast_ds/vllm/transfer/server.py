@@ -9,7 +9,6 @@ pushes into it with :class:`~faircast_ds.vllm.transfer.served_push.ServedPush`.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ import torch
 
 from faircast_ds.export.channel import DEFAULT_HOST, free_port
 from faircast_ds.vllm.cpu_gemm import CACHE_ENV as GEMM_CACHE_ENV, CHOICES as GEMMS, ENV as GEMM_ENV
+from faircast_ds.vllm import spin
 from faircast_ds.vllm.spin import ENV as SPIN_ENV
 
 # what a launcher sets and vLLM would read as its own world (see faircast_ds.vllm.colocated.inference)
@@ -77,8 +77,7 @@ class VllmServer:
         if type(gemm_cache) is not bool or (gemm_cache and gemm != "fp32"):
             raise ValueError(f"VllmServer: gemm_cache is True (with gemm='fp32') or False, not {gemm_cache!r} "
                              f"with gemm={gemm!r}")
-        if spin_s is not None and (isinstance(spin_s, bool) or not isinstance(spin_s, (int, float))
-                                   or not math.isfinite(spin_s) or spin_s < 0):
+        if spin_s is not None and not spin.valid(spin_s):
             raise ValueError(f"VllmServer: spin_s is a number of seconds >= 0 or None, not {spin_s!r}")
         if launcher and not port:
             raise ValueError("VllmServer with a launcher needs an explicit port (this process may not reach "
