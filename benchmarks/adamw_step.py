@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+
+from timing import alternately
 
 
 def optimizer(elements: int, fused: bool) -> torch.optim.Optimizer:
@@ -35,12 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     opts = {"loop": optimizer(args.elements, False), "fused": optimizer(args.elements, True)}
-    seconds: dict[str, list[float]] = {k: [] for k in opts}
-    for _ in range(args.rounds):
-        for kind, opt in opts.items():
-            began = time.perf_counter()
-            opt.step()
-            seconds[kind].append(time.perf_counter() - began)
+    timed = alternately({kind: opt.step for kind, opt in opts.items()}, args.rounds)
+    seconds = {kind: [t for t, _ in runs] for kind, runs in timed.items()}
     print(f"AdamW step over {args.elements:,} fp32 elements, {args.threads} thread(s), {args.rounds} rounds alternated")
     print("| kind | min s | median s |\n|---|---|---|")
     for kind, ts in seconds.items():
