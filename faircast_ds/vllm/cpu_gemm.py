@@ -27,21 +27,22 @@ the same bits through it. ``native`` (or unset) leaves vLLM's dispatch alone. An
 at start naming the variable.
 
 **The fp32 copies (``FAIRCAST_VLLM_CPU_GEMM_CACHE=1``).** Converting every weight to fp32 at every forward was a
-third of the engine worker's samples in its products (py-spy during the SmolLM2 campaign); timed alone, keeping
-the copies saves 7-9% of a decode step's products (SmolLM2-135M, 16 rows, 2 threads: 105 -> 98 ms;
-benchmarks/engine_gemm_cache.py), since the copies are read at 4 bytes per weight where the conversion read 2.
-With the variable set, a ``vllm serve`` worker keeps each weight's fp32 blocks from one forward to the next, and drops them all whenever its worker is asked for anything but a forward: the
-worker's RPC loop (``WorkerProc._execute_worker_rpc``) runs ``execute_model`` and ``sample_tokens`` with the
-copies and every other call (a weight update, a reload, ``/weight_checker``, a pickled function) without them,
-emptying them first. A served engine's weights change only inside such calls, so a forward computes
-with the weights as they are then; the products are the same calls on the same fp32 values, so the same bits
-(tests/vllm_tests/test_cpu_gemm.py). An engine whose worker runs in its caller's process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocated engine, an external launcher), where the caller may write
-the weights directly, never arms the copies. This rests on vLLM's worker running every call in one loop (vLLM
-0.32's CPU build: the multiprocess executor, no async scheduling); calls that run every step without touching the
-weights but are not forwards (``take_draft_token_ids`` under speculative decoding, ``execute_dummy_batch`` under
-data parallelism) would drop the copies each time: slower, not wrong. The price: 4 bytes per weight element
-(513 MiB for SmolLM2-135M). ``0`` or unset: no copies; needs ``FAIRCAST_VLLM_CPU_GEMM=fp32``.
+third of the engine worker's samples in its products (py-spy during the SmolLM2 campaign); timed alone, keeping the
+copies saves 7-9% of a decode step's products (SmolLM2-135M, 16 rows, 2 threads: 105 -> 98 ms;
+benchmarks/engine_gemm_cache.py), since the copies are read at 4 bytes per weight where the conversion read 2. With
+the variable set, a ``vllm serve`` worker keeps each weight's fp32 blocks from one forward to the next, and drops
+them all whenever its worker is asked for anything but a forward: the worker's RPC loop
+(``WorkerProc._execute_worker_rpc``) runs ``execute_model`` and ``sample_tokens`` with the copies and every other
+call (a weight update, a reload, ``/weight_checker``, a pickled function) without them, emptying them first. A
+served engine's weights change only inside such calls, so a forward computes with the weights as they are then; the
+products are the same calls on the same fp32 values, so the same bits (tests/vllm_tests/test_cpu_gemm.py). An
+engine whose worker runs in its caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocated engine, an
+external launcher), where the caller may write the weights directly, never arms the copies. This rests on vLLM's
+worker running every call in one loop (vLLM 0.32's CPU build: the multiprocess executor, no async scheduling);
+calls that run every step without touching the weights but are not forwards (``take_draft_token_ids`` under
+speculative decoding, ``execute_dummy_batch`` under data parallelism) would drop the copies each time: slower, not
+wrong. The price: 4 bytes per weight element (513 MiB for SmolLM2-135M). ``0`` or unset: no copies; needs
+``FAIRCAST_VLLM_CPU_GEMM=fp32``.
 """
 from __future__ import annotations
 

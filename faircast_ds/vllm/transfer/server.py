@@ -23,7 +23,6 @@ import torch
 from faircast_ds.export.channel import DEFAULT_HOST, free_port
 from faircast_ds.vllm.cpu_gemm import CACHE_ENV as GEMM_CACHE_ENV, CHOICES as GEMMS, ENV as GEMM_ENV
 from faircast_ds.vllm import spin
-from faircast_ds.vllm.spin import ENV as SPIN_ENV
 
 # what a launcher sets and vLLM would read as its own world (see faircast_ds.vllm.colocated.inference)
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -105,9 +104,9 @@ class VllmServer:
         env[GEMM_ENV] = gemm  # read by the faircast plugin in every vLLM process of the server
         env[GEMM_CACHE_ENV] = "1" if gemm_cache else "0"
         if spin_s is not None:
-            env[SPIN_ENV] = repr(float(spin_s))
+            env[spin.ENV] = repr(float(spin_s))
         else:
-            env.pop(SPIN_ENV, None)  # None is vLLM's own, whatever this process's environment says
+            env.pop(spin.ENV, None)  # None is vLLM's own, whatever this process's environment says
         if not torch.cuda.is_available():
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: pin nothing
         self.log_path = Path(log_path) if log_path is not None else Path(f"vllm-server-{port}.log")
