@@ -77,7 +77,8 @@ class JobConfig:
     # flags above) and its task (jobs/addition.py); --model applies PRETRAINED_DEFAULTS first
     model: str = ""
     task: str = ""  # "" = the tiny model's low-token task; "addition" needs --model
-    operand_max: int = 9  # addition: operands drawn from [1, operand_max] (one digit: one prompt length)
+    # addition: operands drawn from [1, operand_max] (one digit: one prompt length; 5 or more: a two-digit sum)
+    operand_max: int = 9
     # KL(master || served) per token on a fixed batch of right answers every this many steps (0: off)
     kl_master_every: int = 0
     # a DeepSpeed checkpoint of the running engine every this many steps (and at its last step), kept in
@@ -223,6 +224,10 @@ def _problems(cfg: JobConfig) -> list[str]:
         positive_int(name, getattr(cfg, name))
     if isinstance(cfg.operand_max, int) and not isinstance(cfg.operand_max, bool) and cfg.operand_max > 9:
         out.append(f"--operand-max must be at most 9 (one-digit operands), got {cfg.operand_max}")
+    if isinstance(cfg.operand_max, int) and not isinstance(cfg.operand_max, bool) and 0 < cfg.operand_max < 5:
+        # the fixed batch the served and master policies are compared on holds two-digit sums (5 + 5 at least);
+        # without this check the job found out after building the model and the engine, a minute into the launch
+        out.append(f"--operand-max must be at least 5 (the fixed batch needs a two-digit sum), got {cfg.operand_max}")
     for name in ("kl_master_every", "save_every", "session_steps", "engine_threads", "engine_requests"):
         positive_int(name, getattr(cfg, name), low=0)
     from faircast_ds.vllm import spin

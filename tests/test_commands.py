@@ -143,7 +143,9 @@ def test_every_documented_command_is_run_by_ci_or_named_as_a_long_run():
 def quick_main_variant(command: str) -> str:
     """``bash launch/main.sh ...`` with fewer steps, seeds and modes: --full and --name dropped, one seed, one
     step (three for the default run, which is compared with the committed rows), one mode where the command
-    names none (nearest and dither, three steps, for ``--engine vllm``, whose rows are checked)."""
+    names none (nearest and dither, three steps, for ``--engine vllm``, whose rows are checked). A command
+    whose options left then parse to the default job's settings (``--engine hf``: the default engine) is the
+    default run's variant: the same job, launched once."""
     words = shlex.split(command.split("&&")[-1].strip())
     env = [w for w in words if re.match(r"^[A-Z_]+=", w)]
     args = words[len(env) + 2:]
@@ -162,6 +164,8 @@ def quick_main_variant(command: str) -> str:
             continue
         out.append(a)
         i += 1
+    if out and not env and _same_job(out, []):
+        out = []
     steps = "3" if not out and not env else "1"
     if "--modes" not in out and out and not env:
         # one mode (dither) where the command picks none: the default run, three steps of all five modes,
@@ -173,6 +177,15 @@ def quick_main_variant(command: str) -> str:
         out += ["--seeds", "1"] if "--seed-list" not in out else []
     out += ["--steps", steps]
     return " ".join(env + ["bash", "launch/main.sh"] + out)
+
+
+def _same_job(args: list[str], other: list[str]) -> bool:
+    """Whether two argument lists give the job the same settings (the run's name aside: it carries the time)."""
+    from faircast_jobs.config import parse
+
+    a, b = parse(args).to_json(), parse(other).to_json()
+    a.pop("name"), b.pop("name")
+    return a == b
 
 
 def test_quick_variants_keep_the_command_and_cut_its_length():
@@ -187,6 +200,10 @@ def test_quick_variants_keep_the_command_and_cut_its_length():
         "bash launch/main.sh --regime large-step --modes dither --seeds 1 --steps 1"
     assert quick_main_variant("bash launch/main.sh --engine vllm") == \
         "bash launch/main.sh --engine vllm --modes nearest,dither --seeds 1 --steps 3"
+    # the default engine named: the default run, launched once for both commands
+    assert quick_main_variant("bash launch/main.sh --engine hf --steps 40") == "bash launch/main.sh --seeds 1 --steps 3"
+    assert quick_main_variant("bash launch/main.sh --engine hf --lr 2e-6") == \
+        "bash launch/main.sh --engine hf --lr 2e-6 --modes dither --seeds 1 --steps 1"
 
 
 def main_job_variants() -> list[str]:

@@ -51,6 +51,7 @@ def test_model_defaults_are_the_issues_minimum():
     (["--model", "smollm2"], "unknown --model 'smollm2'"),
     (["--model", NAME, "--gen-len", "8"], "--gen-len must be at least 16"),
     (["--model", NAME, "--operand-max", "12"], "--operand-max must be at most 9"),
+    (["--model", NAME, "--operand-max", "4"], "--operand-max must be at least 5 (the fixed batch needs a two-digit sum)"),
     (["--session-steps", "3"], "--session-steps needs --save-every"),
     (["--gemm", "bf16"], "unknown --gemm 'bf16'; choose from native, fp32"),
     (["--engine-gemm", "bf16"], "unknown --engine-gemm 'bf16'; choose from native, fp32"),
