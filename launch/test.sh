@@ -8,6 +8,8 @@ export DS_ACCELERATOR=cpu
 jemalloc="$(ldconfig -p 2>/dev/null | awk '/libjemalloc\.so\.2 / && !found {print $NF; found = 1}')"
 if [ -n "$jemalloc" ]; then
   export LD_PRELOAD="$jemalloc${LD_PRELOAD:+:$LD_PRELOAD}"
+  "${PYTHON:-python3}" -c "import sys; sys.exit('libjemalloc' not in open('/proc/self/maps').read())" \
+    || { echo "launch/test.sh: LD_PRELOAD=$LD_PRELOAD did not load jemalloc into python" >&2; exit 1; }
   echo "launch/test.sh: allocator jemalloc ($jemalloc)" >&2
 else
   echo "launch/test.sh: allocator glibc malloc (libjemalloc2 not installed: launch/setup.d/70-jemalloc.sh)" >&2
