@@ -222,12 +222,13 @@ def _problems(cfg: JobConfig) -> list[str]:
                    else f"--model {cfg.model} needs --task (choose from {', '.join(t for t in TASKS if t)})")
     for name in ("operand_max",):
         positive_int(name, getattr(cfg, name))
-    if isinstance(cfg.operand_max, int) and not isinstance(cfg.operand_max, bool) and cfg.operand_max > 9:
-        out.append(f"--operand-max must be at most 9 (one-digit operands), got {cfg.operand_max}")
-    if isinstance(cfg.operand_max, int) and not isinstance(cfg.operand_max, bool) and 0 < cfg.operand_max < 5:
-        # the fixed batch the served and master policies are compared on holds two-digit sums (5 + 5 at least);
-        # without this check the job found out after building the model and the engine, a minute into the launch
-        out.append(f"--operand-max must be at least 5 (the fixed batch needs a two-digit sum), got {cfg.operand_max}")
+    if isinstance(cfg.operand_max, int) and not isinstance(cfg.operand_max, bool):
+        if cfg.operand_max > 9:
+            out.append(f"--operand-max must be at most 9 (one-digit operands), got {cfg.operand_max}")
+        elif 0 < cfg.operand_max < 5:
+            # the fixed batch the served and master policies are compared on holds two-digit sums (5 + 5 at
+            # least); without this check the job found out after building the model and the engine
+            out.append(f"--operand-max must be at least 5 (the fixed batch needs a two-digit sum), got {cfg.operand_max}")
     for name in ("kl_master_every", "save_every", "session_steps", "engine_threads", "engine_requests"):
         positive_int(name, getattr(cfg, name), low=0)
     from faircast_ds.vllm import spin

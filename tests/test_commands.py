@@ -164,7 +164,7 @@ def quick_main_variant(command: str) -> str:
             continue
         out.append(a)
         i += 1
-    if out and not env and _same_job(out, []):
+    if out and not env and _is_the_default_job(out):
         out = []
     steps = "3" if not out and not env else "1"
     if "--modes" not in out and out and not env:
@@ -179,13 +179,13 @@ def quick_main_variant(command: str) -> str:
     return " ".join(env + ["bash", "launch/main.sh"] + out)
 
 
-def _same_job(args: list[str], other: list[str]) -> bool:
-    """Whether two argument lists give the job the same settings (the run's name aside: it carries the time)."""
+def _is_the_default_job(args: list[str]) -> bool:
+    """Whether ``args`` give the job the settings of no arguments at all (the run's name aside: it carries the time)."""
     from faircast_jobs.config import parse
 
-    a, b = parse(args).to_json(), parse(other).to_json()
-    a.pop("name"), b.pop("name")
-    return a == b
+    given, default = parse(args).to_json(), parse([]).to_json()
+    given.pop("name"), default.pop("name")
+    return given == default
 
 
 def test_quick_variants_keep_the_command_and_cut_its_length():

@@ -7,8 +7,11 @@
 # where it cannot be installed (no apt, not root) the suite runs under glibc's malloc and says so.
 # Idempotent: nothing is installed when the library is there.
 set -uo pipefail
-if ldconfig -p 2>/dev/null | grep 'libjemalloc\.so\.2 ' > /dev/null; then
-  echo "jemalloc: $(ldconfig -p | awk '/libjemalloc\.so\.2 / && !found {print $NF; found = 1}')"
+# the library's path as the loader knows it, empty if absent (awk reads the whole list: an early exit would
+# SIGPIPE ldconfig, which pipefail turns into a failure)
+installed() { ldconfig -p 2>/dev/null | awk '/libjemalloc\.so\.2 / && !found {print $NF; found = 1}'; }
+if [ -n "$(installed)" ]; then
+  echo "jemalloc: $(installed)"
   exit 0
 fi
 if ! command -v apt-get > /dev/null || [ "$(id -u)" != 0 ]; then
@@ -20,4 +23,4 @@ apt-get install -y -q --no-install-recommends libjemalloc2 > /dev/null 2>&1 \
   || { apt-get update -q > /dev/null 2>&1 && apt-get install -y -q --no-install-recommends libjemalloc2 > /dev/null; } \
   || { echo "jemalloc: apt-get install libjemalloc2 failed; launch/test.sh will run under glibc's malloc" >&2; exit 0; }
 ldconfig
-echo "jemalloc: $(ldconfig -p | awk '/libjemalloc\.so\.2 / && !found {print $NF; found = 1}')"
+echo "jemalloc: $(installed)"
