@@ -81,6 +81,20 @@ AVX512 = _has_avx512()
 NO_AVX512 = "the reference was recorded on an AVX-512 CPU, whose kernels round differently from this CPU's (AVX2)"
 
 
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+# The committed paper run (docs/grpo/paper) was recorded on an AMD EPYC with AVX-512 BF16. On an Intel AVX-512 CPU
+# its trained and served columns reproduce and the last digits of some float diagnostics do not (docs/grpo.md).
+CPU_VENDOR = _cpu_vendor()
+PAPER_CPU = AVX512 and CPU_VENDOR == "AuthenticAMD"
+
+
 def cpu_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     path = [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]  # no empty entry (= cwd)

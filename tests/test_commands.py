@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import AVX512, NO_AVX512, ROOT, cpu_env, free_port
+from conftest import AVX512, CPU_VENDOR, NO_AVX512, PAPER_CPU, ROOT, cpu_env, free_port
 
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 PREFIXES = ("bash launch/", "faircast-ds ", "faircast-vllm", "python3 -m faircast_ds", "python -m faircast_ds",
@@ -257,6 +257,11 @@ TIMINGS = {"cast_ms", "rollout_ms", "train_ms", "fwd_bwd_ms", "opt_ms", "extra_m
 # columns the job writes that the committed paper run predates; each is named, so a column that appears or
 # vanishes unexplained still fails
 ADDED_SINCE_PAPER = {"kl_master"}
+# float diagnostics summed over many elements or taken from near-equal quantities, and the relative difference
+# allowed in them on an AVX-512 CPU other than the one that recorded the paper run (conftest.PAPER_CPU), where
+# every other column must still be the same to the bit. Seen on an Intel Xeon (2026-12-08): fp32's loss 6e-7 to
+# 7e-5 and its KL between steps (a difference of near-equal log-probs) 0.8-1.5%; the bf16 modes' at most 8e-7.
+DIAGNOSTICS = {"loss": 1e-3, "kl_step": 5e-2, "gap_spacings": 1e-5, "lag_drift_steps": 1e-5, "bias_spacings": 1e-4}
 
 
 def _launch_order(command: str) -> int:
@@ -270,7 +275,7 @@ def quick_runs(request, fresh_copy, tmp_path_factory) -> dict[str, tuple[Path, s
     """The quick variants this session selected, launched two at a time, each in its own copy of the files
     (a run's directory is named by the second it started). One launch leaves a core idle for much of its time:
     the runner and DeepSpeed's launcher import one after the other on one core, rank 0 alone writes the report.
-    Two side by side here took 75.5 s against 89.7 s one after the other (docs/testing.md, stop 63)."""
+    The six side by side took 153 s against 199 s one after the other (docs/testing.md, stop 63)."""
     selected = sorted({item.callspec.params["command"] for item in request.session.items
                        if getattr(item, "originalname", "") == "test_main_job_commands_run_quick"},
                       key=lambda c: (_launch_order(c), c))
@@ -308,8 +313,14 @@ def test_main_job_commands_run_quick(quick_runs, command):
         want = committed[(row["mode"], row["step"])]
         # the job evaluates on its fixed batch every --eval-every steps and at its last step: 3 here, 500 there
         skip = TIMINGS | ADDED_SINCE_PAPER | ({"served_eval", "master_eval"} if row["step"] == "3" else set())
+        if not PAPER_CPU:
+            far = {k: (row[k], want[k]) for k, rel in DIAGNOSTICS.items()
+                   if row[k] != want[k] and not math.isclose(float(row[k]), float(want[k]), rel_tol=rel)}
+            assert not far, f"{row['mode']} step {row['step']}: diagnostics off by more than {DIAGNOSTICS}: {far}"
+            skip = skip | set(DIAGNOSTICS)
         differ = {k: (row[k], want[k]) for k in row if k not in skip and row[k] != want[k]}
-        assert not differ, (f"{row['mode']} step {row['step']} differs from docs/grpo/paper/steps.csv: {differ}; "
+        assert not differ, (f"{row['mode']} step {row['step']} differs from docs/grpo/paper/steps.csv"
+                            f"{'' if PAPER_CPU else f' (on a {CPU_VENDOR} CPU, the diagnostics aside)'}: {differ}; "
                             f"provenance: {(run_dir / 'run.json').read_text()[-600:]}")
 
 
