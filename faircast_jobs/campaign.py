@@ -22,8 +22,11 @@ registered learning rate count. It prints (and with ``--out`` writes ``table.md`
 Refused, with the problem named: a pre-registration changed in git at or after the first commit that
 adds campaign rows (or, with no rows committed yet, one that is not committed and clean), committed rows
 changed after it, two runs with the same reward series (rows pasted from one seed into another), a run with
-missing or repeated steps, two different runs for one (mode, seed). A seed still running is reported as
-incomplete and left out. ``--lr``/``--steps`` analyse other rows the same way (the endpoints' step ranges
+missing or repeated steps, two different runs for one (mode, seed), run folders whose ``run.json`` or
+``sessions.jsonl`` name more than one CPU vector capability (the registration takes every seed on one kind of
+CPU; matrix kernels round differently on AVX2 and AVX-512). A seed still running is reported as
+incomplete and left out. ``--this-cpu KEPT`` checks, before a campaign run starts, that this machine's
+capability is the one of the runs in KEPT (exit 2 naming both where it is not). ``--lr``/``--steps`` analyse other rows the same way (the endpoints' step ranges
 scaled to N steps); the output then says it is not the registered analysis.
 """
 from __future__ import annotations
@@ -157,6 +160,54 @@ def check_dates(prereg: str, row_files: Sequence[str], against: str) -> None:
         if late:
             raise CampaignError(f"{against} (the committed rows of the reproduction check) changed in commit "
                                 f"{late[0][:10]}, after the registration {registered[0][:10]}")
+
+
+# ---- the CPU the runs ran on ------------------------------------------------------------------------------
+
+def run_cpus(folder: str) -> set[str]:
+    """The CPU capabilities (``provenance.record()``'s ``cpu_capability``) recorded for a run folder over all its
+    sessions: ``run.json``'s ``sessions`` and ``provenance``, else ``sessions.jsonl``; empty where neither is
+    there (the 5-step reproduction runs stop before the job writes run.json, and were kept without it)."""
+    found: set[str] = set()
+    path = os.path.join(folder, "run.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            run = json.load(f)
+        for entry in [run.get("provenance") or {}, *(run.get("sessions") or [])]:
+            if entry.get("cpu_capability"):
+                found.add(entry["cpu_capability"])
+    elif os.path.isfile(os.path.join(folder, "sessions.jsonl")):
+        with open(os.path.join(folder, "sessions.jsonl")) as f:
+            found = {cap for line in f if line.strip() and (cap := json.loads(line).get("cpu_capability"))}
+    return found
+
+
+def campaign_cpu(folders: Sequence[str]) -> str | None:
+    """The one CPU capability every run folder in ``folders`` records (None where none records one); refused
+    when they record more than one, naming which run ran where."""
+    by_cpu: dict[str, list[str]] = {}
+    for folder in folders:
+        for cap in run_cpus(folder):
+            by_cpu.setdefault(cap, []).append(os.path.basename(os.path.normpath(folder)))
+    if len(by_cpu) > 1:
+        raise CampaignError("the runs ran on CPUs of more than one kind, and the registration takes every seed on "
+                            "one: " + "; ".join(f"{cap}: {', '.join(sorted(names))}"
+                                                for cap, names in sorted(by_cpu.items())))
+    return next(iter(by_cpu), None)
+
+
+def check_this_cpu(kept: str) -> str:
+    """Before a campaign run starts: this machine's CPU capability must be the kept runs' (a message naming
+    both otherwise). Returns the capability."""
+    import torch
+
+    mine = torch.backends.cpu.get_cpu_capability()
+    theirs = campaign_cpu(expand(kept))
+    if theirs is not None and theirs != mine:
+        raise CampaignError(f"this CPU has {mine}; the campaign's runs in {kept} ran on {theirs}, and the "
+                            f"registration takes every seed on one kind of CPU (matrix kernels round differently). "
+                            f"Run the campaign on a CPU with {theirs}")
+    return mine
 
 
 # ---- the rows ---------------------------------------------------------------------------------------------
@@ -342,6 +393,7 @@ class Analysis:
     across: list[Across] = field(default_factory=list)
     pooled: list[tuple[Endpoint, int, tuple[float, float, float]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    cpu: str | None = None  # the one CPU capability the run folders record (campaign_cpu)
 
 
 def analyse(plan: Plan, runs: dict[Run, dict[int, dict]], where: dict[Run, str], count_unchecked: bool = False,
@@ -391,6 +443,8 @@ def markdown(an: Analysis) -> str:
     if not p.registered:
         lines += ["**Not the registered analysis:** --lr/--steps change what the registration fixed; the endpoints' "
                   "step ranges are scaled to the run.", ""]
+    if an.cpu:
+        lines += [f"Every run folder that records its CPU ran on one with {an.cpu} (run.json's cpu_capability).", ""]
     lines += ["## Reproduction check", ""]
     for r in an.repro:
         verdict = "counts" if r.ok else "counts WITHOUT a passed check (--count-unchecked)" if an.count_unchecked \
@@ -510,7 +564,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="count the reproduction's seeds on their committed rows without a passed check")
     parser.add_argument("--lr", type=float, help="analyse rows of another learning rate (not the registered analysis)")
     parser.add_argument("--steps", type=int, help="runs of this many steps (not the registered analysis)")
+    parser.add_argument("--this-cpu", metavar="KEPT",
+                        help="only check that this machine's CPU capability is that of the runs in KEPT")
     args = parser.parse_args(argv)
+    if args.this_cpu:
+        try:
+            print(f"campaign: this CPU has {check_this_cpu(args.this_cpu)}, as the runs in {args.this_cpu}")
+        except (CampaignError, OSError, json.JSONDecodeError) as exc:
+            print(f"campaign: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         plan = load_plan(args.prereg, args.lr, args.steps)
         given = [p for p in args.rows if not plan.against or os.path.realpath(p) != os.path.realpath(plan.against)]
@@ -519,6 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_dates(args.prereg, files, plan.against)
         runs, where = read_runs(paths, plan.lr, plan.against)
         an = analyse(plan, runs, where, args.count_unchecked, args.pooled_steps)
+        an.cpu = campaign_cpu([p for p in paths if os.path.isdir(p)])
     except (CampaignError, OSError, KeyError, json.JSONDecodeError) as exc:
         print(f"campaign: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,8 @@ echo 1000 > /proc/self/oom_score_adj 2>/dev/null || true
 port="${MASTER_PORT:-29660}"
 pause="${PAUSE:-30}"
 source launch/smollm2_run.sh
+# every seed on one kind of CPU (the registration): refuse to start on another kind than the kept runs'
+"${PYTHON:-python3}" -m faircast_jobs.campaign --this-cpu "$kept" || exit 2
 keep() {  # name [rows]: copy a finished run's rows into $kept (the copy is whole or absent: a temporary folder,
   # renamed). A run stopped on purpose after --session-steps (the reproduction runs) has no run.json: the job
   # writes it only when every step is done; rows=steps keeps such a run's steps.csv and job.json alone.

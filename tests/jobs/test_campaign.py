@@ -339,6 +339,42 @@ def test_two_runs_for_one_mode_and_seed_are_refused(tmp_path, capsys):
     assert "dither seed 2: two runs" in capsys.readouterr().err
 
 
+def _ran_on(folder: Path, *sessions: str) -> None:
+    """A run.json as the job writes it: the last session's provenance and every session's record."""
+    records = [{"started_utc": f"2026-12-0{k + 1}T00:00:00Z", "cpu_capability": cap} for k, cap in enumerate(sessions)]
+    (folder / "run.json").write_text(json.dumps({"provenance": records[-1], "sessions": records}))
+
+
+def test_the_table_names_the_one_cpu_and_runs_on_two_kinds_are_refused(tmp_path, capsys):
+    c = Campaign(tmp_path / "repo", four_seeds(DIFFS))
+    for folder in (c.root / "runs").iterdir():
+        if not folder.name.startswith("repro-"):  # the 5-step reproduction runs are kept without run.json
+            _ran_on(folder, "AVX2")
+    assert c.main() == 0
+    assert "ran on one with AVX2 (run.json's cpu_capability)" in capsys.readouterr().out
+    _ran_on(c.root / "runs" / "seed3-dither", "AVX2", "AVX512")  # resumed on another kind in a later session
+    assert c.main() == 2
+    err = capsys.readouterr().err
+    assert "more than one kind" in err and "AVX512: seed3-dither" in err and "AVX2: seed1-dither" in err, err
+
+
+def test_a_campaign_run_is_refused_on_another_kind_of_cpu(tmp_path, capsys):
+    import torch
+
+    mine = torch.backends.cpu.get_cpu_capability()
+    other = "AVX2" if mine != "AVX2" else "AVX512"
+    kept = tmp_path / "kept"
+    write_run(kept / "lr1e-5-seed0-nearest", rows("x", "nearest", 0, base(0)))
+    assert campaign.main(["--this-cpu", str(kept)]) == 0  # no run records a CPU yet
+    _ran_on(kept / "lr1e-5-seed0-nearest", mine)
+    assert campaign.main(["--this-cpu", str(kept)]) == 0
+    assert f"this CPU has {mine}, as the runs in" in capsys.readouterr().out
+    _ran_on(kept / "lr1e-5-seed0-nearest", other)
+    assert campaign.main(["--this-cpu", str(kept)]) == 2
+    err = capsys.readouterr().err
+    assert f"this CPU has {mine}; the campaign's runs in {kept} ran on {other}" in err, err
+
+
 def test_a_registration_changed_after_the_rows_commit_is_refused(tmp_path, capsys):
     c = Campaign(tmp_path / "repo", four_seeds(DIFFS))
     table = c.root / "campaign.csv"

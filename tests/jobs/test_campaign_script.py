@@ -84,3 +84,20 @@ def test_a_failed_or_incomplete_run_is_not_kept_and_runs_again_next_time(tmp_pat
     calls.unlink()
     campaign(repo, calls)
     assert calls.read_text().split() == ["lr1e-5-seed3-dither", "lr1e-5-seed5-nearest"]
+
+
+def test_the_campaign_does_not_start_on_another_kind_of_cpu(tmp_path):
+    """The registration takes every seed on one kind of CPU: with a kept run from another kind, no run starts."""
+    import json
+
+    import torch
+
+    repo, calls = copy_repo(tmp_path), tmp_path / "calls"
+    other = "AVX2" if torch.backends.cpu.get_cpu_capability() != "AVX2" else "AVX512"
+    kept = repo / "docs/pretrained/campaign/runs/lr1e-5-seed0-nearest"
+    kept.mkdir(parents=True)
+    (kept / "steps.csv").write_text("step,reward\n1,0.5\n")
+    (kept / "run.json").write_text(json.dumps({"provenance": {"cpu_capability": other}, "sessions": []}))
+    proc = campaign(repo, calls)
+    assert proc.returncode == 2 and not calls.exists(), proc.stdout + proc.stderr
+    assert f"ran on {other}" in proc.stderr and f"Run the campaign on a CPU with {other}" in proc.stderr

@@ -152,6 +152,19 @@ def test_a_resumed_job_must_keep_its_settings(tmp_path):
         resume.check_settings(str(tmp_path), {**cfg, "lr": 1e-6})
 
 
+def test_a_run_resumes_only_on_the_kind_of_cpu_it_started_on(tmp_path):
+    from faircast_jobs import provenance
+
+    resume.check_cpu(str(tmp_path), "AVX2")  # no session recorded yet: nothing to compare
+    mine = provenance.record()["cpu_capability"]
+    provenance.add_session(str(tmp_path), 0)
+    provenance.add_session(str(tmp_path), 5)
+    resume.check_cpu(str(tmp_path), mine)
+    other = "AVX2" if mine != "AVX2" else "AVX512"
+    with pytest.raises(SystemExit, match=rf"started on a CPU with {mine} .*this one has {other}"):
+        resume.check_cpu(str(tmp_path), other)
+
+
 def test_a_job_started_before_gemm_existed_resumes_only_with_native_gemms(tmp_path):
     cfg = parse(["--model", NAME, "--out", str(tmp_path), "--name", "r"]).to_json()
     older = {k: v for k, v in cfg.items() if k != "gemm"}  # its job.json has no gemm: it ran PyTorch's kernels
