@@ -164,50 +164,62 @@ def check_dates(prereg: str, row_files: Sequence[str], against: str) -> None:
 
 # ---- the CPU the runs ran on ------------------------------------------------------------------------------
 
-def run_cpus(folder: str) -> set[str]:
-    """The CPU capabilities (``provenance.record()``'s ``cpu_capability``) recorded for a run folder over all its
-    sessions: ``run.json``'s ``sessions`` and ``provenance``, else ``sessions.jsonl``; empty where neither is
-    there (the 5-step reproduction runs stop before the job writes run.json, and were kept without it)."""
-    found: set[str] = set()
+def _sessions(folder: str) -> list[dict]:
+    """A run folder's session records: ``run.json``'s ``provenance`` and ``sessions``, else ``sessions.jsonl``'s;
+    none where neither is there (the 5-step reproduction runs stop before the job writes run.json, and were kept
+    without it)."""
     path = os.path.join(folder, "run.json")
     if os.path.isfile(path):
         with open(path) as f:
             run = json.load(f)
-        for entry in [run.get("provenance") or {}, *(run.get("sessions") or [])]:
-            if entry.get("cpu_capability"):
-                found.add(entry["cpu_capability"])
-    elif os.path.isfile(os.path.join(folder, "sessions.jsonl")):
+        return [run.get("provenance") or {}, *(run.get("sessions") or [])]
+    if os.path.isfile(os.path.join(folder, "sessions.jsonl")):
         with open(os.path.join(folder, "sessions.jsonl")) as f:
-            found = {cap for line in f if line.strip() and (cap := json.loads(line).get("cpu_capability"))}
-    return found
+            return [json.loads(line) for line in f if line.strip()]
+    return []
+
+
+def run_cpus(folder: str, key: str = "cpu_capability") -> set[str]:
+    """What a run folder's sessions record under ``key`` (``provenance.record()``'s ``cpu_capability`` or
+    ``cpu_vendor``; runs before 2026-12-08 record no vendor)."""
+    return {entry[key] for entry in _sessions(folder) if entry.get(key)}
 
 
 def campaign_cpu(folders: Sequence[str]) -> str | None:
-    """The one CPU capability every run folder in ``folders`` records (None where none records one); refused
-    when they record more than one, naming which run ran where."""
-    by_cpu: dict[str, list[str]] = {}
-    for folder in folders:
-        for cap in run_cpus(folder):
-            by_cpu.setdefault(cap, []).append(os.path.basename(os.path.normpath(folder)))
-    if len(by_cpu) > 1:
-        raise CampaignError("the runs ran on CPUs of more than one kind, and the registration takes every seed on "
-                            "one: " + "; ".join(f"{cap}: {', '.join(sorted(names))}"
-                                                for cap, names in sorted(by_cpu.items())))
-    return next(iter(by_cpu), None)
+    """The one CPU capability (and vendor, where recorded) every run folder in ``folders`` records, as text (None
+    where none records one); refused when they record more than one, naming which run ran where."""
+    found = []
+    for key in ("cpu_capability", "cpu_vendor"):
+        by_cpu: dict[str, list[str]] = {}
+        for folder in folders:
+            for value in run_cpus(folder, key):
+                by_cpu.setdefault(value, []).append(os.path.basename(os.path.normpath(folder)))
+        if len(by_cpu) > 1:
+            raise CampaignError("the runs ran on CPUs of more than one kind, and the registration takes every seed "
+                                "on one: " + "; ".join(f"{v}: {', '.join(sorted(names))}"
+                                                       for v, names in sorted(by_cpu.items())))
+        found += list(by_cpu)
+    return " ".join(found) or None
 
 
 def check_this_cpu(kept: str) -> str:
-    """Before a campaign run starts: this machine's CPU capability must be the kept runs' (a message naming
-    both otherwise). Returns the capability."""
+    """Before a campaign run starts: this machine's CPU capability must be the kept runs', and its vendor too where
+    they record one (a message naming both otherwise). Returns this CPU's, as text."""
     import torch
 
-    mine = torch.backends.cpu.get_cpu_capability()
-    theirs = campaign_cpu(expand(kept))
-    if theirs is not None and theirs != mine:
-        raise CampaignError(f"this CPU has {mine}; the campaign's runs in {kept} ran on {theirs}, and the "
-                            f"registration takes every seed on one kind of CPU (matrix kernels round differently). "
-                            f"Run the campaign on a CPU with {theirs}")
-    return mine
+    from faircast_jobs.provenance import cpu_vendor
+
+    folders = expand(kept)
+    campaign_cpu(folders)  # the kept runs agree among themselves
+    mine = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_vendor": cpu_vendor()}
+    for key, value in mine.items():
+        theirs = {v for folder in folders for v in run_cpus(folder, key)}
+        if theirs and value not in theirs:
+            want = theirs.pop()
+            raise CampaignError(f"this CPU has {value}; the campaign's runs in {kept} ran on {want}, and the "
+                                f"registration takes every seed on one kind of CPU (matrix kernels round "
+                                f"differently). Run the campaign on a CPU with {want}")
+    return " ".join(v for v in mine.values() if v)
 
 
 # ---- the rows ---------------------------------------------------------------------------------------------
@@ -444,7 +456,8 @@ def markdown(an: Analysis) -> str:
         lines += ["**Not the registered analysis:** --lr/--steps change what the registration fixed; the endpoints' "
                   "step ranges are scaled to the run.", ""]
     if an.cpu:
-        lines += [f"Every run folder that records its CPU ran on one with {an.cpu} (run.json's cpu_capability).", ""]
+        lines += [f"Every run folder that records its CPU ran on one with {an.cpu} (run.json's cpu_capability, and "
+                  "cpu_vendor where recorded).", ""]
     lines += ["## Reproduction check", ""]
     for r in an.repro:
         verdict = "counts" if r.ok else "counts WITHOUT a passed check (--count-unchecked)" if an.count_unchecked \

@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             os.makedirs(run_dir, exist_ok=True)
             resume.check_settings(run_dir, cfg.to_json())
-            resume.check_cpu(run_dir, torch.backends.cpu.get_cpu_capability())
+            resume.check_cpu(run_dir, torch.backends.cpu.get_cpu_capability(), provenance.cpu_vendor())
         dist.barrier()
         if os.path.exists(csv_path):
             earlier = resume.tidy(read_csv(csv_path))

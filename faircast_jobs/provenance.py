@@ -1,6 +1,7 @@
 """What a run's numbers depend on besides its settings, recorded in its run.json: the commit, the versions
-of the packages on the numeric path, and the CPU's vector capability and thread count (matrix kernels
-round differently on AVX2 and AVX-512, so bit-for-bit reproduction needs the same capability).
+of the packages on the numeric path, and the CPU's vector capability, vendor and thread count (matrix kernels
+round differently on AVX2 and AVX-512, and fp32 sums differently on Intel and AMD, so bit-for-bit reproduction
+needs the same capability and vendor).
 
 Read when a job's process starts (:func:`add_session`), not when its run ends: the working tree may change
 while a long run runs, and the run ran the code its processes imported at their start. A run resumed across
@@ -36,6 +37,17 @@ def _commit(path: str) -> str | None:
         return None
 
 
+def cpu_vendor() -> str | None:
+    """The CPU's vendor (``vendor_id`` of /proc/cpuinfo: GenuineIntel, AuthenticAMD), None where unreadable. Beside
+    the capability it matters too: on two AVX-512 CPUs of different vendors the job's rows differ in the last
+    digits of fp32 sums (docs/grpo.md, "Reproducing a committed run")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), None)
+    except OSError:
+        return None
+
+
 def record() -> dict:
     """The provenance of a run started now, from this process."""
     import torch
@@ -46,6 +58,7 @@ def record() -> dict:
         "versions": {name: v for name in PACKAGES if (v := _version(name)) is not None},
         "python": platform.python_version(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_vendor": cpu_vendor(),
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
     }

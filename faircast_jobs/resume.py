@@ -114,20 +114,22 @@ def check_settings(run_dir: str, config: dict[str, Any]) -> None:
                          + ", ".join(f"{k} (was {before.get(k)!r}, now {config.get(k)!r})" for k in differ))
 
 
-def check_cpu(run_dir: str, capability: str) -> None:
-    """Refuse to resume a run on a CPU of another vector capability than its first session's (sessions.jsonl,
-    faircast_jobs/provenance.py): matrix kernels round differently on AVX2 and AVX-512, so the resumed steps
-    would not be the steps the run would have taken. A run with no recorded session has nothing to compare."""
+def check_cpu(run_dir: str, capability: str, vendor: str | None = None) -> None:
+    """Refuse to resume a run on a CPU of another vector capability, or another vendor where the run recorded one,
+    than its first session's (sessions.jsonl, faircast_jobs/provenance.py): matrix kernels round differently on
+    AVX2 and AVX-512, fp32 sums on Intel and AMD, so the resumed steps would not be the steps the run would have
+    taken. A run with no recorded session has nothing to compare."""
     path = os.path.join(run_dir, "sessions.jsonl")
     if not os.path.exists(path):
         return
     with open(path) as f:
         first = next((json.loads(line) for line in f if line.strip()), {})
-    started = first.get("cpu_capability")
-    if started and started != capability:
-        raise SystemExit(f"{run_dir} was started on a CPU with {started} ({path}); this one has {capability}, whose "
-                         f"matrix kernels round differently, so its steps would not continue the run's. Resume it "
-                         f"on a CPU with {started}, or start a new run (another --name)")
+    for key, mine in (("cpu_capability", capability), ("cpu_vendor", vendor)):
+        started = first.get(key)
+        if started and mine and started != mine:
+            raise SystemExit(f"{run_dir} was started on a CPU with {started} ({path}); this one has {mine}, whose "
+                             f"kernels round differently, so its steps would not continue the run's. Resume it "
+                             f"on a CPU with {started}, or start a new run (another --name)")
 
 
 def _norm(value: Any) -> Any:

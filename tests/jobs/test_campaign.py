@@ -339,9 +339,11 @@ def test_two_runs_for_one_mode_and_seed_are_refused(tmp_path, capsys):
     assert "dither seed 2: two runs" in capsys.readouterr().err
 
 
-def _ran_on(folder: Path, *sessions: str) -> None:
-    """A run.json as the job writes it: the last session's provenance and every session's record."""
-    records = [{"started_utc": f"2026-12-0{k + 1}T00:00:00Z", "cpu_capability": cap} for k, cap in enumerate(sessions)]
+def _ran_on(folder: Path, *sessions: str, vendor: str | None = None) -> None:
+    """A run.json as the job writes it: the last session's provenance and every session's record (a vendor only
+    where given: runs before 2026-12-08 recorded none)."""
+    records = [{"started_utc": f"2026-12-0{k + 1}T00:00:00Z", "cpu_capability": cap,
+                **({"cpu_vendor": vendor} if vendor else {})} for k, cap in enumerate(sessions)]
     (folder / "run.json").write_text(json.dumps({"provenance": records[-1], "sessions": records}))
 
 
@@ -351,7 +353,7 @@ def test_the_table_names_the_one_cpu_and_runs_on_two_kinds_are_refused(tmp_path,
         if not folder.name.startswith("repro-"):  # the 5-step reproduction runs are kept without run.json
             _ran_on(folder, "AVX2")
     assert c.main() == 0
-    assert "ran on one with AVX2 (run.json's cpu_capability)" in capsys.readouterr().out
+    assert "ran on one with AVX2 (run.json's cpu_capability" in capsys.readouterr().out
     _ran_on(c.root / "runs" / "seed3-dither", "AVX2", "AVX512")  # resumed on another kind in a later session
     assert c.main() == 2
     err = capsys.readouterr().err
@@ -368,11 +370,22 @@ def test_a_campaign_run_is_refused_on_another_kind_of_cpu(tmp_path, capsys):
     assert campaign.main(["--this-cpu", str(kept)]) == 0  # no run records a CPU yet
     _ran_on(kept / "lr1e-5-seed0-nearest", mine)
     assert campaign.main(["--this-cpu", str(kept)]) == 0
-    assert f"this CPU has {mine}, as the runs in" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"this CPU has {mine}" in out and "as the runs in" in out, out
     _ran_on(kept / "lr1e-5-seed0-nearest", other)
     assert campaign.main(["--this-cpu", str(kept)]) == 2
     err = capsys.readouterr().err
     assert f"this CPU has {mine}; the campaign's runs in {kept} ran on {other}" in err, err
+    # the same capability from another vendor (fp32 sums differ between Intel and AMD), where the runs record one
+    from faircast_jobs.provenance import cpu_vendor
+
+    vendor = cpu_vendor()
+    elsewhere = "AuthenticAMD" if vendor != "AuthenticAMD" else "GenuineIntel"
+    _ran_on(kept / "lr1e-5-seed0-nearest", mine, vendor=vendor)
+    assert campaign.main(["--this-cpu", str(kept)]) == 0
+    _ran_on(kept / "lr1e-5-seed0-nearest", mine, vendor=elsewhere)
+    assert campaign.main(["--this-cpu", str(kept)]) == 2
+    assert f"this CPU has {vendor}; the campaign's runs in {kept} ran on {elsewhere}" in capsys.readouterr().err
 
 
 def test_a_registration_changed_after_the_rows_commit_is_refused(tmp_path, capsys):

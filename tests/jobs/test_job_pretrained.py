@@ -163,6 +163,12 @@ def test_a_run_resumes_only_on_the_kind_of_cpu_it_started_on(tmp_path):
     other = "AVX2" if mine != "AVX2" else "AVX512"
     with pytest.raises(SystemExit, match=rf"started on a CPU with {mine} .*this one has {other}"):
         resume.check_cpu(str(tmp_path), other)
+    vendor = provenance.record()["cpu_vendor"]  # recorded since 2026-12-08: fp32 sums differ between Intel and AMD
+    assert vendor in ("GenuineIntel", "AuthenticAMD")
+    resume.check_cpu(str(tmp_path), mine, vendor)
+    elsewhere = "AuthenticAMD" if vendor != "AuthenticAMD" else "GenuineIntel"
+    with pytest.raises(SystemExit, match=rf"started on a CPU with {vendor} .*this one has {elsewhere}"):
+        resume.check_cpu(str(tmp_path), mine, elsewhere)
 
 
 def test_a_job_started_before_gemm_existed_resumes_only_with_native_gemms(tmp_path):
