@@ -23,10 +23,10 @@ Refused, with the problem named: a pre-registration changed in git at or after t
 adds campaign rows (or, with no rows committed yet, one that is not committed and clean), committed rows
 changed after it, two runs with the same reward series (rows pasted from one seed into another), a run with
 missing or repeated steps, two different runs for one (mode, seed), run folders whose ``run.json`` or
-``sessions.jsonl`` name more than one CPU vector capability (the registration takes every seed on one kind of
-CPU; matrix kernels round differently on AVX2 and AVX-512). A seed still running is reported as
-incomplete and left out. ``--this-cpu KEPT`` checks, before a campaign run starts, that this machine's
-capability is the one of the runs in KEPT (exit 2 naming both where it is not). ``--lr``/``--steps`` analyse other rows the same way (the endpoints' step ranges
+``sessions.jsonl`` name more than one CPU vector capability or vendor (the registration takes every seed on one
+kind of CPU; matrix kernels round differently on AVX2 and AVX-512, fp32 sums on Intel and AMD). A seed still
+running is reported as incomplete and left out. ``--this-cpu KEPT`` checks, before a campaign run starts, that
+this machine's capability, and vendor where recorded, are those of the runs in KEPT (exit 2 naming both where not). ``--lr``/``--steps`` analyse other rows the same way (the endpoints' step ranges
 scaled to N steps); the output then says it is not the registered analysis.
 """
 from __future__ import annotations
@@ -168,15 +168,14 @@ def _sessions(folder: str) -> list[dict]:
     """A run folder's session records: ``run.json``'s ``provenance`` and ``sessions``, else ``sessions.jsonl``'s;
     none where neither is there (the 5-step reproduction runs stop before the job writes run.json, and were kept
     without it)."""
+    from faircast_jobs.provenance import sessions
+
     path = os.path.join(folder, "run.json")
     if os.path.isfile(path):
         with open(path) as f:
             run = json.load(f)
         return [run.get("provenance") or {}, *(run.get("sessions") or [])]
-    if os.path.isfile(os.path.join(folder, "sessions.jsonl")):
-        with open(os.path.join(folder, "sessions.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    return []
+    return sessions(folder)
 
 
 def run_cpus(folder: str, key: str = "cpu_capability") -> set[str]:
@@ -185,11 +184,15 @@ def run_cpus(folder: str, key: str = "cpu_capability") -> set[str]:
     return {entry[key] for entry in _sessions(folder) if entry.get(key)}
 
 
-def campaign_cpu(folders: Sequence[str]) -> str | None:
-    """The one CPU capability (and vendor, where recorded) every run folder in ``folders`` records, as text (None
-    where none records one); refused when they record more than one, naming which run ran where."""
-    found = []
-    for key in ("cpu_capability", "cpu_vendor"):
+CPU_KEYS = ("cpu_capability", "cpu_vendor")
+
+
+def campaign_cpu(folders: Sequence[str]) -> dict[str, str]:
+    """The one CPU capability, and vendor where recorded, that the run folders in ``folders`` record, by key of
+    :data:`CPU_KEYS` (a key none records is left out); refused when they record more than one, naming which run
+    ran where."""
+    found = {}
+    for key in CPU_KEYS:
         by_cpu: dict[str, list[str]] = {}
         for folder in folders:
             for value in run_cpus(folder, key):
@@ -198,8 +201,9 @@ def campaign_cpu(folders: Sequence[str]) -> str | None:
             raise CampaignError("the runs ran on CPUs of more than one kind, and the registration takes every seed "
                                 "on one: " + "; ".join(f"{v}: {', '.join(sorted(names))}"
                                                        for v, names in sorted(by_cpu.items())))
-        found += list(by_cpu)
-    return " ".join(found) or None
+        if by_cpu:
+            found[key] = next(iter(by_cpu))
+    return found
 
 
 def check_this_cpu(kept: str) -> str:
@@ -209,16 +213,13 @@ def check_this_cpu(kept: str) -> str:
 
     from faircast_jobs.provenance import cpu_vendor
 
-    folders = expand(kept)
-    campaign_cpu(folders)  # the kept runs agree among themselves
+    theirs = campaign_cpu(expand(kept))
     mine = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_vendor": cpu_vendor()}
     for key, value in mine.items():
-        theirs = {v for folder in folders for v in run_cpus(folder, key)}
-        if theirs and value not in theirs:
-            want = theirs.pop()
-            raise CampaignError(f"this CPU has {value}; the campaign's runs in {kept} ran on {want}, and the "
+        if key in theirs and value != theirs[key]:
+            raise CampaignError(f"this CPU has {value}; the campaign's runs in {kept} ran on {theirs[key]}, and the "
                                 f"registration takes every seed on one kind of CPU (matrix kernels round "
-                                f"differently). Run the campaign on a CPU with {want}")
+                                f"differently). Run the campaign on a CPU with {theirs[key]}")
     return " ".join(v for v in mine.values() if v)
 
 
@@ -405,7 +406,7 @@ class Analysis:
     across: list[Across] = field(default_factory=list)
     pooled: list[tuple[Endpoint, int, tuple[float, float, float]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    cpu: str | None = None  # the one CPU capability the run folders record (campaign_cpu)
+    cpu: dict[str, str] = field(default_factory=dict)  # the one CPU kind the run folders record (campaign_cpu)
 
 
 def analyse(plan: Plan, runs: dict[Run, dict[int, dict]], where: dict[Run, str], count_unchecked: bool = False,
@@ -456,7 +457,8 @@ def markdown(an: Analysis) -> str:
         lines += ["**Not the registered analysis:** --lr/--steps change what the registration fixed; the endpoints' "
                   "step ranges are scaled to the run.", ""]
     if an.cpu:
-        lines += [f"Every run folder that records its CPU ran on one with {an.cpu} (run.json's cpu_capability, and "
+        lines += [f"Every run folder that records its CPU ran on one with {' '.join(an.cpu.values())} (run.json's "
+                  "cpu_capability, and "
                   "cpu_vendor where recorded).", ""]
     lines += ["## Reproduction check", ""]
     for r in an.repro:
@@ -578,7 +580,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, help="analyse rows of another learning rate (not the registered analysis)")
     parser.add_argument("--steps", type=int, help="runs of this many steps (not the registered analysis)")
     parser.add_argument("--this-cpu", metavar="KEPT",
-                        help="only check that this machine's CPU capability is that of the runs in KEPT")
+                        help="only check that this machine's CPU capability (and vendor, where recorded) is that "
+                             "of the runs in KEPT")
     args = parser.parse_args(argv)
     if args.this_cpu:
         try:

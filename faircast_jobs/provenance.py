@@ -72,8 +72,15 @@ def add_session(run_dir: str, rows_before: int) -> list[dict]:
     :func:`record`) and return every session's record so far, oldest first."""
     entry = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_before": rows_before,
              **record()}
-    path = os.path.join(run_dir, SESSIONS)
-    with open(path, "a") as f:
+    with open(os.path.join(run_dir, SESSIONS), "a") as f:
         f.write(json.dumps(entry) + "\n")
+    return sessions(run_dir)
+
+
+def sessions(run_dir: str) -> list[dict]:
+    """Every session's record in ``<run_dir>/sessions.jsonl``, oldest first; none where the file is not there."""
+    path = os.path.join(run_dir, SESSIONS)
+    if not os.path.exists(path):
+        return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -119,15 +119,14 @@ def check_cpu(run_dir: str, capability: str, vendor: str | None = None) -> None:
     than its first session's (sessions.jsonl, faircast_jobs/provenance.py): matrix kernels round differently on
     AVX2 and AVX-512, fp32 sums on Intel and AMD, so the resumed steps would not be the steps the run would have
     taken. A run with no recorded session has nothing to compare."""
-    path = os.path.join(run_dir, "sessions.jsonl")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        first = next((json.loads(line) for line in f if line.strip()), {})
+    from faircast_jobs.provenance import SESSIONS, sessions
+
+    first = next(iter(sessions(run_dir)), {})
     for key, mine in (("cpu_capability", capability), ("cpu_vendor", vendor)):
         started = first.get(key)
         if started and mine and started != mine:
-            raise SystemExit(f"{run_dir} was started on a CPU with {started} ({path}); this one has {mine}, whose "
+            raise SystemExit(f"{run_dir} was started on a CPU with {started} ({os.path.join(run_dir, SESSIONS)}); "
+                             f"this one has {mine}, whose "
                              f"kernels round differently, so its steps would not continue the run's. Resume it "
                              f"on a CPU with {started}, or start a new run (another --name)")
 

@@ -21,6 +21,8 @@ pytest_plugins = ["skip_policy"]
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # faircast_jobs/ (the research beside the package) is imported from the root
     sys.path.insert(0, str(ROOT))
+from faircast_jobs.provenance import cpu_vendor  # noqa: E402  (from the root, inserted above)
+
 DIST = ROOT / "tests" / "dist"
 
 
@@ -81,17 +83,9 @@ AVX512 = _has_avx512()
 NO_AVX512 = "the reference was recorded on an AVX-512 CPU, whose kernels round differently from this CPU's (AVX2)"
 
 
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-
-
 # The committed paper run (docs/grpo/paper) was recorded on an AMD EPYC with AVX-512 BF16. On an Intel AVX-512 CPU
 # its trained and served columns reproduce and the last digits of some float diagnostics do not (docs/grpo.md).
-CPU_VENDOR = _cpu_vendor()
+CPU_VENDOR = cpu_vendor() or ""
 PAPER_CPU = AVX512 and CPU_VENDOR == "AuthenticAMD"
 
 

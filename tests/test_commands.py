@@ -264,10 +264,13 @@ ADDED_SINCE_PAPER = {"kl_master"}
 DIAGNOSTICS = {"loss": 1e-3, "kl_step": 5e-2, "gap_spacings": 1e-5, "lag_drift_steps": 1e-5, "bias_spacings": 1e-4}
 
 
+DEFAULT_RUN = "bash launch/main.sh --seeds 1 --steps 3"  # the default run's quick variant, checked against PAPER
+
+
 def _launch_order(command: str) -> int:
     """Longest first (``--engine vllm`` starts an engine; the default run trains five modes), so the two lanes
     of :func:`quick_runs` end close together."""
-    return 0 if "--engine vllm" in command else 1 if command == "bash launch/main.sh --seeds 1 --steps 3" else 2
+    return 0 if "--engine vllm" in command else 1 if command == DEFAULT_RUN else 2
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +299,7 @@ def test_main_job_commands_run_quick(quick_runs, command):
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     if "--engine vllm" in command:
         check_vllm_rollouts(max((copy / "runs").iterdir(), key=os.path.getmtime))
-    if command != "bash launch/main.sh --seeds 1 --steps 3":
+    if command != DEFAULT_RUN:
         return
     # the default run reproduces the committed paper run's seed 0, bit for bit, in every column but time
     if not AVX512:
